@@ -1,0 +1,100 @@
+"""Result models: what one step allocates, frozen, with every total computed from parts.
+
+A ``Breakdown`` stores the live sets (the tensors alive at the forward and backward
+peaks, and those saved for backward) and the reserved peak; every other figure is a
+property summed from them, so no figure is stored twice.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, computed_field
+
+from memcalc.config import Config
+from memcalc.tensors import ITEMSIZE, Role
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class Component(BaseModel):
+    """One allocation: a tensor (or a workspace) and the block the allocator gave it."""
+
+    model_config = _FROZEN
+    name: str
+    role: Role
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    block_bytes: int
+    source: str = ""
+
+    @computed_field
+    @property
+    def formula(self) -> str:
+        """The raw size spelled out, ``8 x 16384 x 16384 x 4 B``."""
+        if self.role is Role.workspace:
+            return f"{self.nbytes} B"
+        dims = " x ".join(str(n) for n in self.shape) or "1"
+        return f"{dims} x {ITEMSIZE[self.dtype]} B"
+
+
+def _total(components: tuple[Component, ...]) -> int:
+    return sum(c.block_bytes for c in components)
+
+
+class Breakdown(BaseModel):
+    """Memory of one training step, as ``torch.cuda`` would report it (DESIGN.md s.1)."""
+
+    model_config = _FROZEN
+    config: Config
+    forward_live: tuple[Component, ...]
+    backward_live: tuple[Component, ...]
+    saved: tuple[Component, ...]
+    reserved_peak_bytes: int
+
+    @computed_field
+    @property
+    def saved_bytes(self) -> int:
+        """Blocks the forward leaves alive for backward, less the output."""
+        return _total(self.saved)
+
+    @computed_field
+    @property
+    def forward_peak_bytes(self) -> int:
+        return _total(self.forward_live)
+
+    @computed_field
+    @property
+    def backward_peak_bytes(self) -> int:
+        return _total(self.backward_live)
+
+    @computed_field
+    @property
+    def peak_bytes(self) -> int:
+        """``max_memory_allocated`` over the whole step."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    @computed_field
+    @property
+    def peak_phase(self) -> Literal["forward", "backward"]:
+        return "backward" if self.backward_peak_bytes > self.forward_peak_bytes else "forward"
+
+    @computed_field
+    @property
+    def workspace_bytes(self) -> int:
+        """cuBLAS workspaces alive at the peak (one per thread that ran a matmul)."""
+        return _total(tuple(c for c in self.components if c.role is Role.workspace))
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        """Everything alive at the peak, largest first."""
+        live = self.backward_live if self.peak_phase == "backward" else self.forward_live
+        return tuple(sorted(live, key=lambda c: -c.block_bytes))
+
+    def figures(self) -> dict[str, int]:
+        """The phase figures by name, for comparisons and tables."""
+        keys = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                "peak_bytes", "reserved_peak_bytes")
+        return {k: getattr(self, k) for k in keys}

@@ -1,0 +1,137 @@
+"""Configuration models: what to compute, for which shape, device and protocol.
+
+Every model is frozen, validated and round-trips through JSON. The CLI builds these
+same models from its options, so the CLI and the Python API cannot disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from memcalc.allocator import KiB
+from memcalc.gpus import GPU, gpu_preset
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class DType(str, Enum):
+    """Element types of q, k, v and everything computed from them."""
+
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.fp32 else 2
+
+    @property
+    def torch_name(self) -> str:
+        return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[self.value]
+
+
+class Shape(BaseModel):
+    """The attention problem: ``q`` is ``(batch, heads, seq_len, head_dim)``; ``k`` and
+    ``v`` have ``kv_len`` rows (``seq_len`` unless given)."""
+
+    model_config = _FROZEN
+    batch: int = Field(8, ge=1, description="batch size B")
+    heads: int = Field(1, ge=1, description="attention heads H")
+    seq_len: int = Field(16384, ge=1, description="query length N")
+    head_dim: int = Field(16, ge=1, description="head dimension d")
+    kv_len: int | None = Field(None, ge=1, description="key/value length (default: seq_len)")
+
+    @property
+    def keys(self) -> int:
+        """Key/value rows M."""
+        return self.kv_len if self.kv_len is not None else self.seq_len
+
+
+_WORKSPACE_RE = re.compile(r"^(:\d+:\d+)+$")
+
+
+class Protocol(BaseModel):
+    """Options of the measurement protocol (DESIGN.md section 1)."""
+
+    model_config = _FROZEN
+    loss: Literal["grad", "sum"] = Field(
+        "grad", description="grad: out.backward(grad_out); sum: out.sum().backward()"
+    )
+    forward_only: bool = Field(False, description="inference under torch.no_grad()")
+    cublas_workspace_config: str | None = Field(
+        None, description='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8" (SIZE_KiB:COUNT pairs)'
+    )
+
+    @field_validator("cublas_workspace_config")
+    @classmethod
+    def _check_workspace(cls, value: str | None) -> str | None:
+        if value is not None and not _WORKSPACE_RE.match(value):
+            raise ValueError('must look like ":4096:8" or ":4096:2:16:8" (SIZE_KiB:COUNT pairs)')
+        return value
+
+
+class Device(BaseModel):
+    """The GPU: a preset by name, or explicit memory and compute capability."""
+
+    model_config = _FROZEN
+    gpu: str | None = Field("h100-80gb", description="GPU preset name (memcalc gpus)")
+    memory_bytes: int | None = Field(None, ge=1, description="total device memory in bytes")
+    compute_capability: tuple[int, int] | None = Field(None, description="e.g. (9, 0)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Device":
+        if self.gpu is not None:
+            gpu_preset(self.gpu)  # raises a ValueError naming the known presets
+        elif self.memory_bytes is None or self.compute_capability is None:
+            raise ValueError("give a gpu preset, or both memory_bytes and compute_capability")
+        return self
+
+    @property
+    def spec(self) -> GPU:
+        """The preset, with explicit fields taking precedence."""
+        base = gpu_preset(self.gpu) if self.gpu else None
+        return GPU(
+            name=self.gpu or "custom",
+            label=base.label if base else "custom device",
+            memory_bytes=self.memory_bytes or base.memory_bytes,
+            compute_capability=self.compute_capability or base.compute_capability,
+            source=base.source if base else "given by the user",
+        )
+
+
+class Config(BaseModel):
+    """One question: this implementation, this shape, on this device, under this protocol."""
+
+    model_config = _FROZEN
+    impl: str = Field("naive", description="implementation name (memcalc impls)")
+    shape: Shape = Shape()
+    dtype: DType = DType.fp32
+    causal: bool = False
+    device: Device = Device()
+    protocol: Protocol = Protocol()
+
+    @field_validator("impl")
+    @classmethod
+    def _check_impl(cls, value: str) -> str:
+        from memcalc.impls import get_impl
+
+        get_impl(value)  # raises a ValueError naming the known implementations
+        return value
+
+    @property
+    def workspace_bytes(self) -> int:
+        """One cuBLAS workspace: ``aten/src/ATen/cuda/CublasHandlePool.cpp``,
+        ``getChosenWorkspaceSize``: the sum of SIZE_KiB * 1024 * COUNT of
+        ``CUBLAS_WORKSPACE_CONFIG`` or, by default, 32 MiB on compute capability 9.0
+        and newer, else ``:4096:2:16:8`` (8,519,680 B)."""
+        config = self.protocol.cublas_workspace_config
+        if config is None:
+            major = self.device.spec.compute_capability[0]
+            config = ":32768:1" if major >= 9 else ":4096:2:16:8"
+        numbers = [int(n) for n in config.strip(":").split(":")]
+        return sum(size * KiB * count for size, count in zip(numbers[::2], numbers[1::2]))
+

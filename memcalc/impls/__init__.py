@@ -1,0 +1,52 @@
+"""The registry of attention implementations: one name, one program builder, one source.
+
+Each module in this package registers its implementations with ``@register``; a builder
+is a small pure function from ``Dims`` to a ``Program`` (its tensors and their lifetimes),
+in the manner of ``torch/utils/flop_counter.py``'s registry of formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from memcalc.tensors import Dims, Program
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A registered implementation: its name, a one-line summary and its program."""
+
+    name: str
+    summary: str
+    build: Callable[[Dims], Program]
+
+
+IMPLS: dict[str, Impl] = {}
+
+
+def register(name: str, summary: str):
+    """Decorator: register ``build`` as implementation ``name``."""
+
+    def wrap(build: Callable[[Dims], Program]):
+        IMPLS[name] = Impl(name, summary, build)
+        return build
+
+    return wrap
+
+
+def get_impl(name: str) -> Impl:
+    """The implementation called ``name``; a ValueError listing the known ones otherwise."""
+    _load()
+    if name not in IMPLS:
+        raise ValueError(f"unknown implementation {name!r}; known: {', '.join(IMPLS)}")
+    return IMPLS[name]
+
+
+def impl_names() -> list[str]:
+    _load()
+    return list(IMPLS)
+
+
+def _load() -> None:
+    from memcalc.impls import naive  # noqa: F401  (registers on import)

@@ -1,0 +1,176 @@
+"""The naive family: attention that materializes the ``N x M`` scores.
+
+Reference code: ``memcalc/validate/reference.py`` (``naive``, ``naive-softmax``,
+``naive-weights``). The backward events follow torch 2.13's derivative formulas
+(``tools/autograd/derivatives.yaml``) as the autograd engine runs them; ``Dims`` names:
+``B`` batch, ``H`` heads, ``N`` query rows, ``M`` key rows, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+from memcalc.impls import register
+from memcalc.impls.common import with_loss
+from memcalc.tensors import Dims, Program, Role, cublas, free, new, release
+
+A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
+
+
+def scores(d: Dims, grad: bool = True) -> list:
+    """``s = q @ k^T / sqrt(D)``, then the causal mask: leaves the scores in ``s``.
+    ``grad=False`` inside a custom Function's forward, where masked_fill saves nothing."""
+    bhnm, dt = (d.B, d.H, d.N, d.M), d.dtype
+    events = [
+        new("qk", (d.B * d.H, d.N, d.M), dt, T, "bmm"),  # (B*H, N, M) matmul folds B, H
+        cublas(),
+        new("s", bhnm, dt, A, "div"),  # (B, H, N, M) qk / sqrt(D)
+        free("qk"),
+    ]
+    if d.causal:
+        events += [
+            new("ones", (d.N, d.M), "bool", T, "ones"),  # (N, M) torch.ones
+            new("mask", (d.N, d.M), "bool", S if grad else T, "triu"),  # (N, M) saved by masked_fill
+            free("ones"),
+            new("s_masked", bhnm, dt, A, "masked_fill"),  # (B, H, N, M) s with -inf above diag
+            free("s", "mask"),
+        ]
+    return events
+
+
+def scores_backward(d: Dims, grad: str) -> list:
+    """Backward of ``scores`` from the grad of the (masked) scores, named ``grad``.
+
+    Ends with ``dq`` and ``dk`` allocated as leaf grads; ``k``'s grad arrives transposed
+    from ``BmmBackward0`` so ``AccumulateGrad`` copies it into ``k``'s layout
+    (``torch/csrc/autograd/functions/accumulate_grad.h``: strides must match)."""
+    bhnm, dt = (d.B, d.H, d.N, d.M), d.dtype
+    events = []
+    if d.causal:
+        events += [
+            new("ds_masked", bhnm, dt, T, "masked_fill"),  # (B, H, N, M) grad.masked_fill(mask, 0)
+            release("mask"),
+            free(grad),
+        ]
+        grad = "ds_masked"
+    return events + [
+        new("ds", bhnm, dt, T, "div"),  # (B, H, N, M) grad / sqrt(D)
+        free(grad),
+        new("dk_t", (d.B * d.H, d.D, d.M), dt, T, "bmm"),  # (B*H, D, M) q^T @ ds
+        cublas(),
+        new("dq", (d.B * d.H, d.N, d.D), dt, G, "bmm"),  # (B*H, N, D) ds @ k
+        free("ds"),
+        new("dk", (d.B, d.H, d.M, d.D), dt, G, "new_empty_strided"),  # (B, H, M, D) copy
+        free("dk_t"),
+    ]
+
+
+def output(d: Dims, weights: str) -> list:
+    """``out = weights @ v``, shape ``(B*H, N, D)`` viewed as ``(B, H, N, D)``."""
+    return [new("out", (d.B * d.H, d.N, d.D), d.dtype, O, "bmm"), cublas()]
+
+
+def output_backward(d: Dims, weights: str, last_use: bool = True) -> list:
+    """Backward of ``out = weights @ v``: ``dv`` (kept as ``v.grad``) and ``dp``; the
+    weights are released here unless another node still holds them."""
+    return [
+        new("dv", (d.B * d.H, d.M, d.D), d.dtype, G, "bmm"),  # (B*H, M, D) p^T @ dout
+        cublas(),
+        new("dp", (d.B * d.H, d.N, d.M), d.dtype, T, "bmm"),  # (B*H, N, M) dout @ v^T
+        *([release(weights)] if last_use else []),
+    ]
+
+
+@register("naive", "custom softmax keeping exp_x: s.max, exp(s - m), e / e.sum")
+def naive(d: Dims) -> Program:
+    """The seeds' custom-softmax attention."""
+    bhnm, rows, dt = (d.B, d.H, d.N, d.M), (d.B, d.H, d.N, 1), d.dtype
+    s = "s_masked" if d.causal else "s"
+    forward = scores(d) + [
+        new("row_max", rows, dt, A, "max"),  # (B, H, N, 1) max values
+        new("row_argmax", rows, "int64", S, "max"),  # (B, H, N, 1) saved by MaxBackward
+        free("row_argmax"),  # .values drops the indices
+        new("shifted", bhnm, dt, T, "sub"),  # (B, H, N, M) s - m
+        new("exp_x", bhnm, dt, S, "exp"),  # (B, H, N, M) saved by ExpBackward (result) and DivBackward
+        free("shifted"),
+        new("row_sum", rows, dt, S, "sum"),  # (B, H, N, 1) saved by DivBackward
+        new("p", bhnm, dt, S, "div"),  # (B, H, N, M) saved by BmmBackward
+        free("row_sum"),
+        *output(d, "p"),
+        free(s, "row_max", "exp_x", "p"),
+    ]
+    backward = output_backward(d, "p") + [
+        # DivBackward0, p = e / r: grad_r = -dp * ((e / r) / r) first, then grad_e = dp / r
+        new("de_r1", bhnm, dt, T, "div"),  # (B, H, N, M) e / r
+        new("de_r2", bhnm, dt, T, "div"),  # (B, H, N, M) (e / r) / r
+        new("neg_dp", bhnm, dt, T, "neg"),  # (B, H, N, M) -dp
+        new("dr_full", bhnm, dt, T, "mul"),  # (B, H, N, M) -dp * ((e / r) / r)
+        free("de_r1", "de_r2", "neg_dp"),
+        new("de_div", bhnm, dt, T, "div"),  # (B, H, N, M) dp / r
+        new("dr", rows, dt, T, "sum"),  # (B, H, N, 1) engine's sum_to to r's shape
+        release("row_sum"),
+        free("dp", "dr_full"),
+        # SumBackward0 expands dr; the engine's input buffer adds it to de_div
+        new("de", bhnm, dt, T, "add"),  # (B, H, N, M) de_div + dr.expand
+        free("de_div", "dr"),
+        new("dx", bhnm, dt, T, "mul"),  # (B, H, N, M) ExpBackward0: de * exp_x
+        release("exp_x"),
+        free("de"),
+        # SubBackward0: ds passes dx through; dm = -dx summed to (B, H, N, 1)
+        new("neg_dx", bhnm, dt, T, "neg"),  # (B, H, N, M) -dx
+        new("dm", rows, dt, T, "sum"),  # (B, H, N, 1) sum_to m's shape
+        free("neg_dx"),
+        # MaxBackward0: value_selecting_reduction_backward = zeros.scatter(indices, dm)
+        new("dm_zeros", bhnm, dt, T, "new_zeros"),  # (B, H, N, M)
+        new("dm_full", bhnm, dt, T, "scatter"),  # (B, H, N, M)
+        release("row_argmax"),
+        free("dm", "dm_zeros"),
+        new("dscores", bhnm, dt, T, "add"),  # (B, H, N, M) dx + dm_full in the input buffer
+        free("dx", "dm_full"),
+        *scores_backward(d, "dscores"),
+    ]
+    return Program(tuple(forward), tuple(with_loss(d, backward)))
+
+
+@register("naive-softmax", "torch.softmax on the scores: saves the weights only")
+def naive_softmax(d: Dims) -> Program:
+    """``p = torch.softmax(s, -1)``; ``SoftmaxBackward0`` saves its result only."""
+    bhnm, dt = (d.B, d.H, d.N, d.M), d.dtype
+    s = "s_masked" if d.causal else "s"
+    forward = scores(d) + [
+        new("p", bhnm, dt, S, "_softmax"),  # (B, H, N, M) saved by SoftmaxBackward and BmmBackward
+        *output(d, "p"),
+        free(s, "p"),
+    ]
+    backward = output_backward(d, "p", last_use=False) + [
+        new("dscores", bhnm, dt, T, "_softmax_backward_data"),  # (B, H, N, M)
+        release("p"),
+        free("dp"),
+        *scores_backward(d, "dscores"),
+    ]
+    return Program(tuple(forward), tuple(with_loss(d, backward)))
+
+
+@register("naive-weights", "custom autograd.Function saving q, k, v and the weights only")
+def naive_weights(d: Dims) -> Program:
+    """``_WeightsOnly`` in the reference code: the forward runs without autograd, the
+    backward recomputes nothing and builds ``ds`` with ``_softmax_backward_data``."""
+    bhnm, dt = (d.B, d.H, d.N, d.M), d.dtype
+    s = "s_masked" if d.causal else "s"
+    forward = scores(d, grad=False) + [
+        new("p", bhnm, dt, S, "_softmax"),  # (B, H, N, M) ctx.save_for_backward
+        free(s),
+        *output(d, "p"),
+        free("p"),
+    ]
+    backward = [
+        new("dv", (d.B * d.H, d.M, d.D), dt, G, "bmm"),  # (B*H, M, D) p^T @ dout
+        cublas(),
+        new("dp", (d.B * d.H, d.N, d.M), dt, T, "bmm"),  # (B*H, N, M) dout @ v^T
+        new("dsm", bhnm, dt, T, "_softmax_backward_data"),  # (B, H, N, M)
+        new("ds", bhnm, dt, T, "div"),  # (B, H, N, M) / sqrt(D)
+        free("dsm", "dp"),
+        new("dq", (d.B * d.H, d.N, d.D), dt, G, "bmm"),  # (B*H, N, D) ds @ k
+        new("dk", (d.B * d.H, d.M, d.D), dt, G, "bmm"),  # (B*H, M, D) ds^T @ q
+        free("ds"),
+        release("p"),
+    ]
+    return Program(tuple(forward), tuple(with_loss(d, backward)))

@@ -1,0 +1,121 @@
+"""The vocabulary implementations declare themselves in: tensors and lifetime events.
+
+An implementation is two lists of events, forward and backward, in the order the torch
+code runs its ops:
+
+* ``new(name, shape, dtype, role, op)``: an op allocates a tensor;
+* ``cublas()``: the op just declared called cuBLAS (the thread's workspace is created
+  there if the thread has none yet);
+* ``free(*names)``: the last Python reference dies. A tensor whose role is ``saved``
+  stays alive anyway, until autograd releases it: unless the step runs under
+  ``torch.no_grad()``, where nothing is saved and the free takes effect;
+* ``release(*names)``: a backward node finished and autograd dropped its saved tensors.
+
+``memcalc/timeline.py`` replays these events through the allocator model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from math import prod
+
+from memcalc.config import Config, DType
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1, "uint8": 1}
+
+
+class Role(str, Enum):
+    """What a tensor is for; decides how it is reported and when it can die."""
+
+    input = "input"
+    activation = "activation"
+    saved = "saved"
+    output = "output"
+    gradient = "gradient"
+    temporary = "temporary"
+    workspace = "workspace"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor an implementation allocates: name, shape, dtype, role and the op."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: Role
+    op: str
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Free:
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Release:
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Cublas:
+    pass
+
+
+Event = Tensor | Free | Release | Cublas
+
+
+def new(name: str, shape: tuple[int, ...], dtype: str, role: Role, op: str) -> Tensor:
+    """Declare that ``op`` allocates tensor ``name``."""
+    return Tensor(name, tuple(shape), dtype, role, op)
+
+
+def free(*names: str) -> Free:
+    """The Python references to ``names`` die here."""
+    return Free(names)
+
+
+def release(*names: str) -> Release:
+    """Autograd drops these saved tensors here (after the node that saved them ran)."""
+    return Release(names)
+
+
+def cublas() -> Cublas:
+    """The op just declared calls cuBLAS."""
+    return Cublas()
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes a program needs, read once from a config: ``B, H, N, M, D`` and dtype."""
+
+    B: int
+    H: int
+    N: int
+    M: int
+    D: int
+    dtype: str
+    causal: bool
+    loss: str
+
+    @classmethod
+    def of(cls, config: Config) -> "Dims":
+        s = config.shape
+        return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim,
+                   config.dtype.torch_name, config.causal, config.protocol.loss)
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one training step of an implementation allocates, forward then backward."""
+
+    forward: tuple[Event, ...]
+    backward: tuple[Event, ...]
+
+
+__all__ = ["DType", "Dims", "Event", "Program", "Role", "Tensor", "cublas", "free", "new", "release"]

@@ -1,0 +1,130 @@
+"""The emulated backend: the protocol on PyTorch's meta device, memory from the model of
+the caching allocator.
+
+A ``TorchDispatchMode`` sees every aten op below autograd. Each op's outputs that own a
+storage not seen before are handed to the ``Ledger`` (the same one the analytical model
+replays through); a weak reference to the storage tells when it dies (a Python ``del``,
+autograd releasing a saved tensor, a grad reset), and its block is freed before the next
+op runs. The cuBLAS workspace of a thread is allocated right after the outputs of that
+thread's first cuBLAS op (``getCurrentCUDABlasHandle`` runs inside the blas call, after
+the output exists: ``aten/src/ATen/cuda/CublasHandlePool.cpp``). On CUDA, backward ops run
+on the autograd engine's device thread (``torch/csrc/autograd/engine.cpp``), which gets its
+own handle and workspace; the tracer knows it is in backward from ``_current_graph_task_id``.
+
+Nothing is materialized: memory and time do not depend on seq_len.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memcalc.breakdown import Component
+from memcalc.tensors import Role
+from memcalc.timeline import Ledger
+
+# ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp)
+CUBLAS_OPS = frozenset(
+    {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
+)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_HARNESS_FILES = {os.path.join(_HERE, "emulated.py"), os.path.join(_HERE, "harness.py")}
+
+
+class Tracer(TorchDispatchMode):
+    """Dispatch mode that replays a meta-device run through the allocator model."""
+
+    def __init__(self, workspace_bytes: int, capacity: int | None = None):
+        super().__init__()
+        self.ledger = Ledger(workspace_bytes, capacity, record=True)
+        self.refs: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.collect_frees()
+        out = func(*args, **(kwargs or {}))
+        op = func.overloadpacket.__name__
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self._track(t, op)
+        if op in CUBLAS_OPS:
+            self.ledger.ensure_workspace(_thread(), _user_line())
+        return out
+
+    def __exit__(self, *exc):
+        self.collect_frees()
+        return super().__exit__(*exc)
+
+    def collect_frees(self) -> None:
+        """Free the blocks of every storage that died since the last op."""
+        for key, ref in list(self.refs.items()):
+            if ref.expired():
+                del self.refs[key]
+                self.ledger.free(key)
+
+    def _track(self, t: torch.Tensor, op: str) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.refs or storage.nbytes() == 0:
+            return
+        thread = _thread()
+        role = Role.input if op == "randn" else (
+            Role.temporary if thread == "autograd" else Role.activation)
+        component = Component(name=op, role=role, op=op, shape=tuple(t.shape),
+                              dtype=str(t.dtype).removeprefix("torch."),
+                              nbytes=storage.nbytes(), block_bytes=0, source=_user_line())
+        self.refs[key] = StorageWeakRef(storage)
+        self.ledger.alloc(key, component)
+
+
+class TracerProbe:
+    """The counters of ``harness.Probe``, read from a tracer's allocator model."""
+
+    def __init__(self, tracer: Tracer):
+        self.tracer = tracer
+        self.allocator = tracer.ledger.allocator
+
+    def allocated(self) -> int:
+        self.tracer.collect_frees()
+        return self.allocator.allocated
+
+    def max_allocated(self) -> int:
+        self.tracer.collect_frees()
+        return self.allocator.peak_allocated
+
+    def max_reserved(self) -> int:
+        return self.allocator.peak_reserved
+
+    def reset_peak(self) -> None:
+        self.tracer.collect_frees()
+        self.tracer.ledger.reset_peak()
+
+    def block_bytes(self, tensor) -> int:
+        return self.tracer.ledger.block_bytes(tensor.untyped_storage()._cdata)
+
+
+def _thread() -> str:
+    """``autograd`` inside a backward pass (the engine's device thread on CUDA), else ``main``."""
+    return "autograd" if torch._C._current_graph_task_id() != -1 else "main"
+
+
+def _user_line() -> str:
+    """``file:line: code`` of the innermost frame outside torch and this harness, or the
+    autograd node running (backward ops have no user frame)."""
+    if _thread() == "autograd":
+        node = torch._C._current_autograd_node()
+        return f"autograd: {node.name()}" if node is not None else "autograd"
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_TORCH_DIR) and path not in _HARNESS_FILES:
+            code = linecache.getline(path, frame.f_lineno).strip()
+            return f"{os.path.basename(path)}:{frame.f_lineno}: {code}"
+        frame = frame.f_back
+    return "?"

@@ -1,0 +1,87 @@
+"""The torch code each built-in implementation models: what a user would write.
+
+The emulated backend traces exactly these functions, so the model in ``memcalc/impls``
+and the code here cannot drift apart unnoticed: ``tests/test_validate_emulated.py``
+compares them to the byte. Every function takes leaf tensors ``q, k, v`` of shape
+``(B, H, N, d)`` and returns ``out`` of the same shape.
+
+Causal masks are built inside the step, as a user would: ``torch.ones(N, Nk, bool)``,
+then ``triu(diagonal=1)``, then ``masked_fill(mask, -inf)`` on the scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+REFERENCES: dict[str, object] = {}
+
+
+def reference(name: str):
+    """Register ``fn`` as the reference code of implementation ``name``."""
+
+    def register(fn):
+        REFERENCES[name] = fn
+        return fn
+
+    return register
+
+
+def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``(N, Nk)`` bool, True above the diagonal: the positions a query may not see."""
+    ones = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device)
+    return torch.triu(ones, diagonal=1)
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``q @ k^T / sqrt(d)``, masked when causal."""
+    s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    if causal:
+        s = s.masked_fill(causal_mask(q, k), float("-inf"))
+    return s
+
+
+@reference("naive")
+def naive(q, k, v, causal=False):
+    """Custom softmax that keeps ``exp_x`` (the seeds' benchmark code)."""
+    s = scores(q, k, causal)
+    m = s.max(dim=-1, keepdim=True).values
+    e = torch.exp(s - m)
+    p = e / e.sum(dim=-1, keepdim=True)
+    return torch.matmul(p, v)
+
+
+@reference("naive-softmax")
+def naive_softmax(q, k, v, causal=False):
+    """The same attention with ``torch.softmax``."""
+    s = scores(q, k, causal)
+    p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v)
+
+
+class _WeightsOnly(torch.autograd.Function):
+    """Attention that saves only the softmax weights ``p`` (and q, k, v) for backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        p = torch.softmax(scores(q, k, causal), dim=-1)
+        ctx.save_for_backward(q, k, v, p)
+        return torch.matmul(p, v)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, p = ctx.saved_tensors
+        dv = torch.matmul(p.transpose(-2, -1), dout)
+        dp = torch.matmul(dout, v.transpose(-2, -1))
+        ds = torch._softmax_backward_data(dp, p, -1, p.dtype) / math.sqrt(q.size(-1))
+        del dp
+        dq = torch.matmul(ds, k)
+        dk = torch.matmul(ds.transpose(-2, -1), q)
+        return dq, dk, dv, None
+
+
+@reference("naive-weights")
+def naive_weights(q, k, v, causal=False):
+    """A custom autograd Function that saves only the softmax weights."""
+    return _WeightsOnly.apply(q, k, v, causal)
