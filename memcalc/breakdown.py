@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, computed_field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field
 
 from memcalc.config import Config
 from memcalc.tensors import ITEMSIZE, Role
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
+_FROZEN = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
 
 class Component(BaseModel):
@@ -26,8 +26,10 @@ class Component(BaseModel):
     op: str
     shape: tuple[int, ...]
     dtype: str
-    nbytes: int
-    block_bytes: int
+    nbytes: int = Field(serialization_alias="raw_bytes",
+                        validation_alias=AliasChoices("nbytes", "raw_bytes"))
+    block_bytes: int = Field(serialization_alias="bytes",
+                             validation_alias=AliasChoices("block_bytes", "bytes"))
     source: str = ""
 
     @computed_field
@@ -98,3 +100,37 @@ class Breakdown(BaseModel):
         keys = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
                 "peak_bytes", "reserved_peak_bytes")
         return {k: getattr(self, k) for k in keys}
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the figures at the top level, ``components`` alive at the peak
+        (``bytes`` allocated, ``raw_bytes`` requested), ``saved`` and the config."""
+        figures = {k: getattr(self, k) for k in ("saved_bytes", "forward_peak_bytes",
+                   "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "workspace_bytes")}
+        dump = lambda cs: [c.model_dump(mode="json", by_alias=True) for c in cs]  # noqa: E731
+        return {**figures, "peak_phase": self.peak_phase, "components": dump(self.components),
+                "saved": dump(self.saved), "config": self.config.model_dump(mode="json")}
+
+    def to_markdown(self) -> str:
+        from memcalc.render import breakdown_markdown
+
+        return breakdown_markdown(self)
+
+    def to_csv(self) -> str:
+        from memcalc.render import breakdown_csv
+
+        return breakdown_csv(self)
+
+    def __rich__(self):
+        from memcalc.render import breakdown_rich
+
+        return breakdown_rich(self)
+
+    def _repr_html_(self) -> str:
+        from memcalc.render import html
+
+        return html(self)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"<Breakdown {c.impl} N={c.shape.seq_len}: peak {self.peak_bytes} B "
+                f"({self.peak_phase}), saved {self.saved_bytes} B>")

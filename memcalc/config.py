@@ -82,11 +82,16 @@ class Device(BaseModel):
     memory_bytes: int | None = Field(None, ge=1, description="total device memory in bytes")
     compute_capability: tuple[int, int] | None = Field(None, description="e.g. (9, 0)")
 
+    @field_validator("gpu")
+    @classmethod
+    def _check_gpu(cls, value: str | None) -> str | None:
+        if value is not None:
+            gpu_preset(value)  # raises a ValueError naming the known presets
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> "Device":
-        if self.gpu is not None:
-            gpu_preset(self.gpu)  # raises a ValueError naming the known presets
-        elif self.memory_bytes is None or self.compute_capability is None:
+        if self.gpu is None and (self.memory_bytes is None or self.compute_capability is None):
             raise ValueError("give a gpu preset, or both memory_bytes and compute_capability")
         return self
 

@@ -59,7 +59,7 @@ class Ledger:
         """The thread's cuBLAS workspace, created at its first cuBLAS call."""
         key = ("cublas_workspace", thread)
         if key not in self.live:
-            name = f"cublas workspace ({thread} thread)"
+            name = f"cuBLAS workspace, {thread} thread"
             self.alloc(key, Component(name=name, role=Role.workspace, op="cublas",
                                       shape=(self.workspace_bytes,), dtype="uint8",
                                       nbytes=self.workspace_bytes, block_bytes=0,

@@ -99,32 +99,32 @@ def naive(d: Dims) -> Program:
     ]
     backward = output_backward(d, "p") + [
         # DivBackward0, p = e / r: grad_r = -dp * ((e / r) / r) first, then grad_e = dp / r
-        new("de_r1", bhnm, dt, T, "div"),  # (B, H, N, M) e / r
-        new("de_r2", bhnm, dt, T, "div"),  # (B, H, N, M) (e / r) / r
-        new("neg_dp", bhnm, dt, T, "neg"),  # (B, H, N, M) -dp
-        new("dr_full", bhnm, dt, T, "mul"),  # (B, H, N, M) -dp * ((e / r) / r)
-        free("de_r1", "de_r2", "neg_dp"),
-        new("de_div", bhnm, dt, T, "div"),  # (B, H, N, M) dp / r
+        new("e/r", bhnm, dt, T, "div"),  # (B, H, N, M) e / r
+        new("e/r/r", bhnm, dt, T, "div"),  # (B, H, N, M) (e / r) / r
+        new("-dp", bhnm, dt, T, "neg"),  # (B, H, N, M) -dp
+        new("-dp*e/r/r", bhnm, dt, T, "mul"),  # (B, H, N, M) -dp * ((e / r) / r)
+        free("e/r", "e/r/r", "-dp"),
+        new("dp/r", bhnm, dt, T, "div"),  # (B, H, N, M) dp / r
         new("dr", rows, dt, T, "sum"),  # (B, H, N, 1) engine's sum_to to r's shape
         release("row_sum"),
-        free("dp", "dr_full"),
+        free("dp", "-dp*e/r/r"),
         # SumBackward0 expands dr; the engine's input buffer adds it to de_div
         new("de", bhnm, dt, T, "add"),  # (B, H, N, M) de_div + dr.expand
-        free("de_div", "dr"),
+        free("dp/r", "dr"),
         new("dx", bhnm, dt, T, "mul"),  # (B, H, N, M) ExpBackward0: de * exp_x
         release("exp_x"),
         free("de"),
         # SubBackward0: ds passes dx through; dm = -dx summed to (B, H, N, 1)
-        new("neg_dx", bhnm, dt, T, "neg"),  # (B, H, N, M) -dx
+        new("-dx", bhnm, dt, T, "neg"),  # (B, H, N, M) -dx
         new("dm", rows, dt, T, "sum"),  # (B, H, N, 1) sum_to m's shape
-        free("neg_dx"),
+        free("-dx"),
         # MaxBackward0: value_selecting_reduction_backward = zeros.scatter(indices, dm)
-        new("dm_zeros", bhnm, dt, T, "new_zeros"),  # (B, H, N, M)
-        new("dm_full", bhnm, dt, T, "scatter"),  # (B, H, N, M)
+        new("zeros", bhnm, dt, T, "new_zeros"),  # (B, H, N, M)
+        new("dm_scattered", bhnm, dt, T, "scatter"),  # (B, H, N, M)
         release("row_argmax"),
-        free("dm", "dm_zeros"),
+        free("dm", "zeros"),
         new("dscores", bhnm, dt, T, "add"),  # (B, H, N, M) dx + dm_full in the input buffer
-        free("dx", "dm_full"),
+        free("dx", "dm_scattered"),
         *scores_backward(d, "dscores"),
     ]
     return Program(tuple(forward), tuple(with_loss(d, backward)))

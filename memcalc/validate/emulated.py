@@ -19,15 +19,20 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memcalc.breakdown import Component
+from memcalc.breakdown import Breakdown, Component
+from memcalc.config import Config
 from memcalc.tensors import Role
 from memcalc.timeline import Ledger
+from memcalc.validate.compare import Check
+from memcalc.validate.harness import Measured, make_inputs, run_protocol
+from memcalc.validate.reference import reference_fn
 
 # ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp)
 CUBLAS_OPS = frozenset(
@@ -84,18 +89,24 @@ class Tracer(TorchDispatchMode):
 
 
 class TracerProbe:
-    """The counters of ``harness.Probe``, read from a tracer's allocator model."""
+    """The counters of ``harness.Probe``, read from a tracer's allocator model. It also
+    keeps what a live GPU cannot tell: the live set behind each counter it reads."""
 
     def __init__(self, tracer: Tracer):
         self.tracer = tracer
         self.allocator = tracer.ledger.allocator
+        self.marks: list[set] = []  # live keys at each ``allocated()`` read
+        self.peaks: list[tuple[Component, ...]] = []  # live set at each ``max_allocated()``
+        self.output_key = None
 
     def allocated(self) -> int:
         self.tracer.collect_frees()
+        self.marks.append(set(self.tracer.ledger.live))
         return self.allocator.allocated
 
     def max_allocated(self) -> int:
         self.tracer.collect_frees()
+        self.peaks.append(self.tracer.ledger.peak_live)
         return self.allocator.peak_allocated
 
     def max_reserved(self) -> int:
@@ -106,7 +117,13 @@ class TracerProbe:
         self.tracer.ledger.reset_peak()
 
     def block_bytes(self, tensor) -> int:
-        return self.tracer.ledger.block_bytes(tensor.untyped_storage()._cdata)
+        """Block of ``out``, read right after the forward: the moment to note what the
+        forward left alive besides it (``saved_bytes`` counts exactly these)."""
+        key = tensor.untyped_storage()._cdata
+        live = self.tracer.ledger.live
+        self.saved = tuple(v.component for k, v in live.items()
+                           if k not in self.marks[0] and k != key)
+        return self.tracer.ledger.block_bytes(key)
 
 
 def _thread() -> str:
@@ -128,3 +145,49 @@ def _user_line() -> str:
             return f"{os.path.basename(path)}:{frame.f_lineno}: {code}"
         frame = frame.f_back
     return "?"
+
+
+def measure(config: Config, fn: Callable | None = None) -> Breakdown:
+    """Run the protocol for ``config`` on the meta device and read the breakdown off the
+    trace; ``fn(q, k, v)`` defaults to the reference code of ``config.impl``."""
+    fn = fn or reference_fn(config)
+    tracer = Tracer(config.workspace_bytes)
+    probe = TracerProbe(tracer)
+    proto = config.protocol
+    with tracer:
+        inputs = make_inputs(torch, *_shapes(config), getattr(torch, config.dtype.torch_name),
+                             "meta", need_grad=not proto.forward_only,
+                             grad_out=proto.loss == "grad" and not proto.forward_only)
+        measured = run_protocol(torch, fn, probe, inputs, proto.forward_only)
+        del inputs
+    backward_live = probe.peaks[1] if len(probe.peaks) > 1 else ()
+    result = Breakdown(config=config, forward_live=probe.peaks[0], backward_live=backward_live,
+                       saved=probe.saved, reserved_peak_bytes=measured.reserved_peak_bytes)
+    _check_consistent(result, measured)
+    return result
+
+
+def _shapes(config: Config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    s = config.shape
+    return (s.batch, s.heads, s.seq_len, s.head_dim), (s.batch, s.heads, s.keys, s.head_dim)
+
+
+def _check_consistent(result: Breakdown, measured: Measured) -> None:
+    """The live sets must add up to the counters the protocol read."""
+    for name in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes"):
+        if getattr(result, name) != getattr(measured, name):
+            raise AssertionError(f"trace bookkeeping: {name} {getattr(result, name)} "
+                                 f"!= counter {getattr(measured, name)}")
+
+
+def check(config: Config) -> Check:
+    """The model against the trace for one configuration; tolerance 0."""
+    from memcalc.timeline import predict
+    from memcalc.validate import figures_of
+
+    predicted = figures_of(predict(config))
+    return Check(config=config, predicted=predicted, measured=figures_of(measure(config)))
+
+
+def environment() -> dict[str, str]:
+    return {"torch": torch.__version__, "device": "meta (emulated caching allocator)"}

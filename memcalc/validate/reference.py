@@ -28,6 +28,12 @@ def reference(name: str):
     return register
 
 
+def reference_fn(config):
+    """The reference code of ``config.impl`` with its options bound: ``fn(q, k, v)``."""
+    ref = REFERENCES[config.impl]
+    return lambda q, k, v: ref(q, k, v, causal=config.causal)
+
+
 def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``(N, Nk)`` bool, True above the diagonal: the positions a query may not see."""
     ones = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device)

@@ -1,0 +1,25 @@
+"""One-line messages for bad input, shared by the CLI and the file loaders."""
+
+from __future__ import annotations
+
+# config field -> the CLI option that sets it
+FLAGS = {
+    "batch": "--batch", "heads": "--heads", "seq_len": "--seq", "head_dim": "--head-dim",
+    "kv_len": "--kv-len", "dtype": "--dtype", "impl": "--impl", "gpu": "--gpu",
+    "loss": "--loss", "cublas_workspace_config": "--cublas-workspace-config",
+}
+
+
+def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
+    """A pydantic ValidationError as ``field: message (got value)``, the field named by its
+    CLI option when ``flags`` maps it; anything else as its first line."""
+    errors = getattr(error, "errors", None)
+    if callable(errors):
+        first = error.errors()[0]
+        loc = [str(p) for p in first["loc"] if not str(p).startswith("function-")]
+        field = ".".join(loc) or "input"
+        name = (flags or {}).get(loc[-1], field) if loc else field
+        message = first["msg"].removeprefix("Value error, ")
+        return f"{name}: {message} (got {first.get('input')!r})"
+    text = str(error)
+    return text.splitlines()[0] if text else type(error).__name__

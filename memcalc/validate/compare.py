@@ -1,0 +1,111 @@
+"""Predicted against measured, figure by figure, with a declared tolerance."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, computed_field
+
+from memcalc.config import Config
+from memcalc.render import Column, markdown_table, rich_table
+
+FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
+           "reserved_peak_bytes")
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class Check(BaseModel):
+    """One configuration: the model's figures and the backend's, or why there are none."""
+
+    model_config = _FROZEN
+    config: Config
+    predicted: dict[str, int]
+    measured: dict[str, int] | None = None
+    tolerance: int = 0
+    outcome: str = "measured"  # measured | oom | error
+    detail: str = ""
+
+    @computed_field
+    @property
+    def differences(self) -> dict[str, int]:
+        """measured - predicted, in bytes, per figure."""
+        if self.measured is None:
+            return {}
+        return {k: self.measured[k] - self.predicted[k] for k in FIGURES if k in self.measured}
+
+    @computed_field
+    @property
+    def ok(self) -> bool:
+        """Within tolerance on every figure; an OOM is not a mismatch, an error is."""
+        if self.outcome == "oom":
+            return True
+        return self.outcome == "measured" and all(
+            abs(d) <= self.tolerance for d in self.differences.values())
+
+
+def _label(check: Check) -> str:
+    c = check.config
+    s = c.shape
+    causal = " causal" if c.causal else ""
+    loss = " sum-loss" if c.protocol.loss == "sum" else ""
+    return (f"{c.impl}{causal}{loss} B={s.batch} H={s.heads} N={s.seq_len} d={s.head_dim} "
+            f"{c.dtype.value} {c.device.gpu}")
+
+
+def _worst(check: Check) -> str:
+    if check.outcome != "measured":
+        return check.outcome
+    return str(max(check.differences.values(), key=abs, default=0))
+
+
+REPORT_COLUMNS = [
+    Column("configuration", _label),
+    Column("peak predicted", lambda c: c.predicted["peak_bytes"], "right"),
+    Column("peak measured", lambda c: (c.measured or {}).get("peak_bytes", "-"), "right"),
+    Column("largest difference (B)", _worst, "right"),
+    Column("verdict", lambda c: "ok" if c.ok else "MISMATCH"),
+]
+
+
+class Report(BaseModel):
+    """A validation run: the backend, its environment and one check per configuration."""
+
+    model_config = _FROZEN
+    backend: str
+    environment: dict[str, str]
+    checks: tuple[Check, ...]
+
+    @computed_field
+    @property
+    def mismatches(self) -> int:
+        return sum(not c.ok for c in self.checks)
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0
+
+    def summary(self) -> str:
+        figures = len(self.checks) * len(FIGURES)
+        return (f"{self.backend}: {len(self.checks)} configurations, {figures} figures, "
+                f"{self.mismatches} mismatches")
+
+    def _shown(self) -> list[Check]:
+        """Mismatches first, then up to 20 others: the whole grid is in the JSON."""
+        bad = [c for c in self.checks if not c.ok]
+        return bad + [c for c in self.checks if c.ok][: max(0, 20 - len(bad))]
+
+    def __rich__(self):
+        from rich.console import Group
+
+        env = ", ".join(f"{k}={v}" for k, v in self.environment.items())
+        return Group(rich_table(f"{self.summary()}\n{env}", REPORT_COLUMNS, self._shown()),
+                     self.summary())
+
+    def to_markdown(self) -> str:
+        return f"**{self.summary()}**\n\n" + markdown_table(REPORT_COLUMNS, self.checks)
+
+    def to_csv(self) -> str:
+        from memcalc.render import csv_table
+
+        return csv_table(REPORT_COLUMNS, self.checks)
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")

@@ -1,0 +1,71 @@
+"""Validation grids: a named product of options plus explicit extra configurations."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from memcalc.config import Config, Device, DType, Protocol, Shape
+from memcalc.errors import one_line
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class Product(BaseModel):
+    """Every combination of these values is one configuration."""
+
+    model_config = _FROZEN
+    impl: list[str]
+    causal: list[bool] = [False]
+    dtype: list[DType] = [DType.fp32]
+    batch: list[int] = Field([2], min_length=1)
+    heads: list[int] = Field([1], min_length=1)
+    seq_len: list[int] = Field([256], min_length=1)
+    head_dim: list[int] = Field([16], min_length=1)
+    gpu: list[str] = ["h100-80gb"]
+    loss: list[str] = ["grad"]
+    forward_only: list[bool] = [False]
+
+    def configs(self) -> list[Config]:
+        keys = list(type(self).model_fields)
+        rows = itertools.product(*(getattr(self, k) for k in keys))
+        return [_config(**dict(zip(keys, row))) for row in rows]
+
+
+def _config(impl, causal, dtype, batch, heads, seq_len, head_dim, gpu, loss,
+            forward_only) -> Config:
+    return Config(impl=impl, causal=causal, dtype=dtype,
+                  shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim),
+                  device=Device(gpu=gpu), protocol=Protocol(loss=loss, forward_only=forward_only))
+
+
+class Grid(BaseModel):
+    """A grid file: products and explicit configurations, in that order."""
+
+    model_config = _FROZEN
+    name: str
+    products: list[Product] = []
+    configs: list[Config] = []
+
+    def expand(self, impls: list[str] | None = None) -> list[Config]:
+        """All configurations, optionally only those of the named implementations."""
+        every = [c for p in self.products for c in p.configs()] + list(self.configs)
+        return [c for c in every if impls is None or c.impl in impls]
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read and validate a grid file; a ValueError naming the file and field otherwise."""
+    try:
+        grid = Grid.model_validate(json.loads(Path(path).read_text()))
+        grid.expand()  # every configuration validates now, not halfway through a run
+        return grid
+    except ValueError as error:  # JSONDecodeError and ValidationError are ValueErrors
+        raise ValueError(f"--grid {path}: {one_line(error)}") from None
+
+
+def default_grid_path() -> Path:
+    """The grid that ships with memcalc (``memcalc/data/grid.json``)."""
+    return Path(__file__).resolve().parents[1] / "data" / "grid.json"

@@ -1,0 +1,88 @@
+"""The caching-allocator model against the rules of c10/cuda/CUDACachingAllocator.cpp."""
+
+import pytest
+
+from memcalc.allocator import MiB, CachingAllocator, OutOfMemory, round_size, segment_size
+
+
+@pytest.mark.parametrize("request_bytes, block", [
+    (0, 0),  # 0-byte tensors allocate nothing
+    (1, 512),  # kMinBlockSize
+    (512, 512),
+    (513, 1024),  # ceil(513 / 512) * 512
+    (8_000_000, 8_000_000),  # 15625 * 512, already a multiple
+    (12_000, 12_288),  # ceil(12000 / 512) = 24 -> 24 * 512
+])
+def test_round_size(request_bytes, block):
+    assert round_size(request_bytes) == block
+
+
+@pytest.mark.parametrize("block, segment", [
+    (512, 2 * MiB),  # small pool: kSmallBuffer
+    (MiB, 2 * MiB),  # 1 MiB is still small
+    (MiB + 512, 20 * MiB),  # below kMinLargeAlloc (10 MiB): kLargeBuffer
+    (10 * MiB, 10 * MiB),  # from 10 MiB: rounded up to 2 MiB
+    (11 * MiB + 512 * 1024, 12 * MiB),  # 11.5 MiB -> 12 MiB
+])
+def test_segment_size(block, segment):
+    assert segment_size(block) == segment
+
+
+def test_unsplit_remainder_counts_as_allocated():
+    # 11.5 MiB takes a fresh 12 MiB segment; the 0.5 MiB rest is not > 1 MiB, so the
+    # whole 12 MiB block is allocated (DESIGN.md section 2).
+    a = CachingAllocator()
+    a.malloc(11 * MiB + 512 * 1024)
+    assert a.allocated == 12 * MiB
+    assert a.reserved == 12 * MiB
+
+
+def test_large_split_and_reuse():
+    a = CachingAllocator()
+    first = a.malloc(8_000_000)  # 20 MiB segment, rest 20 MiB - 8,000,000 = 12,971,520 > 1 MiB: split
+    assert first.size == 8_000_000
+    second = a.malloc(12_000_000)  # fits the 12,971,520 remainder; rest 971,520 <= 1 MiB: no split
+    assert second.size == 12_971_520
+    assert a.allocated == 20 * MiB and a.reserved == 20 * MiB  # 8,000,000 + 12,971,520
+
+
+def test_small_pool_splits_down_to_512():
+    a = CachingAllocator()
+    a.malloc(1000)  # block 1024 of a 2 MiB small segment
+    a.malloc(MiB)  # from the 2 MiB - 1024 rest; what is left, 1 MiB - 1024 >= 512: split
+    a.malloc(MiB - 1536)  # from the 1 MiB - 1024 rest; 512 left >= 512: split again
+    assert a.allocated == 2 * MiB - 512  # 1024 + 1 MiB + (1 MiB - 1536)
+    assert len(a.segments) == 1
+
+
+def test_best_fit_prefers_smallest_block():
+    a = CachingAllocator()
+    big, small = a.malloc(30 * MiB), a.malloc(12 * MiB)
+    a.free(big), a.free(small)
+    assert a.malloc(12 * MiB).size == 12 * MiB  # the 12 MiB segment, not a split of 30
+    assert a.reserved == 42 * MiB  # 30 + 12, nothing new
+
+
+def test_free_merges_neighbours():
+    a = CachingAllocator()
+    x, y = a.malloc(4 * MiB), a.malloc(4 * MiB)  # both in one 20 MiB segment
+    a.free(x), a.free(y)
+    assert [b.size for b in a.segments[0].blocks] == [20 * MiB]
+
+
+def test_peaks_and_reset():
+    a = CachingAllocator()
+    x = a.malloc(30 * MiB)
+    a.free(x)
+    assert (a.allocated, a.peak_allocated) == (0, 30 * MiB)
+    a.reset_peaks()
+    assert (a.peak_allocated, a.peak_reserved) == (0, 30 * MiB)  # reserved stays cached
+
+
+def test_oom_releases_cache_then_raises():
+    a = CachingAllocator(capacity=40 * MiB)
+    a.free(a.malloc(30 * MiB))
+    a.malloc(32 * MiB)  # no cached block fits; 30 + 32 > 40: the free 30 MiB segment goes first
+    assert a.reserved == 32 * MiB
+    with pytest.raises(OutOfMemory):
+        a.malloc(10 * MiB)  # 32 + 10 > 40 and nothing left to release

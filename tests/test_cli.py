@@ -1,0 +1,77 @@
+"""The command line: thin, exact, one line and exit 2 on bad input, no heavy imports."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memcalc.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_breakdown_json_has_figures_and_components(capsys):
+    code, out, _ = run(capsys, "breakdown", "--seq", "16384", "--impl", "naive-softmax", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["saved_bytes"] == 8 * 16384 * 16384 * 4  # p, fp32
+    assert {"name", "shape", "dtype", "bytes"} <= set(data["components"][0])
+    assert data["peak_bytes"] == max(data["forward_peak_bytes"], data["backward_peak_bytes"])
+
+
+def test_breakdown_csv_and_markdown(capsys):
+    _, csv_out, _ = run(capsys, "breakdown", "--seq", "1024", "--csv")
+    assert csv_out.splitlines()[0] == "component,role,op,dtype,formula (shape x element),bytes,allocated,MiB,share"
+    _, md, _ = run(capsys, "breakdown", "--seq", "1024", "--markdown")
+    assert "| saved for backward | " in md
+
+
+def test_huge_sizes_stay_exact(capsys):
+    _, out, _ = run(capsys, "breakdown", "--seq", str(2**22), "--batch", "4096",
+                    "--impl", "naive-softmax", "--json")
+    # p: 4096 x 1 x 2^22 x 2^22 x 4 B = 2^12 x 2^44 x 2^2 = 2^58
+    assert json.loads(out)["saved_bytes"] == 2**58
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--seq", "0"], "--seq"),
+    (["--batch", "-2"], "--batch"),
+    (["--seq", "1.5"], "--seq"),
+    (["--head-dim", "x"], "--head-dim"),
+    (["--impl", "flashy"], "--impl"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--gpu", "tpu"], "--gpu"),
+    (["--cublas-workspace-config", "4096"], "--cublas-workspace-config"),
+    (["--loss", "mean"], "--loss"),
+    (["--bogus"], "--bogus"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, field):
+    code, out, err = run(capsys, "breakdown", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and field in err and "Traceback" not in err
+
+
+def test_malformed_grid_file(capsys, tmp_path):
+    grid = tmp_path / "grid.json"
+    grid.write_text('{"name": "g", "products": [{"impl": ["naive"], "seq_len": [0]}]}')
+    code, _, err = run(capsys, "validate", "--grid", str(grid))
+    assert code == 2 and err.count("\n") == 1 and "seq_len" in err
+
+
+def test_cli_path_imports_no_torch_matplotlib_pandas():
+    code = ("import sys; from memcalc.cli import main; main(['breakdown', '--seq', '1024', "
+            "'--json']); print(sorted(m for m in ('torch', 'matplotlib', 'pandas') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_lists(capsys):
+    assert run(capsys, "impls")[0] == 0
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0 and "h100-80gb" in out

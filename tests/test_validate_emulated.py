@@ -1,0 +1,63 @@
+"""The analytical model equals the emulated trace of the reference code, to the byte."""
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("torch")
+
+from memcalc.config import Config, Protocol
+from memcalc.impls import IMPLS
+from memcalc.tensors import Tensor
+from memcalc.timeline import predict
+from memcalc.validate import figures_of, validate
+from memcalc.validate.emulated import measure
+
+
+def test_default_grid_has_no_mismatch():
+    report = validate(backend="emulated")
+    assert len(report.checks) >= 200
+    assert [c.config for c in report.checks if not c.ok] == []
+
+
+@pytest.mark.parametrize("seq_len", [1000, 1050, 3001])
+@pytest.mark.parametrize("impl", ["naive", "naive-softmax", "naive-weights"])
+def test_odd_lengths_kv_len_and_live_sets(impl, seq_len):
+    config = Config(impl=impl, causal=True, dtype="bf16",
+                    shape={"batch": 3, "heads": 2, "seq_len": seq_len, "kv_len": seq_len + 7})
+    model, trace = predict(config), measure(config)
+    assert figures_of(model) == figures_of(trace)
+    assert sorted(c.block_bytes for c in model.components) == sorted(
+        c.block_bytes for c in trace.components)
+    assert sorted(c.block_bytes for c in model.saved) == sorted(c.block_bytes for c in trace.saved)
+
+
+def test_a_broken_formula_is_caught(monkeypatch):
+    """Declare the row sum as int64 instead of the dtype: validation must fail."""
+    original = IMPLS["naive"].build
+
+    def broken(d):
+        program = original(d)
+        fix = lambda e: Tensor(e.name, e.shape, "int64", e.role, e.op) if (  # noqa: E731
+            isinstance(e, Tensor) and e.name == "row_sum") else e
+        return type(program)(tuple(map(fix, program.forward)), program.backward)
+
+    monkeypatch.setitem(IMPLS, "naive", dataclasses.replace(IMPLS["naive"], build=broken))
+    configs = [Config(impl="naive", shape={"batch": 2, "seq_len": 4096})]
+    report = validate(backend="emulated", configs=configs)
+    assert report.mismatches == 1
+    # 2 x 1 x 4096 x 1 rows: 32,768 B as fp32, 65,536 B as int64; both 512-multiples
+    assert report.checks[0].differences["saved_bytes"] == 32_768 - 65_536
+
+
+def test_trace_names_ops_and_source_lines():
+    trace = measure(Config(impl="naive", shape={"batch": 1, "seq_len": 512}))
+    sources = {c.op: c.source for c in trace.saved}
+    assert sources["exp"].endswith("e = torch.exp(s - m)")
+
+
+def test_trace_memory_does_not_depend_on_seq_len():
+    big = measure(Config(impl="naive-softmax", shape={"seq_len": 2**20},
+                         protocol=Protocol(forward_only=True)))
+    # two 8 x 2^20 x 2^20 x 4 B = 32 TiB tensors (s and p) alive at once, traced on meta
+    assert big.forward_peak_bytes > 2 * 8 * 2**20 * 2**20 * 4
