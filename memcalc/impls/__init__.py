@@ -7,6 +7,8 @@ in the manner of ``torch/utils/flop_counter.py``'s registry of formulas.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,4 +51,7 @@ def impl_names() -> list[str]:
 
 
 def _load() -> None:
-    from memcalc.impls import naive  # noqa: F401  (registers on import)
+    """Import every module of this package: each registers its implementations."""
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_") and module.name != "common":
+            importlib.import_module(f"{__name__}.{module.name}")

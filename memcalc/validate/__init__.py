@@ -10,7 +10,7 @@ from pathlib import Path
 from memcalc.config import Config
 from memcalc.timeline import predict
 from memcalc.validate.compare import FIGURES, Check, Report
-from memcalc.validate.grid import default_grid_path, load_grid
+from memcalc.validate.grid import default_grid, load_grid
 
 
 def validate(backend: str = "emulated", impls: list[str] | None = None,
@@ -18,7 +18,7 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
     """Check every configuration of ``grid`` (default: the shipped grid), or ``configs``,
     against ``backend``: ``emulated`` (meta device, tolerance 0) or ``cuda`` (live)."""
     if configs is None:
-        configs = load_grid(grid or default_grid_path()).expand(impls)
+        configs = (load_grid(grid) if grid else default_grid()).expand(impls)
     if backend == "emulated":
         from memcalc.validate import emulated as runner
     elif backend == "cuda":
@@ -35,3 +35,16 @@ def figures_of(result) -> dict[str, int]:
 
 
 __all__ = ["Check", "Report", "figures_of", "predict", "validate"]
+
+
+def write_report(report: Report, out: str | Path) -> Path:
+    """Write the JSON report to ``out``, or into the directory ``out`` as
+    ``<device>-<torch>.json`` (the layout of ``validation/results/``)."""
+    path = Path(out)
+    if path.is_dir() or str(out).endswith("/"):
+        device = report.environment.get("device", report.backend)
+        slug = "".join(ch if ch.isalnum() else "-" for ch in device.lower()).strip("-")
+        path = path / f"{slug}-{report.environment.get('torch', 'unknown')}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report.model_dump_json(indent=2) + "\n")
+    return path

@@ -66,6 +66,10 @@ def load_grid(path: str | Path) -> Grid:
         raise ValueError(f"--grid {path}: {one_line(error)}") from None
 
 
-def default_grid_path() -> Path:
-    """The grid that ships with memcalc (``memcalc/data/grid.json``)."""
-    return Path(__file__).resolve().parents[1] / "data" / "grid.json"
+def default_grid() -> Grid:
+    """The grid that ships with memcalc: every file of ``memcalc/data/grids/``, one per
+    implementation family, in name order."""
+    folder = Path(__file__).resolve().parents[1] / "data" / "grids"
+    grids = [load_grid(p) for p in sorted(folder.glob("*.json"))]
+    return Grid(name="default", products=[p for g in grids for p in g.products],
+                configs=[c for g in grids for c in g.configs])

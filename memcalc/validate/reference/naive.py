@@ -1,11 +1,6 @@
-"""The torch code each built-in implementation models: what a user would write.
+"""Reference code of the naive family (``memcalc/impls/naive.py``).
 
-The emulated backend traces exactly these functions, so the model in ``memcalc/impls``
-and the code here cannot drift apart unnoticed: ``tests/test_validate_emulated.py``
-compares them to the byte. Every function takes leaf tensors ``q, k, v`` of shape
-``(B, H, N, d)`` and returns ``out`` of the same shape.
-
-Causal masks are built inside the step, as a user would: ``torch.ones(N, Nk, bool)``,
+Causal masks are built inside the step, as a user would: ``torch.ones(N, M, bool)``,
 then ``triu(diagonal=1)``, then ``masked_fill(mask, -inf)`` on the scores.
 """
 
@@ -15,24 +10,7 @@ import math
 
 import torch
 
-REFERENCES: dict[str, object] = {}
-
-
-def reference(name: str):
-    """Register ``fn`` as the reference code of implementation ``name``."""
-
-    def register(fn):
-        REFERENCES[name] = fn
-        return fn
-
-    return register
-
-
-def reference_fn(config):
-    """The reference code of ``config.impl`` with its options bound: ``fn(q, k, v)``."""
-    ref = REFERENCES[config.impl]
-    return lambda q, k, v: ref(q, k, v, causal=config.causal)
-
+from memcalc.validate.reference import reference
 
 def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``(N, Nk)`` bool, True above the diagonal: the positions a query may not see."""

@@ -1,0 +1,6 @@
+"""One module per ``memcalc`` subcommand.
+
+Each module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``,
+and imports anything heavy inside ``run`` so that the CLI starts fast. ``memcalc.cli``
+finds the modules here; adding a command means adding a module.
+"""
