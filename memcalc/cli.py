@@ -29,10 +29,12 @@ def shape_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-len", type=int, default=None, help="key/value length (default: --seq)")
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument("--heads", type=int, default=1, help="attention heads (default 1)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--head-dim", type=int, default=16, help="head dimension d (default 16)")
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--impl", default="naive", help="implementation (memcalc impls)")
     p.add_argument("--causal", action="store_true", help="causal mask")
+    p.add_argument("--chunk", type=int, default=64, help="chunk length of chunked implementations")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset (memcalc gpus)")
     p.add_argument("--loss", default="grad", help="grad: out.backward(grad_out); sum: out.sum()")
     p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
@@ -51,9 +53,9 @@ def config_from(args, **overrides):
     from memcalc.config import Config, Device, Protocol, Shape
 
     values = dict(
-        impl=args.impl, dtype=args.dtype, causal=args.causal,
+        impl=args.impl, dtype=args.dtype, causal=args.causal, chunk=args.chunk,
         shape=Shape(batch=args.batch, heads=args.heads, seq_len=args.seq,
-                    head_dim=args.head_dim, kv_len=args.kv_len),
+                    head_dim=args.head_dim, kv_len=args.kv_len, kv_heads=args.kv_heads),
         device=Device(gpu=args.gpu),
         protocol=Protocol(loss=args.loss, forward_only=args.forward_only,
                           cublas_workspace_config=args.cublas_workspace_config),

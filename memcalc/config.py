@@ -44,11 +44,24 @@ class Shape(BaseModel):
     seq_len: int = Field(16384, ge=1, description="query length N")
     head_dim: int = Field(16, ge=1, description="head dimension d")
     kv_len: int | None = Field(None, ge=1, description="key/value length (default: seq_len)")
+    kv_heads: int | None = Field(None, ge=1, description="key/value heads (default: heads; GQA)")
 
     @property
     def keys(self) -> int:
         """Key/value rows M."""
         return self.kv_len if self.kv_len is not None else self.seq_len
+
+    @property
+    def key_heads(self) -> int:
+        """Key/value heads Hk (fewer than ``heads`` for grouped-query attention)."""
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> "Shape":
+        if self.heads % self.key_heads:
+            raise ValueError(f"--kv-heads: kv_heads ({self.key_heads}) must divide heads "
+                             f"({self.heads})")
+        return self
 
 
 _WORKSPACE_RE = re.compile(r"^(:\d+:\d+)+$")
@@ -116,6 +129,7 @@ class Config(BaseModel):
     shape: Shape = Shape()
     dtype: DType = DType.fp32
     causal: bool = False
+    chunk: int = Field(64, ge=1, description="chunk length of chunked implementations")
     device: Device = Device()
     protocol: Protocol = Protocol()
 
@@ -126,6 +140,15 @@ class Config(BaseModel):
 
         get_impl(value)  # raises a ValueError naming the known implementations
         return value
+
+    @model_validator(mode="after")
+    def _check_gqa(self) -> "Config":
+        from memcalc.impls import get_impl
+
+        if self.shape.key_heads != self.shape.heads and not get_impl(self.impl).gqa:
+            raise ValueError(f"--kv-heads: implementation {self.impl} needs kv_heads == heads "
+                             f"({self.shape.key_heads} != {self.shape.heads})")
+        return self
 
     @property
     def workspace_bytes(self) -> int:

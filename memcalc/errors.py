@@ -5,7 +5,7 @@ from __future__ import annotations
 # config field -> the CLI option that sets it
 FLAGS = {
     "batch": "--batch", "heads": "--heads", "seq_len": "--seq", "head_dim": "--head-dim",
-    "kv_len": "--kv-len", "dtype": "--dtype", "impl": "--impl", "gpu": "--gpu",
+    "kv_len": "--kv-len", "kv_heads": "--kv-heads", "chunk": "--chunk", "dtype": "--dtype", "impl": "--impl", "gpu": "--gpu",
     "loss": "--loss", "cublas_workspace_config": "--cublas-workspace-config",
 }
 
@@ -17,9 +17,10 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
     if callable(errors):
         first = error.errors()[0]
         loc = [str(p) for p in first["loc"] if not str(p).startswith("function-")]
-        field = ".".join(loc) or "input"
-        name = (flags or {}).get(loc[-1], field) if loc else field
         message = first["msg"].removeprefix("Value error, ")
+        if not loc:  # a check across fields: its message names them
+            return message
+        name = (flags or {}).get(loc[-1], ".".join(loc))
         return f"{name}: {message} (got {first.get('input')!r})"
     text = str(error)
     return text.splitlines()[0] if text else type(error).__name__

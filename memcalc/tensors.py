@@ -92,7 +92,9 @@ def cublas() -> Cublas:
 
 @dataclass(frozen=True)
 class Dims:
-    """The sizes a program needs, read once from a config: ``B, H, N, M, D`` and dtype."""
+    """The sizes a program needs, read once from a config: ``B`` batch, ``H`` query heads,
+    ``Hk`` key/value heads, ``N`` query rows, ``M`` key rows, ``D`` head dim, the dtype,
+    ``chunk`` (chunked implementations) and the protocol's loss."""
 
     B: int
     H: int
@@ -102,12 +104,14 @@ class Dims:
     dtype: str
     causal: bool
     loss: str
+    Hk: int
+    chunk: int
 
     @classmethod
     def of(cls, config: Config) -> "Dims":
         s = config.shape
-        return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim,
-                   config.dtype.torch_name, config.causal, config.protocol.loss)
+        return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim, config.dtype.torch_name,
+                   config.causal, config.protocol.loss, s.key_heads, config.chunk)
 
 
 @dataclass(frozen=True)

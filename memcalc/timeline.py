@@ -111,8 +111,8 @@ def _inputs(ledger: Ledger, config: Config) -> None:
     if config.protocol.loss == "grad" and not config.protocol.forward_only:
         names.append("grad_out")
     for name in names:
-        rows = d.N if name in ("q", "grad_out") else d.M
-        t = Tensor(name, (d.B, d.H, rows, d.D), d.dtype, Role.input, "randn")
+        heads, rows = (d.H, d.N) if name in ("q", "grad_out") else (d.Hk, d.M)
+        t = Tensor(name, (d.B, heads, rows, d.D), d.dtype, Role.input, "randn")
         ledger.alloc(name, _component(t))
 
 

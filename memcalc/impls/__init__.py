@@ -22,16 +22,17 @@ class Impl:
     name: str
     summary: str
     build: Callable[[Dims], Program]
+    gqa: bool = False  # supports fewer key/value heads than query heads
 
 
 IMPLS: dict[str, Impl] = {}
 
 
-def register(name: str, summary: str):
+def register(name: str, summary: str, gqa: bool = False):
     """Decorator: register ``build`` as implementation ``name``."""
 
     def wrap(build: Callable[[Dims], Program]):
-        IMPLS[name] = Impl(name, summary, build)
+        IMPLS[name] = Impl(name, summary, build, gqa)
         return build
 
     return wrap

@@ -104,7 +104,7 @@ def measure(config: Config, torch=None, probe=None, device: str = "cuda", fn=Non
     _release(torch)
     s = config.shape
     inputs = make_inputs(torch, (s.batch, s.heads, s.seq_len, s.head_dim),
-                         (s.batch, s.heads, s.keys, s.head_dim),
+                         (s.batch, s.key_heads, s.keys, s.head_dim),
                          getattr(torch, config.dtype.torch_name), device,
                          need_grad=not proto.forward_only,
                          grad_out=proto.loss == "grad" and not proto.forward_only)

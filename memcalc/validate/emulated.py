@@ -169,7 +169,7 @@ def measure(config: Config, fn: Callable | None = None) -> Breakdown:
 
 def _shapes(config: Config) -> tuple[tuple[int, ...], tuple[int, ...]]:
     s = config.shape
-    return (s.batch, s.heads, s.seq_len, s.head_dim), (s.batch, s.heads, s.keys, s.head_dim)
+    return (s.batch, s.heads, s.seq_len, s.head_dim), (s.batch, s.key_heads, s.keys, s.head_dim)
 
 
 def _check_consistent(result: Breakdown, measured: Measured) -> None:

@@ -27,10 +27,16 @@ def reference(name: str):
 
 
 def reference_fn(config) -> Callable:
-    """The reference code of ``config.impl`` with its options bound: ``fn(q, k, v)``."""
+    """The reference code of ``config.impl`` with its options bound: ``fn(q, k, v)``.
+    A reference function takes ``causal`` and, if it declares it, ``chunk``."""
+    import inspect
+
     _load()
     ref = REFERENCES[config.impl]
-    return lambda q, k, v: ref(q, k, v, causal=config.causal)
+    options = {"causal": config.causal, "chunk": config.chunk}
+    accepted = inspect.signature(ref).parameters
+    bound = {k: v for k, v in options.items() if k in accepted}
+    return lambda q, k, v: ref(q, k, v, **bound)
 
 
 def _load() -> None:
