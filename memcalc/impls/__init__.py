@@ -23,16 +23,18 @@ class Impl:
     summary: str
     build: Callable[[Dims], Program]
     gqa: bool = False  # supports fewer key/value heads than query heads
+    traced: bool = True  # validated against the emulated trace; False: source-derived only
 
 
 IMPLS: dict[str, Impl] = {}
 
 
-def register(name: str, summary: str, gqa: bool = False):
-    """Decorator: register ``build`` as implementation ``name``."""
+def register(name: str, summary: str, gqa: bool = False, traced: bool = True):
+    """Decorator: register ``build`` as implementation ``name``. ``traced=False`` marks a
+    model derived from kernel sources that the meta device cannot check (fused CUDA kernels)."""
 
     def wrap(build: Callable[[Dims], Program]):
-        IMPLS[name] = Impl(name, summary, build, gqa)
+        IMPLS[name] = Impl(name, summary, build, gqa, traced)
         return build
 
     return wrap
