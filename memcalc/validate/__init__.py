@@ -44,7 +44,8 @@ def write_report(report: Report, out: str | Path) -> Path:
     if path.is_dir() or str(out).endswith("/"):
         device = report.environment.get("device", report.backend)
         slug = "".join(ch if ch.isalnum() else "-" for ch in device.lower()).strip("-")
-        path = path / f"{slug}-{report.environment.get('torch', 'unknown')}.json"
+        torch_version = report.environment.get("torch", "unknown").replace("+", "-")
+        path = path / f"{slug}-{torch_version}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(report.model_dump_json(indent=2) + "\n")
     return path

@@ -190,4 +190,5 @@ def check(config: Config) -> Check:
 
 
 def environment() -> dict[str, str]:
-    return {"torch": torch.__version__, "device": "meta (emulated caching allocator)"}
+    return {"torch": torch.__version__, "device": "emulated",
+            "how": "meta device, allocator model"}
