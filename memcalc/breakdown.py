@@ -39,6 +39,8 @@ class Component(BaseModel):
         if self.role is Role.workspace:
             return f"{self.nbytes} B"
         dims = " x ".join(str(n) for n in self.shape) or "1"
+        if self.dtype not in ITEMSIZE:
+            return f"{dims} ({self.nbytes} B)"
         return f"{dims} x {ITEMSIZE[self.dtype]} B"
 
 

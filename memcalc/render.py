@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 
@@ -27,9 +28,9 @@ class Column:
 
 
 def rich_table(title: str | None, columns: list[Column], rows: Iterable[Any]) -> Table:
-    table = Table(title=title, title_justify="left", expand=False)
+    table = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
     for c in columns:
-        table.add_column(c.header, justify=c.justify)
+        table.add_column(c.header, justify=c.justify, no_wrap=c.justify == "right")
     for row in rows:
         table.add_row(*(str(c.cell(row)) for c in columns))
     return table
@@ -56,12 +57,12 @@ def to_json(model) -> str:
 
 # --- breakdown --------------------------------------------------------------------------
 
-def component_columns(peak: int) -> list[Column]:
-    """Columns of the components table; ``peak`` gives the share column."""
-    return [
+def component_columns(peak: int, with_source: bool = False) -> list[Column]:
+    """Columns of the components table; ``peak`` gives the share column, ``with_source``
+    adds the code line that allocated each component (traced results have it)."""
+    columns = [
         Column("component", lambda c: c.name),
         Column("role", lambda c: c.role.value),
-        Column("op", lambda c: c.op),
         Column("dtype", lambda c: c.dtype),
         Column("formula (shape x element)", lambda c: c.formula),
         Column("bytes", lambda c: c.nbytes, "right"),
@@ -69,6 +70,11 @@ def component_columns(peak: int) -> list[Column]:
         Column("MiB", lambda c: mib(c.block_bytes), "right"),
         Column("share", lambda c: share(c.block_bytes, peak), "right"),
     ]
+    return columns + [Column("source", lambda c: c.source)] if with_source else columns
+
+
+def _columns_for(b) -> list[Column]:
+    return component_columns(b.peak_bytes, any(c.source for c in b.components))
 
 
 FIGURE_LABELS = {
@@ -98,20 +104,20 @@ def breakdown_title(b) -> str:
 
 
 def breakdown_rich(b) -> Group:
-    components = rich_table(f"{breakdown_title(b)}\nalive at the peak",
-                            component_columns(b.peak_bytes), b.components)
+    components = rich_table(f"{breakdown_title(b)}\nalive at the peak", _columns_for(b),
+                            b.components)
     figures = rich_table(None, FIGURE_COLUMNS, _figure_rows(b))
     return Group(components, figures)
 
 
 def breakdown_markdown(b) -> str:
     return (f"**{breakdown_title(b)}**\n\n"
-            + markdown_table(component_columns(b.peak_bytes), b.components) + "\n"
+            + markdown_table(_columns_for(b), b.components) + "\n"
             + markdown_table(FIGURE_COLUMNS, _figure_rows(b)))
 
 
 def breakdown_csv(b) -> str:
-    return csv_table(component_columns(b.peak_bytes), b.components)
+    return csv_table(_columns_for(b), b.components)
 
 
 def _figure_rows(b) -> list[tuple[str, int]]:

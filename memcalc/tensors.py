@@ -22,7 +22,9 @@ from math import prod
 
 from memcalc.config import Config, DType
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1, "uint8": 1}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+            "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "bool": 1, "uint8": 1,
+            "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 class Role(str, Enum):
@@ -46,9 +48,12 @@ class Tensor:
     dtype: str
     role: Role
     op: str
+    storage_bytes: int | None = None  # when the storage is not shape x element (traced code)
 
     @property
     def nbytes(self) -> int:
+        if self.storage_bytes is not None:
+            return self.storage_bytes
         return prod(self.shape) * ITEMSIZE[self.dtype]
 
 
@@ -106,12 +111,13 @@ class Dims:
     loss: str
     Hk: int
     chunk: int
+    forward_only: bool = False
 
     @classmethod
     def of(cls, config: Config) -> "Dims":
-        s = config.shape
+        s, p = config.shape, config.protocol
         return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim, config.dtype.torch_name,
-                   config.causal, config.protocol.loss, s.key_heads, config.chunk)
+                   config.causal, p.loss, s.key_heads, config.chunk, p.forward_only)
 
 
 @dataclass(frozen=True)

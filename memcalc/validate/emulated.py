@@ -39,8 +39,16 @@ CUBLAS_OPS = frozenset(
     {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
 )
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_HARNESS_FILES = {os.path.join(_HERE, "emulated.py"), os.path.join(_HERE, "harness.py")}
+_MEMCALC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REFERENCE_DIR = os.path.join(_MEMCALC_DIR, "validate", "reference")
+
+
+def _is_user_code(path: str) -> bool:
+    """Frames outside torch and memcalc are the user's; memcalc's reference code counts
+    as user code (it is what a user would write)."""
+    if path.startswith(_TORCH_DIR):
+        return False
+    return not path.startswith(_MEMCALC_DIR) or path.startswith(_REFERENCE_DIR)
 
 
 class Tracer(TorchDispatchMode):
@@ -50,6 +58,9 @@ class Tracer(TorchDispatchMode):
         super().__init__()
         self.ledger = Ledger(workspace_bytes, capacity, record=True)
         self.refs: dict[int, StorageWeakRef] = {}
+        # ("alloc", key, component) | ("free", key) | ("cublas",) | ("mark", what):
+        # the run as a program, for memcalc/trace.py
+        self.events: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.collect_frees()
@@ -59,7 +70,8 @@ class Tracer(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 self._track(t, op)
         if op in CUBLAS_OPS:
-            self.ledger.ensure_workspace(_thread(), _user_line())
+            self.ledger.ensure_workspace(_thread(), _where()[0])
+            self.events.append(("cublas",))
         return out
 
     def __exit__(self, *exc):
@@ -72,6 +84,7 @@ class Tracer(TorchDispatchMode):
             if ref.expired():
                 del self.refs[key]
                 self.ledger.free(key)
+                self.events.append(("free", key))
 
     def _track(self, t: torch.Tensor, op: str) -> None:
         storage = t.untyped_storage()
@@ -81,11 +94,18 @@ class Tracer(TorchDispatchMode):
         thread = _thread()
         role = Role.input if op == "randn" else (
             Role.temporary if thread == "autograd" else Role.activation)
-        component = Component(name=op, role=role, op=op, shape=tuple(t.shape),
+        where, code = _where()
+        component = Component(name=f"{op} ({where})", role=role, op=op, shape=tuple(t.shape),
                               dtype=str(t.dtype).removeprefix("torch."),
-                              nbytes=storage.nbytes(), block_bytes=0, source=_user_line())
+                              nbytes=storage.nbytes(), block_bytes=0, source=code)
         self.refs[key] = StorageWeakRef(storage)
         self.ledger.alloc(key, component)
+        self.events.append(("alloc", key, self.ledger.live[key].component))
+
+    def mark(self, what: str) -> None:
+        """Note a protocol point (a counter read) in the event log, after pending frees."""
+        self.collect_frees()
+        self.events.append(("mark", what))
 
 
 class TracerProbe:
@@ -100,12 +120,12 @@ class TracerProbe:
         self.output_key = None
 
     def allocated(self) -> int:
-        self.tracer.collect_frees()
+        self.tracer.mark("allocated")
         self.marks.append(set(self.tracer.ledger.live))
         return self.allocator.allocated
 
     def max_allocated(self) -> int:
-        self.tracer.collect_frees()
+        self.tracer.mark("max_allocated")
         self.peaks.append(self.tracer.ledger.peak_live)
         return self.allocator.peak_allocated
 
@@ -113,14 +133,15 @@ class TracerProbe:
         return self.allocator.peak_reserved
 
     def reset_peak(self) -> None:
-        self.tracer.collect_frees()
+        self.tracer.mark("reset_peak")
         self.tracer.ledger.reset_peak()
 
     def block_bytes(self, tensor) -> int:
         """Block of ``out``, read right after the forward: the moment to note what the
         forward left alive besides it (``saved_bytes`` counts exactly these)."""
-        key = tensor.untyped_storage()._cdata
+        key = self.output_key = tensor.untyped_storage()._cdata
         live = self.tracer.ledger.live
+        self.output = live[key].component
         self.saved = tuple(v.component for k, v in live.items()
                            if k not in self.marks[0] and k != key)
         return self.tracer.ledger.block_bytes(key)
@@ -131,40 +152,71 @@ def _thread() -> str:
     return "autograd" if torch._C._current_graph_task_id() != -1 else "main"
 
 
-def _user_line() -> str:
-    """``file:line: code`` of the innermost frame outside torch and this harness, or the
-    autograd node running (backward ops have no user frame)."""
+def _where() -> tuple[str, str]:
+    """Where an op was called from: ``(file:line, code)`` of the innermost frame outside
+    torch and this harness, or ``(autograd node, "")`` in backward, which has no user frame."""
     if _thread() == "autograd":
         node = torch._C._current_autograd_node()
-        return f"autograd: {node.name()}" if node is not None else "autograd"
+        return (node.name() if node is not None else "autograd"), ""
     frame = sys._getframe(2)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_TORCH_DIR) and path not in _HARNESS_FILES:
+        if _is_user_code(path):
             code = linecache.getline(path, frame.f_lineno).strip()
-            return f"{os.path.basename(path)}:{frame.f_lineno}: {code}"
+            return f"{os.path.basename(path)}:{frame.f_lineno}", code
         frame = frame.f_back
-    return "?"
+    return "?", ""
 
 
-def measure(config: Config, fn: Callable | None = None) -> Breakdown:
-    """Run the protocol for ``config`` on the meta device and read the breakdown off the
-    trace; ``fn(q, k, v)`` defaults to the reference code of ``config.impl``."""
-    fn = fn or reference_fn(config)
-    tracer = Tracer(config.workspace_bytes)
-    probe = TracerProbe(tracer)
+def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe) -> Measured:
+    """The protocol for ``fn`` on the meta device, under ``tracer``."""
     proto = config.protocol
     with tracer:
         inputs = make_inputs(torch, *_shapes(config), getattr(torch, config.dtype.torch_name),
                              "meta", need_grad=not proto.forward_only,
                              grad_out=proto.loss == "grad" and not proto.forward_only)
+        _name_inputs(tracer, inputs)
         measured = run_protocol(torch, fn, probe, inputs, proto.forward_only)
         del inputs
+    return measured
+
+
+def _name_inputs(tracer: Tracer, inputs) -> None:
+    """Call the protocol's inputs by their names, not by the line that made them."""
+    for name, t in zip(("q", "k", "v", "grad_out"), inputs):
+        if t is not None:
+            live = tracer.ledger.live[t.untyped_storage()._cdata]
+            live.component = live.component.model_copy(update={"name": name, "source": ""})
+
+
+def measure(config: Config, fn: Callable | None = None) -> Breakdown:
+    """Run the protocol for ``config`` on the meta device and read the breakdown off the
+    trace; ``fn(q, k, v)`` defaults to the reference code of ``config.impl``."""
+    tracer = Tracer(config.workspace_bytes)
+    probe = TracerProbe(tracer)
+    measured = run_traced(config, fn or reference_fn(config), tracer, probe)
+    relabel = _roles(tracer, probe)
     backward_live = probe.peaks[1] if len(probe.peaks) > 1 else ()
-    result = Breakdown(config=config, forward_live=probe.peaks[0], backward_live=backward_live,
-                       saved=probe.saved, reserved_peak_bytes=measured.reserved_peak_bytes)
+    result = Breakdown(config=config, forward_live=relabel(probe.peaks[0]),
+                       backward_live=relabel(backward_live), saved=relabel(probe.saved),
+                       reserved_peak_bytes=measured.reserved_peak_bytes)
     _check_consistent(result, measured)
     return result
+
+
+def _roles(tracer: Tracer, probe: TracerProbe) -> Callable:
+    """Roles the trace only knows at the end: what the forward left alive is saved, the
+    output is the output, and what the backward left alive are the leaf grads."""
+    roles = {id(c): Role.saved for c in probe.saved}
+    roles[id(probe.output)] = Role.output
+    roles.update({id(c): Role.gradient for c in tracer.ledger.components()
+                  if c.role is Role.temporary})
+
+    def relabel(components):
+        return tuple(c.model_copy(update={"role": roles[id(c)]}) if id(c) in roles else c
+                     for c in components)
+
+    return relabel
 
 
 def _shapes(config: Config) -> tuple[tuple[int, ...], tuple[int, ...]]:

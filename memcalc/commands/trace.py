@@ -1,0 +1,23 @@
+"""``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code."""
+
+from memcalc.cli import config_from, emit, format_options, shape_options
+
+HELP = ("breakdown of your own attention function, traced on the meta device "
+        "(imports and runs the named file or module as Python code)")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("target", metavar="FILE.py:FUNCTION",
+                        help="fn(q, k, v) returning out; also MODULE:FUNCTION. The file is "
+                             "imported (its code runs); nothing else is imported")
+    shape_options(parser)
+    format_options(parser)
+
+
+def run(args) -> int:
+    from memcalc.tracing import load_function, register_function, trace
+
+    fn = load_function(args.target)
+    name = register_function(fn, args.target)
+    emit(trace(fn, config_from(args, impl=name)), args.format)
+    return 0

@@ -1,0 +1,325 @@
+"""Bring your own attention: trace a user's function on the meta device and treat it like
+a built-in implementation.
+
+``trace(fn, config)`` runs the protocol (DESIGN.md section 1) for ``fn(q, k, v)`` on the
+emulated backend and returns the same ``Breakdown`` as ``predict``, its components named by
+the op that allocated them and the user's source line.
+
+``traced_program(fn, config)`` turns the function into a program of the kind built-in
+implementations declare: it traces at a few sequence lengths, checks that the op sequence
+does not change, and recovers every allocation's size as an exact polynomial in seq_len
+(fitted with fractions on four lengths, verified on two more). Registered under a name
+(``register_function``), the traced code then works everywhere a built-in does:
+``predict``, OOM solving, sweeps.
+
+The user's file is imported, so it runs as code: only what the user names is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import traceback
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable
+
+from memcalc.breakdown import Breakdown
+from memcalc.config import Config
+from memcalc.tensors import Cublas, Dims, Free, Program, Release, Role, Tensor
+
+# odd lengths sharing no padding multiple: the first four fit, the last two verify
+SAMPLE_LENGTHS = (61, 97, 131, 173, 211, 257)
+
+
+class TraceError(ValueError):
+    """The function cannot be loaded or traced; the message says where and why."""
+
+
+def load_function(spec: str) -> Callable:
+    """``path/to/file.py:fn`` or ``package.module:fn``: import exactly that, return ``fn``."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise TraceError(f"--trace {spec}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
+    module = _import(target, spec)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise TraceError(f"--trace {spec}: {target} has no function {name!r}")
+    _check_signature(fn, spec)
+    return fn
+
+
+def _import(target: str, spec: str):
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise TraceError(f"--trace {spec}: no file {target}")
+            module_spec = importlib.util.spec_from_file_location(f"memcalc_user_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(target)
+    except TraceError:
+        raise
+    except BaseException as error:  # the user's module may raise anything, SystemExit too
+        raise TraceError(f"--trace {spec}: importing {target} failed: "
+                         f"{type(error).__name__}: {_first_line(error)}") from None
+
+
+def _check_signature(fn: Callable, spec: str) -> None:
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError:
+        raise TraceError(f"--trace {spec}: the function must accept (q, k, v)") from None
+    except ValueError:  # builtins without a signature: let the call decide
+        pass
+
+
+def bind_options(fn: Callable, config: Config) -> Callable:
+    """``fn(q, k, v)`` with ``causal``/``is_causal`` passed when the function takes it."""
+    params = _parameters(fn)
+    options = {k: config.causal for k in ("causal", "is_causal") if k in params}
+    return lambda q, k, v: fn(q, k, v, **options)
+
+
+def _parameters(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except ValueError:
+        return set()
+
+
+def trace(fn: Callable, config: Config) -> Breakdown:
+    """The breakdown of ``fn``'s step under ``config``, traced on the meta device."""
+    from memcalc.validate.emulated import measure
+
+    return _guarded(lambda: measure(config, bind_options(fn, config)), fn)
+
+
+def _guarded(run: Callable, fn: Callable):
+    """Run a trace; a failure becomes a TraceError naming the user's line and a hint."""
+    try:
+        return run()
+    except TraceError:
+        raise
+    except Exception as error:  # noqa: BLE001 - anything the user's code raises on meta
+        raise TraceError(_explain(error, fn)) from None
+
+
+def _explain(error: Exception, fn: Callable) -> str:
+    source = inspect.getsourcefile(fn) or ""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == source]
+    where = f"line {frames[-1].lineno} of {Path(source).name} ({frames[-1].line})" if frames \
+        else getattr(fn, "__name__", "the function")
+    return (f"{where} cannot run on the meta device: {type(error).__name__}: "
+            f"{_first_line(error)}. Hint: data-dependent code (.item(), .cpu(), shapes from "
+            "values) cannot be traced; give a custom CUDA/Triton kernel a fake implementation "
+            "(torch.library.register_fake), or pick the built-in model that matches it "
+            "(memcalc impls)")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+# --- from traces to a program -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Poly:
+    """An exact polynomial in N with rational coefficients, lowest degree first."""
+
+    coefficients: tuple[Fraction, ...]
+
+    def value(self, n: int) -> Fraction:
+        return sum((c * n**i for i, c in enumerate(self.coefficients)), Fraction(0))
+
+    def __call__(self, n: int) -> int:
+        value = self.value(n)
+        if value.denominator != 1:
+            raise TraceError(f"a traced size is not an integer at seq_len {n}")
+        return int(value)
+
+
+def fit(xs: tuple[int, ...], ys: list[int]) -> Poly | None:
+    """The lowest-degree polynomial through the first points that also passes through the
+    others; None when none fits (a size that is not polynomial in N, e.g. padded)."""
+    for degree in range(len(xs) - 1):
+        poly = _interpolate(xs[: degree + 1], ys[: degree + 1])
+        if all(poly.value(x) == y for x, y in zip(xs, ys)):
+            return poly
+    return None
+
+
+def _interpolate(xs, ys) -> Poly:
+    """Newton's divided differences, expanded to monomial coefficients, in fractions."""
+    coefficients = [Fraction(0)] * len(xs)
+    table = [Fraction(y) for y in ys]
+    basis = [Fraction(1)]  # prod (N - x_j) so far, as monomial coefficients
+    for i in range(len(xs)):
+        if i:
+            table = [(table[j + 1] - table[j]) / (xs[j + i] - xs[j]) for j in range(len(table) - 1)]
+            basis = [Fraction(0)] + basis
+            for j in range(len(basis) - 1):
+                basis[j] -= xs[i - 1] * basis[j + 1]
+        for j, b in enumerate(basis):
+            coefficients[j] += table[0] * b
+    return Poly(tuple(coefficients))
+
+
+def step_events(tracer, probe) -> tuple[list, list]:
+    """The measured step's forward and backward as program events, from a tracer's log."""
+    events = tracer.events
+    marks = [i for i, e in enumerate(events) if e[0] == "mark"]
+    # marks: reset, a0, a1, forward peak [, reset, backward peak]
+    forward = events[marks[1] + 1: marks[2]]
+    backward = events[marks[4] + 1: marks[5]] if len(marks) >= 6 else []
+    return _convert(forward, backward, probe.output_key)
+
+
+def _convert(forward: list, backward: list, output_key) -> tuple[list, list]:
+    """Name each allocation, give it a role (alive at the end of its phase: saved or
+    gradient; else activation or temporary), and turn frees of saved tensors into releases."""
+    names: dict = {}
+    out_index = max((i for i, e in _alive(forward).items() if e[1] == output_key), default=None)
+    fwd = [_event(e, names, _role(i, e, _alive(forward), out_index, Role.saved, Role.activation))
+           for i, e in enumerate(forward)]
+    bwd = [_event(e, names, _role(i, e, _alive(backward), None, Role.gradient, Role.temporary))
+           for i, e in enumerate(backward)]
+    return [e for e in fwd if e], [e for e in bwd if e]
+
+
+def _alive(events: list) -> dict[int, tuple]:
+    """Allocation events (by position) still alive at the end; storage keys are addresses
+    and get reused, so liveness is tracked per allocation, not per key."""
+    current: dict = {}
+    for i, e in enumerate(events):
+        if e[0] == "alloc":
+            current[e[1]] = i
+        elif e[0] == "free":
+            current.pop(e[1], None)
+    return {i: events[i] for i in current.values()}
+
+
+def _role(index: int, event, alive: dict, out_index, kept: Role, dropped: Role) -> Role | None:
+    if event[0] != "alloc":
+        return None
+    if index == out_index:
+        return Role.output
+    return kept if index in alive else dropped
+
+
+def _event(event, names: dict, role):
+    kind = event[0]
+    if kind == "cublas":
+        return Cublas()
+    if kind == "alloc":
+        c = event[2]
+        name = _unique(c.name, names)
+        names[event[1]] = (name, role)
+        return Tensor(name, c.shape, c.dtype, role, c.op, storage_bytes=c.nbytes)
+    if kind == "free" and event[1] in names:
+        name, role = names.pop(event[1])
+        return Release((name,)) if role is Role.saved else Free((name,))
+    return None  # frees of what the step did not allocate, marks
+
+
+def _unique(name: str, names: dict) -> str:
+    taken = {n for n, _ in names.values()}
+    candidate, i = name, 2
+    while candidate in taken:
+        candidate, i = f"{name} #{i}", i + 1
+    return candidate
+
+
+def traced_program(fn: Callable, config: Config) -> Callable[[int], Program]:
+    """``fn``'s program at any seq_len, from traces at ``SAMPLE_LENGTHS`` under ``config``
+    (its seq_len ignored; key/value length follows seq_len)."""
+    if config.shape.kv_len is not None:
+        raise TraceError("--kv-len: traced code is solved with kv_len = seq_len")
+    samples = [_sample_events(fn, config, n) for n in SAMPLE_LENGTHS]
+    _check_same_structure(samples)
+    forward = _fit_events([s[0] for s in samples])
+    backward = _fit_events([s[1] for s in samples])
+    return lambda n: Program(tuple(e(n) for e in forward), tuple(e(n) for e in backward))
+
+
+def _sample_events(fn: Callable, config: Config, n: int) -> tuple[list, list]:
+    from memcalc.validate.emulated import Tracer, TracerProbe, run_traced
+
+    shape = config.shape.model_copy(update={"seq_len": n})
+    sample = config.model_copy(update={"shape": shape})
+    tracer = Tracer(sample.workspace_bytes)
+    probe = TracerProbe(tracer)
+    _guarded(lambda: run_traced(sample, bind_options(fn, config), tracer, probe), fn)
+    return step_events(tracer, probe)
+
+
+def _check_same_structure(samples: list) -> None:
+    shapes = {tuple(_skeleton(e) for e in s[0] + s[1]) for s in samples}
+    if len(shapes) != 1:
+        raise TraceError("the step's op sequence changes with seq_len (data-dependent "
+                         "control flow?): it cannot be solved as a polynomial in seq_len")
+
+
+def _skeleton(event) -> tuple:
+    if isinstance(event, Tensor):
+        return ("alloc", event.name, event.dtype, event.role, len(event.shape))
+    return (type(event).__name__, getattr(event, "names", ()))
+
+
+def _fit_events(per_sample: list[list]) -> list[Callable[[int], object]]:
+    """For each event position, a function of N giving the event at that length."""
+    return [_fit_event([events[i] for events in per_sample]) for i in range(len(per_sample[0]))]
+
+
+def _fit_event(versions: list) -> Callable[[int], object]:
+    first = versions[0]
+    if not isinstance(first, Tensor):
+        return lambda n: first
+    dims = [_fit_or_fail([v.shape[i] for v in versions], first) for i in range(len(first.shape))]
+    nbytes = _fit_or_fail([v.nbytes for v in versions], first)
+    return lambda n: Tensor(first.name, tuple(p(n) for p in dims), first.dtype, first.role,
+                            first.op, storage_bytes=nbytes(n))
+
+
+def _fit_or_fail(values: list[int], tensor: Tensor) -> Poly:
+    poly = fit(SAMPLE_LENGTHS, values)
+    if poly is None:
+        raise TraceError(f"the size of {tensor.name} is not a polynomial in seq_len "
+                         f"(padded or rounded?): {dict(zip(SAMPLE_LENGTHS, values))}")
+    return poly
+
+
+def register_function(fn: Callable, label: str) -> str:
+    """Register ``fn`` as implementation ``trace:<label>`` and return that name, for
+    ``Config(impl=...)``. Its program is fitted on first use, once per combination of the
+    sizes other than seq_len (batch, heads, head_dim, dtype, causal, loss, forward-only)."""
+    from memcalc.impls import IMPLS, Impl
+
+    name = f"trace:{label}"
+    programs: dict[Dims, Callable[[int], Program]] = {}
+
+    def build(d: Dims) -> Program:
+        if d.M != d.N:
+            raise TraceError("--kv-len: traced code is solved with kv_len = seq_len")
+        key = d.__class__(**{**d.__dict__, "N": 0, "M": 0})
+        if key not in programs:
+            programs[key] = traced_program(fn, _config_of(name, d))
+        return programs[key](d.N)
+
+    IMPLS[name] = Impl(name, f"traced from {label}", build, gqa=True, traced=True)
+    return name
+
+
+def _config_of(impl: str, d: Dims) -> Config:
+    """A config with the sizes of ``d`` (for sampling traces)."""
+    from memcalc.config import DType, Protocol, Shape
+
+    dtype = next(t for t in DType if t.torch_name == d.dtype)
+    return Config(impl=impl, dtype=dtype, causal=d.causal, chunk=d.chunk,
+                  shape=Shape(batch=d.B, heads=d.H, kv_heads=d.Hk, seq_len=d.N, head_dim=d.D),
+                  protocol=Protocol(loss=d.loss, forward_only=d.forward_only))

@@ -1,0 +1,81 @@
+"""Bring-your-own attention: tracing a user's function, fitting its program, its errors."""
+
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from memcalc.cli import main
+from memcalc.config import Config
+from memcalc.timeline import predict
+from memcalc.tracing import TraceError, fit, load_function, register_function, trace
+from memcalc.validate import figures_of
+
+ROOT = Path(__file__).resolve().parents[1]
+NAIVE = f"{ROOT}/memcalc/validate/reference/naive.py:naive"
+
+
+def test_tracing_the_reference_file_equals_the_builtin_model():
+    fn = load_function(NAIVE)
+    config = Config(impl=register_function(fn, "ref"), shape={"batch": 2, "seq_len": 1050})
+    builtin = predict(config.model_copy(update={"impl": "naive"}))
+    assert figures_of(trace(fn, config)) == figures_of(builtin)
+
+
+@pytest.mark.parametrize("seq_len", [1000, 3001, 8192])
+def test_fitted_program_equals_a_direct_trace(seq_len):
+    fn = load_function(f"{ROOT}/examples/custom_softmax/variants.py:reciprocal")
+    name = register_function(fn, "reciprocal")
+    config = Config(impl=name, causal=False, dtype="bf16",
+                    shape={"batch": 3, "heads": 2, "seq_len": seq_len})
+    assert figures_of(predict(config)) == figures_of(trace(fn, config))
+
+
+def test_fit_recovers_exact_polynomials():
+    xs = (61, 97, 131, 173, 211, 257)
+    poly = fit(xs, [8 * x * x * 4 + 3 * x + 512 for x in xs])  # 32 N^2 + 3 N + 512
+    assert poly.coefficients == (Fraction(512), Fraction(3), Fraction(32))
+    assert fit(xs, [-(-x // 64) * 64 for x in xs]) is None  # padded to 64: not polynomial
+
+
+def test_padded_sizes_cannot_be_solved(tmp_path):
+    source = tmp_path / "padded.py"
+    source.write_text(
+        "import torch.nn.functional as F\n"
+        "def attn(q, k, v):\n"
+        "    pad = -q.size(-2) % 64\n"
+        "    return F.pad(q, (0, 0, 0, pad))[..., : q.size(-2), :] * 1 + v\n")
+    fn = load_function(f"{source}:attn")
+    config = Config(impl=register_function(fn, "padded"), shape={"seq_len": 100})
+    assert trace(fn, config).peak_bytes > 0  # one size: fine
+    with pytest.raises(TraceError, match="not a polynomial"):
+        predict(config)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("    return q @ k.transpose(-2, -1).item()\n", "line 2 of user.py"),
+    ("    raise RuntimeError('custom kernel')\n", "custom kernel"),
+])
+def test_meta_failures_name_the_line(tmp_path, capsys, body, message):
+    (tmp_path / "user.py").write_text("def attn(q, k, v):\n" + body)
+    code = main(["trace", f"{tmp_path}/user.py:attn", "--seq", "128"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err and "Hint" in err
+
+
+@pytest.mark.parametrize("target, message", [
+    ("missing.py:attn", "no file"),
+    ("{tmp}/user.py:nope", "has no function 'nope'"),
+    ("{tmp}/user.py:two_args", "must accept (q, k, v)"),
+    ("{tmp}/broken.py:attn", "importing"),
+    ("no_colon", "expected FILE.py:FUNCTION"),
+    ("memcalc_no_such_module:attn", "importing"),
+])
+def test_bad_targets_are_one_line(tmp_path, capsys, target, message):
+    (tmp_path / "user.py").write_text("def two_args(q, k):\n    return q\n")
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    code = main(["trace", target.format(tmp=tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
