@@ -50,17 +50,14 @@ def format_options(p: argparse.ArgumentParser) -> None:
 
 def config_from(args, **overrides):
     """The ``Config`` the options describe (raises pydantic's ValidationError)."""
-    from memcalc.config import Config, Device, Protocol, Shape
+    from memcalc.config import make_config
 
-    values = dict(
-        impl=args.impl, dtype=args.dtype, causal=args.causal, chunk=args.chunk,
-        shape=Shape(batch=args.batch, heads=args.heads, seq_len=args.seq,
-                    head_dim=args.head_dim, kv_len=args.kv_len, kv_heads=args.kv_heads),
-        device=Device(gpu=args.gpu),
-        protocol=Protocol(loss=args.loss, forward_only=args.forward_only,
-                          cublas_workspace_config=args.cublas_workspace_config),
-    )
-    return Config(**{**values, **overrides})
+    flat = dict(impl=args.impl, seq_len=args.seq, batch=args.batch, heads=args.heads,
+                head_dim=args.head_dim, kv_len=args.kv_len, kv_heads=args.kv_heads,
+                dtype=args.dtype, causal=args.causal, chunk=args.chunk, gpu=args.gpu,
+                loss=args.loss, forward_only=args.forward_only,
+                cublas_workspace_config=args.cublas_workspace_config)
+    return make_config(**{**flat, **overrides})
 
 
 def emit(result, fmt: str | None) -> None:

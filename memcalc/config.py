@@ -163,3 +163,20 @@ class Config(BaseModel):
         numbers = [int(n) for n in config.strip(":").split(":")]
         return sum(size * KiB * count for size, count in zip(numbers[::2], numbers[1::2]))
 
+
+
+def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, heads: int = 1,
+                head_dim: int = 16, kv_len: int | None = None, kv_heads: int | None = None,
+                dtype: str = "fp32", causal: bool = False, chunk: int = 64,
+                gpu: str | None = "h100-80gb", loss: str = "grad", forward_only: bool = False,
+                cublas_workspace_config: str | None = None) -> Config:
+    """A ``Config`` from the flat options the CLI and the Python API share (the CLI's
+    ``--seq`` is ``seq_len``); raises pydantic's ValidationError naming the field."""
+    return Config(
+        impl=impl, dtype=dtype, causal=causal, chunk=chunk,
+        shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
+                    kv_len=kv_len, kv_heads=kv_heads),
+        device=Device(gpu=gpu),
+        protocol=Protocol(loss=loss, forward_only=forward_only,
+                          cublas_workspace_config=cublas_workspace_config),
+    )

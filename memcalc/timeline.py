@@ -8,13 +8,24 @@ difference between prediction and trace can only come from the tensors and lifet
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, NamedTuple
 
 from memcalc.allocator import Block, CachingAllocator
 from memcalc.breakdown import Breakdown, Component
 from memcalc.config import Config
 from memcalc.impls import get_impl
 from memcalc.tensors import Cublas, Dims, Event, Free, Program, Release, Role, Tensor
+
+
+class Event(NamedTuple):
+    """One entry of a recording ledger's history: an allocation, a free or a phase mark,
+    and the allocated and reserved bytes right after it."""
+
+    kind: str  # alloc | free | phase
+    component: Component | None
+    allocated: int
+    reserved: int
+    label: str = ""
 
 
 @dataclass
@@ -33,7 +44,7 @@ class Ledger:
         self.workspace_bytes = workspace_bytes
         self.live: dict[Hashable, Live] = {}
         self.peak_live: tuple[Component, ...] = ()
-        self.history: list[tuple[str, Component, int]] | None = [] if record else None
+        self.history: list[Event] | None = [] if record else None
 
     def alloc(self, key: Hashable, component: Component) -> None:
         """Allocate ``component``; remember the live set when the peak rises."""
@@ -50,10 +61,15 @@ class Ledger:
         self.allocator.free(live.block)
         self._record("free", live.component)
 
-    def _record(self, kind: str, component: Component) -> None:
+    def _record(self, kind: str, component: Component | None, label: str = "") -> None:
         """With ``record``, keep every event and the allocated bytes after it."""
         if self.history is not None:
-            self.history.append((kind, component, self.allocator.allocated))
+            a = self.allocator
+            self.history.append(Event(kind, component, a.allocated, a.reserved, label))
+
+    def phase(self, label: str) -> None:
+        """Mark the start of a protocol phase in the history."""
+        self._record("phase", None, label)
 
     def ensure_workspace(self, thread: str, source: str = "") -> None:
         """The thread's cuBLAS workspace, created at its first cuBLAS call."""
@@ -85,9 +101,11 @@ def predict(config: Config, capacity: int | None = None, ledger: Ledger | None =
     ledger = ledger or Ledger(config.workspace_bytes, capacity)
     _inputs(ledger, config)
     grad = not config.protocol.forward_only
+    ledger.phase("warm-up")
     _step(ledger, program, grad)  # warm-up: creates the workspaces, fills the cache
     ledger.reset_peak()
     before = set(ledger.live)
+    ledger.phase("forward")
     _run(ledger, program.forward, "main", grad)
     forward_live = ledger.peak_live
     reserved = ledger.allocator.peak_reserved
@@ -96,9 +114,11 @@ def predict(config: Config, capacity: int | None = None, ledger: Ledger | None =
     ledger.reset_peak()
     backward_live = ()
     if grad:
+        ledger.phase("backward")
         _run(ledger, program.backward, "autograd", grad)
         backward_live = ledger.peak_live
     reserved = max(reserved, ledger.allocator.peak_reserved)
+    ledger.phase("end")
     _release(ledger, Role.output)  # protocol: del out
     return Breakdown(config=config, forward_live=forward_live, backward_live=backward_live,
                      saved=saved, reserved_peak_bytes=reserved)

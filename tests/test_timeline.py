@@ -71,7 +71,9 @@ def test_components_add_up_to_the_peak():
 def test_ledger_history_records_every_event():
     ledger = Ledger(WS, record=True)
     predict(Config(impl="naive-softmax", shape={"seq_len": 256}), ledger=ledger)
-    kinds = [k for k, _, _ in ledger.history]
+    kinds = [e.kind for e in ledger.history]
     # alive after the step: q, k, v, grad_out, the two workspaces and the three leaf grads
     assert kinds.count("alloc") == kinds.count("free") + 9
-    assert ledger.history[-1][2] == 7 * (8 * 256 * 16 * 4) + 2 * WS  # 7 tensors of 8 x 256 x 16 x 4 B
+    assert ledger.history[-1].allocated == 7 * (8 * 256 * 16 * 4) + 2 * WS  # 7 x 8 x 256 x 16 x 4 B
+    assert [e.label for e in ledger.history if e.kind == "phase"] == [
+        "warm-up", "forward", "backward", "end"]

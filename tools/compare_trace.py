@@ -33,7 +33,8 @@ em.Tracer.__init__ = init
 trace = measure(cfg)
 print("model ", model.figures())
 print("traced", trace.figures())
-for i, (x, y) in enumerate(itertools.zip_longest(model_ledger.history, traced_ledgers[0].history)):
+model_events = [e for e in model_ledger.history if e.kind != "phase"]
+for i, (x, y) in enumerate(itertools.zip_longest(model_events, traced_ledgers[0].history)):
     fx = (x[0], x[1].nbytes) if x else None
     fy = (y[0], y[1].nbytes) if y else None
     mark = "  " if fx == fy else "!!"
