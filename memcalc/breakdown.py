@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from memcalc.config import Config
 from memcalc.tensors import ITEMSIZE, Role
@@ -17,10 +17,22 @@ from memcalc.tensors import ITEMSIZE, Role
 _FROZEN = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
 
-class Component(BaseModel):
-    """One allocation: a tensor (or a workspace) and the block the allocator gave it."""
+class Result(BaseModel):
+    """Base of result models: frozen, and their JSON reads back although it carries the
+    computed totals (they are recomputed, never taken from the input)."""
 
     model_config = _FROZEN
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_computed(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in cls.model_computed_fields}
+        return data
+
+
+class Component(Result):
+    """One allocation: a tensor (or a workspace) and the block the allocator gave it."""
     name: str
     role: Role
     op: str
@@ -48,10 +60,8 @@ def _total(components: tuple[Component, ...]) -> int:
     return sum(c.block_bytes for c in components)
 
 
-class Breakdown(BaseModel):
+class Breakdown(Result):
     """Memory of one training step, as ``torch.cuda`` would report it (DESIGN.md s.1)."""
-
-    model_config = _FROZEN
     config: Config
     forward_live: tuple[Component, ...]
     backward_live: tuple[Component, ...]

@@ -17,7 +17,7 @@ from memcalc.impls import get_impl
 from memcalc.tensors import Cublas, Dims, Event, Free, Program, Release, Role, Tensor
 
 
-class Event(NamedTuple):
+class Entry(NamedTuple):
     """One entry of a recording ledger's history: an allocation, a free or a phase mark,
     and the allocated and reserved bytes right after it."""
 
@@ -44,7 +44,7 @@ class Ledger:
         self.workspace_bytes = workspace_bytes
         self.live: dict[Hashable, Live] = {}
         self.peak_live: tuple[Component, ...] = ()
-        self.history: list[Event] | None = [] if record else None
+        self.history: list[Entry] | None = [] if record else None
 
     def alloc(self, key: Hashable, component: Component) -> None:
         """Allocate ``component``; remember the live set when the peak rises."""
@@ -65,7 +65,7 @@ class Ledger:
         """With ``record``, keep every event and the allocated bytes after it."""
         if self.history is not None:
             a = self.allocator
-            self.history.append(Event(kind, component, a.allocated, a.reserved, label))
+            self.history.append(Entry(kind, component, a.allocated, a.reserved, label))
 
     def phase(self, label: str) -> None:
         """Mark the start of a protocol phase in the history."""

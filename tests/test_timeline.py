@@ -6,11 +6,8 @@ ROW = 8 x 16384 x 4 B = 524,288 (a row statistic); IDX = 8 x 16384 x 8 B = 1,048
 (int64 argmax); WS = 32 MiB = 33,554,432 (one H100 cuBLAS workspace; two threads hold one).
 """
 
-import pytest
 
-from memcalc.allocator import MiB
 from memcalc.config import Config, Protocol
-from memcalc.tensors import Role
 from memcalc.timeline import Ledger, predict
 
 NN, ND, ROW, IDX, WS = 8_589_934_592, 8_388_608, 524_288, 1_048_576, 33_554_432

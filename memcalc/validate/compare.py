@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, computed_field
+from pydantic import computed_field
 
+from memcalc.breakdown import Result
 from memcalc.config import Config
 from memcalc.render import Column, markdown_table, rich_table
 
 FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
            "reserved_peak_bytes")
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
-class Check(BaseModel):
+class Check(Result):
     """One configuration: the model's figures and the backend's, or why there are none."""
-
-    model_config = _FROZEN
     config: Config
     predicted: dict[str, int]
     measured: dict[str, int] | None = None
@@ -65,10 +63,8 @@ REPORT_COLUMNS = [
 ]
 
 
-class Report(BaseModel):
+class Report(Result):
     """A validation run: the backend, its environment and one check per configuration."""
-
-    model_config = _FROZEN
     backend: str
     environment: dict[str, str]
     checks: tuple[Check, ...]
