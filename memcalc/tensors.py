@@ -72,7 +72,18 @@ class Cublas:
     pass
 
 
-Event = Tensor | Free | Release | Cublas
+@dataclass(frozen=True)
+class Mark:
+    """A labelled point between events; allocates and frees nothing (the timeline skips
+    it). ``memcalc/impls/checkpoint.py`` reads two labels: ``LAST_SAVE`` and ``FIRST_UNPACK``."""
+
+    label: str
+
+
+LAST_SAVE = "last_save"
+FIRST_UNPACK = "first_unpack"
+
+Event = Tensor | Free | Release | Cublas | Mark
 
 
 def new(name: str, shape: tuple[int, ...], dtype: str, role: Role, op: str) -> Tensor:
@@ -93,6 +104,18 @@ def release(*names: str) -> Release:
 def cublas() -> Cublas:
     """The op just declared calls cuBLAS."""
     return Cublas()
+
+
+def last_save() -> Mark:
+    """Forward: autograd packs the step's last saved tensor here (an op saving its inputs
+    packs them before it allocates). Non-reentrant checkpoint's recomputation stops here."""
+    return Mark(LAST_SAVE)
+
+
+def first_unpack() -> Mark:
+    """Backward: the first node that reads a saved tensor starts here (where
+    non-reentrant checkpoint recomputes the forward)."""
+    return Mark(FIRST_UNPACK)
 
 
 @dataclass(frozen=True)
@@ -128,4 +151,5 @@ class Program:
     backward: tuple[Event, ...]
 
 
-__all__ = ["DType", "Dims", "Event", "Program", "Role", "Tensor", "cublas", "free", "new", "release"]
+__all__ = ["DType", "Dims", "Event", "Mark", "Program", "Role", "Tensor", "cublas", "first_unpack",
+           "free", "last_save", "new", "release"]

@@ -1,0 +1,260 @@
+"""``sdpa-math``: ``F.scaled_dot_product_attention`` on the math backend.
+
+Reference code: ``memcalc/validate/reference/sdpa_math.py``. The math backend is the
+composite ``_scaled_dot_product_attention_math`` of
+``aten/src/ATen/native/transformers/attention.cpp`` (torch 2.13), which a user reaches on
+CUDA with ``sdpa_kernel(SDPBackend.MATH)`` and which meta and CPU tensors always take
+(``_fused_sdp_choice_meta``). What it allocates, in order:
+
+* fp16/bf16 inputs are upcast to float32 first (``query_acc``, ``key_acc``, ``value_acc``:
+  ``allowFP16BF16ReductionMathSDP()`` is off by default), so every N x M tensor is
+  float32 whatever the input dtype, and the output and the returned weights are cast back;
+* the softmax scale is split as ``sqrt(scale)`` over ``q`` and over ``k^T``: two
+  ``(B, H, N|M, D)`` float32 products, both saved by the first matmul;
+* ``is_causal`` builds an ``(N, M)`` float32 additive mask from a bool ``tril``
+  (``convert_boolean_attn_mask``: ``where(mask, 0, -inf)``);
+* GQA: ``repeat_interleave`` of k and v to H heads (``pre_process_group_query_attention_input``),
+  a clone of shape ``(B, Hk, H/Hk, M, D)`` each; the value copy is saved;
+* ``_safe_softmax`` (saves its result); ``SafeSoftmaxBackward0`` is ``_softmax_backward_data``.
+
+What the emulated trace sees differs from a live CUDA run in two places, both in the
+forward, both modelled here as the trace sees them (see ``mask_scores`` and ``weights``).
+"""
+
+from __future__ import annotations
+
+from memcalc.impls import register
+from memcalc.impls.common import with_loss
+from memcalc.tensors import (
+    Dims,
+    Program,
+    Role,
+    cublas,
+    first_unpack,
+    free,
+    last_save,
+    new,
+    release,
+)
+
+A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
+F32 = "float32"
+
+
+def upcast(d: Dims) -> bool:
+    """Whether the inputs are cast to float32 (fp16 and bf16 are; fp32 is used as is)."""
+    return d.dtype != F32
+
+
+def gqa(d: Dims) -> bool:
+    """Whether k and v have fewer heads than q and are repeated to ``H`` heads."""
+    return d.Hk != d.H
+
+
+def inputs_fp32(d: Dims) -> list:
+    """``query_acc, key_acc, value_acc = q/k/v.to(float32)`` (fp16/bf16 only)."""
+    if not upcast(d):
+        return []
+    kv = (d.B, d.Hk, d.M, d.D)
+    return [
+        new("q32", (d.B, d.H, d.N, d.D), F32, A, "_to_copy"),  # (B, H, N, D) query_acc
+        new("k32", kv, F32, A, "_to_copy"),  # (B, Hk, M, D) key_acc
+        new("v32", kv, F32, S if not gqa(d) else A, "_to_copy"),  # (B, Hk, M, D) saved by bmm(p, v)
+    ]
+
+
+def causal_mask(d: Dims) -> list:
+    """``where(ones(N, M, bool).tril(), 0., -inf)``: the ``(N, M)`` float32 additive mask."""
+    if not d.causal:
+        return []
+    return [
+        new("ones", (d.N, d.M), "bool", T, "ones"),  # (N, M)
+        new("tril", (d.N, d.M), "bool", T, "tril"),  # (N, M)
+        free("ones"),
+        new("zero", (), F32, T, "scalar_tensor"),  # () where's scalar 0.0
+        new("-inf", (), F32, T, "scalar_tensor"),  # () where's scalar -inf
+        new("mask", (d.N, d.M), F32, T, "where"),  # (N, M) 0 or -inf
+        free("tril", "zero", "-inf"),
+    ]
+
+
+def repeat_kv(d: Dims) -> list:
+    """GQA: ``k.repeat_interleave(H // Hk, dim=-3)``, the same for v: an expand and a clone."""
+    if not gqa(d):
+        return []
+    rep = (d.B, d.Hk, d.H // d.Hk, d.M, d.D)
+    return [
+        new("k_rep", rep, F32, A, "clone"),  # (B, Hk, H/Hk, M, D) key_expanded
+        new("v_rep", rep, F32, S, "clone"),  # (B, Hk, H/Hk, M, D) saved by bmm(p, v)
+    ]
+
+
+def mask_scores(d: Dims) -> list:
+    """``attn += mask``. attention.cpp adds in place (``attn.add_``) unless
+    ``areAnyTensorSubclassLike`` is true, which it is whenever a dispatch mode is active
+    (``c10::impl::dispatch_mode_enabled``, ``aten/src/ATen/TensorSubclassLikeUtils.h``):
+    the emulated tracer is such a mode, so the trace (and this model) has an out-of-place
+    ``add``, one more N x M float32 block alive beside the scores. A live CUDA run adds in
+    place."""
+    if not d.causal:
+        return []
+    return [
+        new("s", (d.B, d.H, d.N, d.M), F32, A, "add"),  # (B, H, N, M) qk + mask
+        free("qk"),
+    ]
+
+
+def weights(d: Dims) -> list:
+    """``attn = _safe_softmax(attn, -1)``: saved by ``SafeSoftmaxBackward0`` and by
+    ``bmm(p, v)``. ``_safe_softmax`` is CompositeExplicitAutograd: the tracer sees one
+    op and its result; inside it, a live run also allocates the softmax before the
+    ``where`` that zeroes fully masked rows, an ``isneginf`` bool mask and a row mask
+    (``_safe_softmax`` in attention.cpp), transients the trace cannot see."""
+    scores = "s" if d.causal else "qk"
+    events = [
+        new("p", (d.B, d.H, d.N, d.M), F32, S, "_safe_softmax"),  # (B, H, N, M)
+        free(scores),
+    ]
+    if upcast(d):  # the weights are returned cast back, then dropped by sdpa
+        events.append(new("p_cast", (d.B, d.H, d.N, d.M), d.dtype, T, "_to_copy"))  # (B, H, N, M)
+    return events
+
+
+def output(d: Dims) -> list:
+    """``out = (p @ v).to(dtype)``: the bmm is the output itself for fp32. The bmm packs
+    ``p`` and ``v``, the last saved tensors, before it allocates."""
+    bnd = (d.B * d.H, d.N, d.D)
+    if not upcast(d):
+        return [last_save(), new("out", bnd, F32, O, "bmm"), cublas()]  # (B*H, N, D)
+    return [
+        last_save(),
+        new("o32", bnd, F32, T, "bmm"),  # (B*H, N, D) attn @ value_acc
+        cublas(),
+        new("out", (d.B, d.H, d.N, d.D), d.dtype, O, "_to_copy"),  # (B, H, N, D)
+    ]
+
+
+def forward(d: Dims) -> list:
+    """The forward of ``_scaled_dot_product_attention_math``, locals freed at its return."""
+    return [
+        *inputs_fp32(d),
+        new("qs", (d.B, d.H, d.N, d.D), F32, S, "mul"),  # (B, H, N, D) q * sqrt(scale)
+        *causal_mask(d),
+        *repeat_kv(d),
+        new("ks", (d.B, d.H, d.D, d.M), F32, S, "mul"),  # (B, H, D, M) k^T * sqrt(scale)
+        new("qk", (d.B * d.H, d.N, d.M), F32, A, "bmm"),  # (B*H, N, M)
+        cublas(),
+        free("ks"),  # a temporary: only autograd keeps it
+        *mask_scores(d),
+        *weights(d),
+        *output(d),
+        free(*[n for n in ("q32", "k32", "v32", "k_rep", "v_rep", "mask", "p_cast", "o32")
+               if _declared(d, n)], "qs", "p"),
+    ]
+
+
+def _declared(d: Dims, name: str) -> bool:
+    """Whether ``forward`` declares ``name`` for these dims."""
+    if name in ("q32", "k32", "v32", "p_cast", "o32"):
+        return upcast(d)
+    if name in ("k_rep", "v_rep"):
+        return gqa(d)
+    return name == "mask" and d.causal
+
+
+def grad_out_fp32(d: Dims) -> list:
+    """``ToCopyBackward0`` of the output cast: the incoming grad as float32."""
+    if not upcast(d):
+        return []
+    return [new("dout32", (d.B, d.H, d.N, d.D), F32, T, "_to_copy")]  # (B, H, N, D)
+
+
+def values_backward(d: Dims) -> list:
+    """``BmmBackward0`` of ``p @ v``: ``dv`` then ``dp``; releases v's float32 copy."""
+    dv_role = T if upcast(d) or gqa(d) else G
+    saved_v = "v_rep" if gqa(d) else ("v32" if upcast(d) else None)
+    return [
+        new("dv_bmm", (d.B * d.H, d.M, d.D), F32, dv_role, "bmm"),  # (B*H, M, D) p^T @ dout
+        cublas(),
+        new("dp", (d.B * d.H, d.N, d.M), F32, T, "bmm"),  # (B*H, N, M) dout @ v^T
+        *([release(saved_v)] if saved_v else []),
+        *([free("dout32")] if upcast(d) else []),
+        new("ds", (d.B, d.H, d.N, d.M), F32, T, "_softmax_backward_data"),  # (B, H, N, M)
+        release("p"),
+        free("dp"),
+    ]
+
+
+def scores_backward(d: Dims) -> list:
+    """``BmmBackward0`` of ``qs @ ks``: grads of both scaled operands; releases them."""
+    return [
+        new("dks", (d.B * d.H, d.D, d.M), F32, T, "bmm"),  # (B*H, D, M) qs^T @ ds
+        new("dqs", (d.B * d.H, d.N, d.D), F32, T, "bmm"),  # (B*H, N, D) ds @ ks^T
+        release("qs", "ks"),
+        free("ds"),
+        new("dk_t", (d.B, d.H, d.D, d.M), F32, T, "mul"),  # (B, H, D, M) MulBackward1
+        free("dks"),
+    ]
+
+
+def leaves_backward(d: Dims) -> list:
+    """From the scaled grads to the leaf grads, in the autograd engine's order (highest
+    sequence number first; ``AccumulateGrad`` first of all, ``torch/csrc/autograd/engine.cpp``)."""
+    if gqa(d):
+        return _leaves_gqa(d)
+    if not upcast(d):
+        return [
+            # dk_t is (B, H, M, D) with transposed strides: AccumulateGrad copies it
+            new("dk", (d.B, d.H, d.M, d.D), F32, G, "new_empty_strided"),  # (B, H, M, D)
+            free("dk_t"),
+            new("dq", (d.B, d.H, d.N, d.D), F32, G, "mul"),  # (B, H, N, D) MulBackward1
+            free("dqs"),
+        ]
+    bhnd, bhmd = (d.B, d.H, d.N, d.D), (d.B, d.H, d.M, d.D)
+    return [
+        new("dq32", bhnd, F32, T, "mul"),  # (B, H, N, D) MulBackward1 of q * sqrt(scale)
+        free("dqs"),
+        new("dv", bhmd, d.dtype, G, "_to_copy"),  # (B, H, M, D) ToCopyBackward0 of v
+        free("dv_bmm"),
+        new("dk_cast", bhmd, d.dtype, T, "_to_copy"),  # (B, H, M, D) keeps dk_t's strides
+        free("dk_t"),
+        new("dk", bhmd, d.dtype, G, "new_empty_strided"),  # (B, H, M, D) AccumulateGrad copy
+        free("dk_cast"),
+        new("dq", bhnd, d.dtype, G, "_to_copy"),  # (B, H, N, D) ToCopyBackward0 of q
+        free("dq32"),
+    ]
+
+
+def _leaves_gqa(d: Dims) -> list:
+    """GQA: ``ExpandBackward0`` sums the repeated heads back, v first then k (the later
+    created node runs first), then q, then the casts back for fp16/bf16."""
+    grouped = (d.B, d.Hk, 1, d.M, d.D)
+    events = [
+        new("dv_sum", grouped, F32, T if upcast(d) else G, "sum"),  # (B, Hk, 1, M, D)
+        free("dv_bmm"),
+        new("dk_sum", grouped, F32, T if upcast(d) else G, "sum"),  # (B, Hk, 1, M, D)
+        free("dk_t"),
+        new("dq32", (d.B, d.H, d.N, d.D), F32, T if upcast(d) else G, "mul"),  # (B, H, N, D)
+        free("dqs"),
+    ]
+    if upcast(d):
+        kv = (d.B, d.Hk, d.M, d.D)
+        events += [
+            new("dv", kv, d.dtype, G, "_to_copy"),  # (B, Hk, M, D) ToCopyBackward0
+            free("dv_sum"),
+            new("dk", kv, d.dtype, G, "_to_copy"),  # (B, Hk, M, D) ToCopyBackward0
+            free("dk_sum"),
+            new("dq", (d.B, d.H, d.N, d.D), d.dtype, G, "_to_copy"),  # (B, H, N, D)
+            free("dq32"),
+        ]
+    return events
+
+
+@register("sdpa-math", "F.scaled_dot_product_attention, math backend (float32 inside)",
+          gqa=True)
+def sdpa_math(d: Dims) -> Program:
+    """``scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hk < H)``
+    under ``sdpa_kernel(SDPBackend.MATH)``."""
+    backward = (grad_out_fp32(d) + [first_unpack()] + values_backward(d) + scores_backward(d)
+                + leaves_backward(d))
+    return Program(tuple(forward(d)), tuple(with_loss(d, backward)))
