@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-# The submodules ``memcalc.breakdown`` and ``memcalc.validate`` share their names with the
-# functions below. Importing them first, then defining the functions, leaves the names
-# bound to the functions (a later import of a loaded submodule does not rebind them).
+# The submodule ``memcalc.breakdown`` shares its name with the function below. Importing
+# it first, then defining the function, leaves the name bound to the function (a later
+# import of a loaded submodule does not rebind it).
 import memcalc.breakdown  # noqa: E402,F401  (light: pydantic models only)
-import memcalc.validate  # noqa: E402,F401  (light: torch is imported by the backends)
 
 __version__ = "0.1.0"
 
@@ -73,6 +72,6 @@ def validate(backend: str = "emulated", impls: list[str] | None = None, grid=Non
     >>> report.mismatches
     0
     """
-    from memcalc.validate import validate as run
+    from memcalc.validation import validate as run
 
     return run(backend=backend, impls=impls, grid=grid)

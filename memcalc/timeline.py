@@ -1,6 +1,6 @@
 """Replays a program through the allocator model, following the measurement protocol.
 
-``Ledger`` is shared with the emulated backend (``memcalc/validate/emulated.py``): both
+``Ledger`` is shared with the emulated backend (``memcalc/validation/emulated.py``): both
 hand allocations to the same allocator model and take their live sets the same way, so a
 difference between prediction and trace can only come from the tensors and lifetimes.
 """

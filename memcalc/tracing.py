@@ -94,7 +94,7 @@ def _parameters(fn: Callable) -> set[str]:
 
 def trace(fn: Callable, config: Config) -> Breakdown:
     """The breakdown of ``fn``'s step under ``config``, traced on the meta device."""
-    from memcalc.validate.emulated import measure
+    from memcalc.validation.emulated import measure
 
     return _guarded(lambda: measure(config, bind_options(fn, config)), fn)
 
@@ -248,7 +248,7 @@ def traced_program(fn: Callable, config: Config) -> Callable[[int], Program]:
 
 
 def _sample_events(fn: Callable, config: Config, n: int) -> tuple[list, list]:
-    from memcalc.validate.emulated import Tracer, TracerProbe, run_traced
+    from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
 
     shape = config.shape.model_copy(update={"seq_len": n})
     sample = config.model_copy(update={"shape": shape})

@@ -11,7 +11,7 @@ from memcalc.config import Config
 from memcalc.impls import IMPLS, impl_names
 from memcalc.impls.checkpoint import PREFIX, UNSUPPORTED
 from memcalc.timeline import Ledger, predict
-from memcalc.validate import figures_of
+from memcalc.validation import figures_of
 
 NN, ND, WS = 8_589_934_592, 8_388_608, 33_554_432
 
@@ -80,8 +80,8 @@ def steps(history) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def traced_steps(config):
-    from memcalc.validate.emulated import Tracer, TracerProbe, run_traced
-    from memcalc.validate.reference import reference_fn
+    from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
+    from memcalc.validation.reference import reference_fn
 
     tracer = Tracer(config.workspace_bytes)
     run_traced(config, reference_fn(config), tracer, TracerProbe(tracer))
@@ -132,7 +132,7 @@ def test_recomputation_stops_early(monkeypatch):
 @pytest.mark.parametrize("impl", ["checkpoint-sdpa-math", "checkpoint-linear-causal-chunked"])
 @pytest.mark.parametrize("seq_len", [1000, 1050, 3001])
 def test_odd_lengths_equal_trace(impl, seq_len):
-    from memcalc.validate.emulated import measure
+    from memcalc.validation.emulated import measure
 
     shape = {"batch": 2, "heads": 4, "kv_heads": 2 if impl.endswith("math") else None,
              "seq_len": seq_len, "head_dim": 16}

@@ -62,8 +62,8 @@ def test_forward_only_keeps_nothing():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_model_equals_trace_with_odd_lengths(causal, loss, dtype):
     pytest.importorskip("torch")
-    from memcalc.validate import figures_of
-    from memcalc.validate.emulated import measure
+    from memcalc.validation import figures_of
+    from memcalc.validation.emulated import measure
 
     config = Config(impl="flash2", causal=causal, dtype=dtype, protocol=Protocol(loss=loss),
                     shape={"batch": 3, "heads": 5, "seq_len": 1051, "kv_len": 777,
@@ -76,7 +76,7 @@ def test_model_equals_trace_with_odd_lengths(causal, loss, dtype):
 def test_a_missing_copy_is_caught(monkeypatch):
     """Drop the ``do.contiguous()`` copy of loss="sum": validation must fail."""
     pytest.importorskip("torch")
-    from memcalc.validate import validate
+    from memcalc.validation import validate
 
     original = IMPLS["flash2"].build
 
@@ -95,7 +95,7 @@ def test_a_missing_copy_is_caught(monkeypatch):
 
 _NUMERICS = textwrap.dedent("""
     import math, torch
-    from memcalc.validate.reference.flash2 import flash2
+    from memcalc.validation.reference.flash2 import flash2
 
     def ref(q, k, v, causal):
         s = q.double() @ k.double().transpose(-2, -1) / math.sqrt(q.shape[-1])

@@ -12,7 +12,7 @@ import pytest
 from memcalc.config import Config
 from memcalc.impls import IMPLS, get_impl
 from memcalc.timeline import predict
-from memcalc.validate import figures_of
+from memcalc.validation import figures_of
 
 ND, NDD, ROW, DD, KS = 4_194_304, 268_435_456, 65_536, 262_144, 4_096
 SEEDS = {"batch": 4, "heads": 8, "seq_len": 1024, "head_dim": 64}
@@ -83,7 +83,7 @@ def test_crossover_with_naive():
 @pytest.mark.parametrize("dtype,loss", [("fp32", "grad"), ("bf16", "sum")])
 @pytest.mark.parametrize("seq_len", [1000, 1050, 3001])
 def test_equals_trace(impl, chunk, dtype, loss, seq_len):
-    from memcalc.validate.emulated import measure
+    from memcalc.validation.emulated import measure
 
     config = Config(impl=impl, dtype=dtype, chunk=chunk, causal=impl != "linear",
                     shape={"batch": 2, "heads": 3, "seq_len": seq_len, "head_dim": 16},
@@ -99,7 +99,7 @@ def test_a_wrong_state_shape_is_caught(monkeypatch):
     import dataclasses
 
     from memcalc.tensors import Tensor
-    from memcalc.validate import validate
+    from memcalc.validation import validate
 
     original = get_impl("linear-causal-chunked").build
 

@@ -195,8 +195,8 @@ def _efficient_skeleton(q, k, v, causal):
 
 
 def _check_skeleton(monkeypatch, impl, module, skeleton, config, **kw):
-    from memcalc.validate import figures_of
-    from memcalc.validate.emulated import measure
+    from memcalc.validation import figures_of
+    from memcalc.validation.emulated import measure
 
     meta = dataclasses.replace(IMPLS[impl], build=lambda d: module.program(d, on="meta", **kw))
     monkeypatch.setitem(IMPLS, impl, meta)

@@ -15,7 +15,7 @@ from memcalc.config import Config
 from memcalc.impls import IMPLS, get_impl
 from memcalc.tensors import Tensor
 from memcalc.timeline import predict
-from memcalc.validate import figures_of
+from memcalc.validation import figures_of
 
 ND, NN, WS = 524_288, 33_554_432, 33_554_432
 SHAPE = {"batch": 2, "heads": 4, "seq_len": 1024, "head_dim": 16}
@@ -62,7 +62,7 @@ def test_causal_mask_is_float32_and_not_saved():
 @pytest.mark.parametrize("seq_len,kv_len,heads,kv_heads",
                          [(1000, None, 3, None), (1050, 1057, 2, None), (3001, None, 6, 2)])
 def test_equals_trace(dtype, causal, seq_len, kv_len, heads, kv_heads):
-    from memcalc.validate.emulated import measure
+    from memcalc.validation.emulated import measure
 
     config = Config(impl="sdpa-math", dtype=dtype, causal=causal,
                     shape={"batch": 2, "heads": heads, "kv_heads": kv_heads, "seq_len": seq_len,
@@ -83,7 +83,7 @@ def test_a_missing_upcast_is_caught(monkeypatch):
         return type(program)(tuple(map(fix, program.forward)), program.backward)
 
     monkeypatch.setitem(IMPLS, "sdpa-math", dataclasses.replace(IMPLS["sdpa-math"], build=broken))
-    from memcalc.validate import validate
+    from memcalc.validation import validate
 
     report = validate(backend="emulated",
                       configs=[Config(impl="sdpa-math", dtype="fp16", shape=SHAPE)])

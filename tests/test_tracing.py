@@ -11,10 +11,10 @@ from memcalc.cli import main
 from memcalc.config import Config
 from memcalc.timeline import predict
 from memcalc.tracing import TraceError, fit, load_function, register_function, trace
-from memcalc.validate import figures_of
+from memcalc.validation import figures_of
 
 ROOT = Path(__file__).resolve().parents[1]
-NAIVE = f"{ROOT}/memcalc/validate/reference/naive.py:naive"
+NAIVE = f"{ROOT}/memcalc/validation/reference/naive.py:naive"
 
 
 def test_tracing_the_reference_file_equals_the_builtin_model():

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 from memcalc.cli import main
 from memcalc.config import Config
-from memcalc.validate import cuda
+from memcalc.validation import cuda
 
 ENV = {"device": "Fake GPU", "compute_capability": "8.0", "total_memory": str(80 * 2**30),
        "torch": "x", "cuda": "12.x", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}

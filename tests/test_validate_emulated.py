@@ -10,8 +10,8 @@ from memcalc.config import Config, Protocol
 from memcalc.impls import IMPLS
 from memcalc.tensors import Tensor
 from memcalc.timeline import predict
-from memcalc.validate import figures_of, validate
-from memcalc.validate.emulated import measure
+from memcalc.validation import figures_of, validate
+from memcalc.validation.emulated import measure
 
 
 def test_default_grid_has_no_mismatch():

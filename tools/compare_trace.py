@@ -7,7 +7,7 @@ import sys
 
 from memcalc.config import Config, Protocol, Shape
 from memcalc.timeline import Ledger, predict
-from memcalc.validate.emulated import Tracer, TracerProbe, measure  # noqa: F401
+from memcalc.validation.emulated import Tracer, TracerProbe, measure  # noqa: F401
 
 impl = sys.argv[1]
 causal = len(sys.argv) > 2 and sys.argv[2] == "1"
@@ -18,7 +18,7 @@ cfg = Config(impl=impl, shape=Shape(batch=2, heads=3, seq_len=N, head_dim=16), d
              causal=causal, protocol=Protocol(loss=loss, forward_only=fo))
 model_ledger = Ledger(cfg.workspace_bytes, record=True)
 model = predict(cfg, ledger=model_ledger)
-import memcalc.validate.emulated as em  # noqa: E402
+import memcalc.validation.emulated as em  # noqa: E402
 
 traced_ledgers = []
 orig = em.Tracer.__init__

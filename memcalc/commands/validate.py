@@ -16,7 +16,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from memcalc.validate import validate, write_report
+    from memcalc.validation import validate, write_report
 
     report = validate(backend=args.backend, impls=args.impl, grid=args.grid)
     if args.out:

@@ -1,6 +1,6 @@
 """``checkpoint-<impl>``: any traced implementation under non-reentrant activation checkpointing.
 
-Reference code: ``memcalc/validate/reference/checkpoint.py``,
+Reference code: ``memcalc/validation/reference/checkpoint.py``,
 ``torch.utils.checkpoint.checkpoint(fn, q, k, v, use_reentrant=False)``. The programs are
 generated from the registry: each wraps another implementation's program, following
 ``torch/utils/checkpoint.py`` (torch 2.13, ``_checkpoint_without_reentrant_generator``):

@@ -1,6 +1,6 @@
 """``flash2``: a user-written FlashAttention-2 kernel (Triton) in a custom autograd Function.
 
-Reference code: ``memcalc/validate/reference/flash2.py`` (modelled on the Triton tutorial
+Reference code: ``memcalc/validation/reference/flash2.py`` (modelled on the Triton tutorial
 ``python/tutorials/06-fused-attention.py``). Every allocation is torch code, the kernel
 launches are skipped on the meta device, so this model is checked against the emulated
 trace to the byte (``memcalc/data/grids/flash2.json``). ``Dims``: ``B`` batch, ``H``

@@ -1,6 +1,6 @@
 """The linear-attention family: feature map ``phi(x) = elu(x) + 1``, no N x M scores.
 
-Reference code: ``memcalc/validate/reference/linear.py`` (``linear`` and ``linear-causal``
+Reference code: ``memcalc/validation/reference/linear.py`` (``linear`` and ``linear-causal``
 are the seeds' notebook functions as written; ``linear-causal-chunked`` a chunked form).
 
 * ``linear``: ``kv = phi(k)^T v`` ``(B, H, D, D)``, ``k_sum``, ``out = phi(q) kv / (phi(q)

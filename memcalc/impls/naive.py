@@ -1,6 +1,6 @@
 """The naive family: attention that materializes the ``N x M`` scores.
 
-Reference code: ``memcalc/validate/reference.py`` (``naive``, ``naive-softmax``,
+Reference code: ``memcalc/validation/reference.py`` (``naive``, ``naive-softmax``,
 ``naive-weights``). The backward events follow torch 2.13's derivative formulas
 (``tools/autograd/derivatives.yaml``) as the autograd engine runs them; ``Dims`` names:
 ``B`` batch, ``H`` heads, ``N`` query rows, ``M`` key rows, ``D`` head dim.

@@ -1,6 +1,6 @@
 """``sdpa-math``: ``F.scaled_dot_product_attention`` on the math backend.
 
-Reference code: ``memcalc/validate/reference/sdpa_math.py``. The math backend is the
+Reference code: ``memcalc/validation/reference/sdpa_math.py``. The math backend is the
 composite ``_scaled_dot_product_attention_math`` of
 ``aten/src/ATen/native/transformers/attention.cpp`` (torch 2.13), which a user reaches on
 CUDA with ``sdpa_kernel(SDPBackend.MATH)`` and which meta and CPU tensors always take

@@ -34,7 +34,7 @@ import torch
 
 from memcalc.allocator import MiB
 from memcalc.config import Config, Device
-from memcalc.validate.emulated import Tracer, TracerProbe
+from memcalc.validation.emulated import Tracer, TracerProbe
 
 B = 8
 SEQ = [256, 1024, 4096, 8192, 16384]

@@ -18,9 +18,9 @@ import os
 
 from memcalc.config import Config, Device
 from memcalc.timeline import predict
-from memcalc.validate.compare import Check
-from memcalc.validate.harness import Measured, make_inputs, run_protocol
-from memcalc.validate.reference import reference_fn
+from memcalc.validation.compare import Check
+from memcalc.validation.harness import Measured, make_inputs, run_protocol
+from memcalc.validation.reference import reference_fn
 
 
 class CudaUnavailable(ValueError):

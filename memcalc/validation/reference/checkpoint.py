@@ -12,8 +12,8 @@ from torch.utils.checkpoint import checkpoint
 
 from memcalc.impls import IMPLS, impl_names
 from memcalc.impls.checkpoint import PREFIX
-from memcalc.validate import reference as package
-from memcalc.validate.reference import REFERENCES, reference
+from memcalc.validation import reference as package
+from memcalc.validation.reference import REFERENCES, reference
 
 
 def checkpointed(fn):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from memcalc.config import Config
 from memcalc.timeline import predict
-from memcalc.validate.compare import FIGURES, Check, Report
-from memcalc.validate.grid import default_grid, load_grid
+from memcalc.validation.compare import FIGURES, Check, Report
+from memcalc.validation.grid import default_grid, load_grid
 
 
 def validate(backend: str = "emulated", impls: list[str] | None = None,
@@ -20,9 +20,9 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
     if configs is None:
         configs = (load_grid(grid) if grid else default_grid()).expand(impls)
     if backend == "emulated":
-        from memcalc.validate import emulated as runner
+        from memcalc.validation import emulated as runner
     elif backend == "cuda":
-        from memcalc.validate import cuda as runner
+        from memcalc.validation import cuda as runner
     else:
         raise ValueError(f"unknown backend {backend!r}; known: emulated, cuda")
     checks = tuple(runner.check(c) for c in configs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memcalc.validate.reference import reference
+from memcalc.validation.reference import reference
 
 
 def check_linear(q, k, v, causal: bool, needs_causal_shape: bool) -> None:

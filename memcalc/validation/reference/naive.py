@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from memcalc.validate.reference import reference
+from memcalc.validation.reference import reference
 
 def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``(N, Nk)`` bool, True above the diagonal: the positions a query may not see."""

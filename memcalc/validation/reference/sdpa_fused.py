@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from memcalc.validate.reference import reference
+from memcalc.validation.reference import reference
 
 
 def _sdpa(backend: SDPBackend, q, k, v, causal: bool):

@@ -30,9 +30,9 @@ from memcalc.breakdown import Breakdown, Component
 from memcalc.config import Config
 from memcalc.tensors import Role
 from memcalc.timeline import Ledger
-from memcalc.validate.compare import Check
-from memcalc.validate.harness import Measured, make_inputs, run_protocol
-from memcalc.validate.reference import reference_fn
+from memcalc.validation.compare import Check
+from memcalc.validation.harness import Measured, make_inputs, run_protocol
+from memcalc.validation.reference import reference_fn
 
 # ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp)
 CUBLAS_OPS = frozenset(
@@ -40,7 +40,7 @@ CUBLAS_OPS = frozenset(
 )
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MEMCALC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_REFERENCE_DIR = os.path.join(_MEMCALC_DIR, "validate", "reference")
+_REFERENCE_DIR = os.path.join(_MEMCALC_DIR, "validation", "reference")
 
 
 def _is_user_code(path: str) -> bool:
@@ -235,7 +235,7 @@ def _check_consistent(result: Breakdown, measured: Measured) -> None:
 def check(config: Config) -> Check:
     """The model against the trace for one configuration; tolerance 0."""
     from memcalc.timeline import predict
-    from memcalc.validate import figures_of
+    from memcalc.validation import figures_of
 
     predicted = figures_of(predict(config))
     return Check(config=config, predicted=predicted, measured=figures_of(measure(config)))

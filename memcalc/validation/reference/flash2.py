@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from memcalc.validate.reference import reference
+from memcalc.validation.reference import reference
 
 try:  # Triton is optional: only a live run (or the interpreter test) launches kernels
     import triton

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from memcalc.validate.reference import reference
+from memcalc.validation.reference import reference
 
 
 @reference("sdpa-math")
