@@ -105,14 +105,21 @@ def mask_scores(d: Dims) -> list:
 
 
 def weights(d: Dims) -> list:
-    """``attn = _safe_softmax(attn, -1)``: saved by ``SafeSoftmaxBackward0`` and by
-    ``bmm(p, v)``. ``_safe_softmax`` is CompositeExplicitAutograd: the tracer sees one
-    op and its result; inside it, a live run also allocates the softmax before the
-    ``where`` that zeroes fully masked rows, an ``isneginf`` bool mask and a row mask
-    (``_safe_softmax`` in attention.cpp), transients the trace cannot see."""
+    """``attn = _safe_softmax(attn, -1)``: its result is saved by ``SafeSoftmaxBackward0``
+    and by ``bmm(p, v)``. ``_safe_softmax`` is a CompositeExplicitAutograd kernel with no
+    CUDA kernel (``attention.cpp``), so on a GPU its inner ops allocate: the softmax, a
+    ``-inf`` scalar, the ``== -inf`` mask, the fully-masked-row mask, a zero scalar and the
+    ``where`` that is the result (the tracer runs the same composite)."""
     scores = "s" if d.causal else "qk"
+    bhnm = (d.B, d.H, d.N, d.M)
     events = [
-        new("p", (d.B, d.H, d.N, d.M), F32, S, "_safe_softmax"),  # (B, H, N, M)
+        new("softmax", bhnm, F32, T, "_softmax"),  # (B, H, N, M) at::softmax(attn)
+        new("neg_inf", (), F32, T, "scalar_tensor"),  # () -inf, one 512-B block
+        new("masked", bhnm, "bool", T, "eq"),  # (B, H, N, M) attn == -inf
+        new("masked_rows", (d.B, d.H, d.N, 1), "bool", T, "all"),  # (B, H, N, 1)
+        new("zero", (), F32, T, "scalar_tensor"),  # () 0.0, one 512-B block
+        new("p", bhnm, F32, S, "where"),  # (B, H, N, M) where(masked_rows, 0, softmax)
+        free("softmax", "neg_inf", "masked", "masked_rows", "zero"),
         free(scores),
     ]
     if upcast(d):  # the weights are returned cast back, then dropped by sdpa

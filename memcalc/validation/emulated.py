@@ -51,6 +51,24 @@ def _is_user_code(path: str) -> bool:
     return not path.startswith(_MEMCALC_DIR) or path.startswith(_REFERENCE_DIR)
 
 
+def _safe_softmax(x, dim, dtype=None):
+    """``_safe_softmax`` as ``aten/src/ATen/native/transformers/attention.cpp`` writes it:
+    a CompositeExplicitAutograd kernel with no CUDA kernel, so on a GPU its inner ops
+    allocate (softmax, two 512-B scalars, a bool mask, a row mask, the ``where``) while on
+    the meta device its meta kernel allocates only the result."""
+    out = torch.softmax(x, dim, dtype=dtype)
+    neg_inf = torch.scalar_tensor(float("-inf"), dtype=out.dtype, device=out.device)
+    masked = x.eq(neg_inf)
+    masked_rows = torch.all(masked, dim, keepdim=True)
+    zero = torch.scalar_tensor(0.0, dtype=out.dtype, device=out.device)
+    return torch.where(masked_rows, zero, out)
+
+
+# ops whose CUDA kernel is a composite of other ops: the tracer runs that composite so that
+# its inner allocations are seen, as on a GPU
+CUDA_COMPOSITES = {torch.ops.aten._safe_softmax.default: _safe_softmax}
+
+
 class Tracer(TorchDispatchMode):
     """Dispatch mode that replays a meta-device run through the allocator model."""
 
@@ -64,6 +82,9 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.collect_frees()
+        if func in CUDA_COMPOSITES:
+            with self:
+                return CUDA_COMPOSITES[func](*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         op = func.overloadpacket.__name__
         for t in tree_leaves(out):
