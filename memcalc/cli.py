@@ -42,6 +42,26 @@ def shape_options(p: argparse.ArgumentParser) -> None:
                    help='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"')
 
 
+def budget_options(p: argparse.ArgumentParser) -> None:
+    """The device budget: ``--gpu``'s memory (or ``--gpu-gb``) less ``--reserve``."""
+    p.add_argument("--gpu-gb", default=None, metavar="X",
+                   help="device memory in GB of 2^30 B, instead of the --gpu preset's "
+                        "(whose compute capability still sets the cuBLAS workspace)")
+    p.add_argument("--reserve", default=None, metavar="SIZE",
+                   help="memory the allocator cannot have: CUDA context, other processes "
+                        "(default 512MiB; units B, KiB, MiB, GiB, bare numbers MiB)")
+
+
+def budget_from(args):
+    """The ``Budget`` the options describe (``memcalc.budget``)."""
+    from memcalc.budget import Budget, parse_gb, parse_size
+    from memcalc.config import Device
+
+    memory = parse_gb(args.gpu_gb) if args.gpu_gb is not None else None
+    reserve = parse_size(args.reserve) if args.reserve is not None else None
+    return Budget.of(Device(gpu=args.gpu), reserve, memory)
+
+
 def format_options(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     for fmt in ("json", "csv", "markdown"):

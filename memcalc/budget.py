@@ -1,0 +1,241 @@
+"""The memory budget of a device, and the one definition of a step that fits in it.
+
+Budget: ``memory_bytes`` (a GPU preset's ``nvidia-smi memory.total``, or ``--gpu-gb``)
+minus ``reserve_bytes``, what the caching allocator may reserve for itself.
+
+Default reserve, 512 MiB: a PyTorch process's CUDA context (driver state, the kernel
+images of the libraries it loaded) takes device memory that ``torch.cuda`` never counts.
+With lazy module loading (CUDA >= 11.7, the default since) it is about 300-500 MiB on
+current GPUs: ~300 MB in pytorch/pytorch#107667 (ptrblck, 2023: "before CUDA 11.7 ... >1000
+MB"), 300-400 MB in #20532, 200-700 MB by machine in #28113. ``total_memory`` as torch
+reports it is also a few hundred MiB below ``nvidia-smi``'s total on some boards. 512 MiB
+covers the context of a process that runs one attention step; pass ``--reserve`` for other
+processes on the same GPU, a larger context (eager module loading), or ``0`` for the
+allocator's own view.
+
+Fits: a step fits when replaying it with ``capacity = budget`` raises no ``OutOfMemory``:
+every ``cudaMalloc`` of a new segment must keep the reserved memory within the budget,
+after PyTorch has released the cached free segments and retried
+(``memcalc.allocator.CachingAllocator``). That is about reserved memory, not only the
+allocated peak (DESIGN.md section 2). ``fit`` is the only definition; ``oom``, ``sweep``,
+``breakdown`` and the vectorized classifier (which only decides the cases where this
+replay cannot differ from the unbounded one) all rely on it.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+
+from memcalc.allocator import MiB, OutOfMemory
+from memcalc.breakdown import Breakdown
+from memcalc.config import Config, Device
+from memcalc.units import GiB, human
+
+DEFAULT_RESERVE_BYTES = 512 * MiB
+GB = GiB
+"""What ``--gpu-gb`` counts: 2^30 bytes (GPUs are sold in binary gigabytes: an "80GB" A100
+shows 81920 MiB = 80 x 2^30 B)."""
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+_UNITS = {"": MiB, "b": 1, "kib": 1024, "mib": MiB, "gib": GiB, "k": 1024, "m": MiB, "g": GiB,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, option: str = "--reserve") -> int:
+    """A byte count from ``"512MiB"``, ``"1.5GiB"``, ``"0"``, ``"300"`` (a bare number is
+    MiB) or ``"200MB"`` (decimal units: 10^6); exact, so the result must be whole bytes."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{option}: {text!r} is not a size like 512MiB, 1.5GiB or 0 "
+                         f"(units B, KiB, MiB, GiB; KB, MB, GB are powers of 10; bare numbers MiB)")
+    value = Fraction(m.group(1)) * _UNITS[unit]
+    if value.denominator != 1:
+        raise ValueError(f"{option}: {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def parse_gb(text: str, option: str = "--gpu-gb") -> int:
+    """``--gpu-gb X``: X binary gigabytes (2^30 B each), exactly (``"79.5"`` allowed)."""
+    try:
+        value = Fraction(str(text).strip())
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"{option}: {text!r} is not a number of GB (2^30 B each)") from None
+    if value <= 0:
+        raise ValueError(f"{option}: the device memory must be positive (got {text!r})")
+    if (value * GB).denominator != 1:
+        raise ValueError(f"{option}: {text!r} GB is not a whole number of bytes")
+    return int(value * GB)
+
+
+class Budget(BaseModel):
+    """What the caching allocator may reserve: the device's memory less a reserve."""
+
+    model_config = _FROZEN
+    device: str = Field(description="what the memory figure is, for the output")
+    memory_bytes: int = Field(ge=1, description="total device memory")
+    reserve_bytes: int = Field(DEFAULT_RESERVE_BYTES, ge=0,
+                               description="CUDA context and anything else not for the allocator")
+    memory_source: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Budget":
+        if self.reserve_bytes >= self.memory_bytes:
+            raise ValueError(f"--reserve: the reserve ({self.reserve_bytes} B) leaves nothing of "
+                             f"the device's {self.memory_bytes} B")
+        return self
+
+    @computed_field
+    @property
+    def budget_bytes(self) -> int:
+        return self.memory_bytes - self.reserve_bytes
+
+    @classmethod
+    def of(cls, device: Device, reserve_bytes: int | None = None,
+           memory_bytes: int | None = None) -> "Budget":
+        """The budget of ``device`` (its preset's memory unless ``memory_bytes``)."""
+        spec = device.spec
+        reserve = DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes
+        if memory_bytes is not None:
+            gb = Fraction(memory_bytes, GB)
+            shown = str(gb.numerator) if gb.denominator == 1 else f"{float(gb):.6g}"
+            return cls(device=f"{shown} GB (GB = 2^30 B; cuBLAS workspaces of {spec.name}, "
+                              f"compute capability {spec.compute_capability[0]}."
+                              f"{spec.compute_capability[1]})",
+                       memory_bytes=memory_bytes, reserve_bytes=reserve,
+                       memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B")
+        return cls(device=spec.label, memory_bytes=spec.memory_bytes, reserve_bytes=reserve,
+                   memory_source=f"{spec.name}: {spec.source}")
+
+    def describe(self) -> str:
+        """``budget = memory - reserve``, spelled out."""
+        return (f"budget {self.budget_bytes:,} B ({human(self.budget_bytes)}) = {self.device} "
+                f"{self.memory_bytes:,} B - reserve {self.reserve_bytes:,} B "
+                f"({human(self.reserve_bytes)}, CUDA context)")
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+class Fit(BaseModel):
+    """Whether one step fits in a budget, and the figures that decide it."""
+
+    model_config = _FROZEN
+    budget_bytes: int
+    peak_bytes: int = Field(description="max_memory_allocated on an unbounded device")
+    reserved_peak_bytes: int = Field(description="max_memory_reserved on an unbounded device")
+    oom_request_bytes: int | None = Field(None, description="the segment that failed")
+    oom_reserved_bytes: int | None = Field(None, description="reserved when it failed")
+    retried: bool = Field(False, description="fits only by releasing cached segments first")
+
+    @computed_field
+    @property
+    def fits(self) -> bool:
+        return self.oom_request_bytes is None
+
+    @computed_field
+    @property
+    def headroom_bytes(self) -> int:
+        """Budget less the reserved peak on an unbounded device (negative: over it)."""
+        return self.budget_bytes - self.reserved_peak_bytes
+
+    def describe(self) -> str:
+        if not self.fits:
+            return (f"OOM: a {self.oom_request_bytes:,} B segment on top of "
+                    f"{self.oom_reserved_bytes:,} B reserved exceeds the budget of "
+                    f"{self.budget_bytes:,} B (unbounded, the step reserves "
+                    f"{self.reserved_peak_bytes:,} B)")
+        if self.retried:
+            return (f"fits, after releasing cached segments: the step would reserve "
+                    f"{self.reserved_peak_bytes:,} B unbounded, over the budget of "
+                    f"{self.budget_bytes:,} B, and the allocator's release-and-retry saves it")
+        return (f"fits: reserved peak {self.reserved_peak_bytes:,} B <= budget "
+                f"{self.budget_bytes:,} B ({human(self.headroom_bytes)} to spare)")
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None) -> Fit:
+    """Whether ``config``'s step fits in ``budget_bytes`` (``fits``: the replay with
+    ``capacity=budget_bytes`` raises no ``OutOfMemory``), with the figures that decide it.
+
+    ``breakdown`` (``predict(config)``, computed if not given) saves work: when its reserved
+    peak is within the budget, the capped replay never reaches the capacity, so it is the
+    same replay and fits; otherwise the capped replay decides."""
+    from memcalc.timeline import predict
+
+    b = breakdown if breakdown is not None else predict(config)
+    common = dict(budget_bytes=budget_bytes, peak_bytes=b.peak_bytes,
+                  reserved_peak_bytes=b.reserved_peak_bytes)
+    if b.reserved_peak_bytes <= budget_bytes:
+        return Fit(**common)
+    try:
+        predict(config, capacity=budget_bytes)
+    except OutOfMemory as oom:
+        return Fit(**common, oom_request_bytes=oom.requested, oom_reserved_bytes=oom.reserved)
+    return Fit(**common, retried=True)
+
+
+def fits(config: Config, budget_bytes: int) -> bool:
+    """The definition: replaying ``config``'s step with ``capacity=budget_bytes`` raises no
+    ``OutOfMemory``. One replay; ``fit`` gives the same answer with the figures."""
+    return replay_within(config, budget_bytes)[0]
+
+
+def replay_within(config: Config, budget_bytes: int) -> tuple[bool, int]:
+    """``fits`` and a size to steer a search with: the reserved peak of the capped replay
+    when it fits, the reserved memory plus the failed segment when it does not."""
+    from memcalc.timeline import predict
+
+    try:
+        b = predict(config, capacity=budget_bytes)
+    except OutOfMemory as oom:
+        return False, oom.reserved + oom.requested
+    return True, b.reserved_peak_bytes
+
+
+class Checked(BaseModel):
+    """A breakdown with its fit in a budget: what ``memcalc breakdown`` prints."""
+
+    model_config = _FROZEN
+    breakdown: Breakdown
+    budget: Budget
+    fit: Fit
+
+    def summary(self) -> str:
+        return f"{self.budget.describe()}\n{self.fit.describe()}"
+
+    def __rich__(self):
+        from rich.console import Group
+
+        return Group(self.breakdown.__rich__(), self.summary())
+
+    def _repr_html_(self) -> str:
+        from memcalc.render import html
+
+        return html(self)
+
+    def to_markdown(self) -> str:
+        return self.breakdown.to_markdown() + f"\n{self.summary()}\n"
+
+    def to_csv(self) -> str:
+        return self.breakdown.to_csv()
+
+    def to_dict(self) -> dict:
+        """The breakdown's JSON plus ``budget_bytes``, ``fits`` and both in detail."""
+        return {**self.breakdown.to_dict(), "budget_bytes": self.budget.budget_bytes,
+                "fits": self.fit.fits, "budget": self.budget.model_dump(mode="json"),
+                "fit": self.fit.to_dict()}
+
+
+def check(config: Config, budget: Budget) -> Checked:
+    """``predict(config)`` and its fit in ``budget``."""
+    from memcalc.timeline import predict
+
+    b = predict(config)
+    return Checked(breakdown=b, budget=budget, fit=fit(config, budget.budget_bytes, b))

@@ -1,0 +1,37 @@
+"""``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
+
+from memcalc.cli import budget_from, budget_options, config_from, emit, format_options, shape_options
+
+HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
+SOLVE = {"seq": "seq_len", "seq-len": "seq_len", "seq_len": "seq_len", "batch": "batch",
+         "head-dim": "head_dim", "head_dim": "head_dim"}
+
+
+def add_arguments(parser) -> None:
+    shape_options(parser)
+    parser.set_defaults(impl=None)
+    budget_options(parser)
+    parser.add_argument("--solve", default="seq", metavar="FIELD",
+                        help="what to maximise: seq (default), batch or head-dim; the other "
+                             "options fix the rest (--seq is where the search starts)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="give up on an implementation after this long (default: none)")
+    format_options(parser)
+
+
+def run(args) -> int:
+    from memcalc.thresholds import solve
+
+    field = SOLVE.get(args.solve)
+    if field is None:
+        raise ValueError(f"--solve: {args.solve!r} is not seq, batch or head-dim")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise ValueError(f"--time-limit: must be positive (got {args.time_limit})")
+    impls = None
+    if args.impl is not None:
+        impls = [name.strip() for name in args.impl.split(",")]
+        if not all(impls):
+            raise ValueError(f"--impl: {args.impl!r} is not a comma-separated list of names")
+    base = config_from(args, impl=impls[0] if impls else "naive")
+    emit(solve(base, budget_from(args), field, impls, args.time_limit), args.format)
+    return 0

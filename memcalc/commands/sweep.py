@@ -1,0 +1,93 @@
+"""``memcalc sweep``: the seeds' scaling tables, every figure over a grid of shapes."""
+
+from memcalc.cli import budget_options, format_options
+
+HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
+
+
+def int_list(text: str, option: str) -> list[int]:
+    """``"256,1024"`` or ranges ``"256:4096:256"`` (start:stop:step, stop included)."""
+    values: list[int] = []
+    for part in text.split(","):
+        bits = part.strip().split(":")
+        try:
+            if len(bits) == 1:
+                values.append(int(bits[0]))
+            elif len(bits) == 3:
+                start, stop, step = (int(b) for b in bits)
+                if step < 1 or stop < start:
+                    raise ValueError
+                values += range(start, stop + 1, step)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{option}: {text!r} is not a comma-separated list of positive "
+                             f"integers (or start:stop:step ranges)") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{option}: {text!r} is not a comma-separated list of positive integers")
+    return values
+
+
+def name_list(text: str, option: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise ValueError(f"{option}: {text!r} is not a comma-separated list of names")
+    return names
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--seq", default="256,1024,4096,8192,16384", metavar="LIST",
+                   help="sequence lengths (default the seeds': 256,1024,4096,8192,16384)")
+    p.add_argument("--head-dim", default="16", metavar="LIST", help="head dims (default 16)")
+    p.add_argument("--batch", default="8", metavar="LIST", help="batch sizes (default 8)")
+    p.add_argument("--heads", default="1", metavar="LIST", help="heads (default 1)")
+    p.add_argument("--impl", default="naive", metavar="LIST",
+                   help="implementations, or 'all' (default naive)")
+    p.add_argument("--dtype", default="fp32", metavar="LIST", help="fp32, fp16, bf16 (default fp32)")
+    p.add_argument("--kv-len", type=int, default=None, help="key/value length (default: --seq)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA)")
+    p.add_argument("--causal", action="store_true", help="causal mask")
+    p.add_argument("--chunk", type=int, default=64, help="chunk length of chunked implementations")
+    p.add_argument("--gpu", default="h100-80gb", help="GPU preset: workspaces and OOM mark")
+    p.add_argument("--loss", default="grad", help="grad: out.backward(grad_out); sum: out.sum()")
+    p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
+    p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
+                   help='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"')
+    budget_options(p)
+    p.add_argument("--pivot", default=None, metavar="FIGURE",
+                   help="seed-002 layout, rows seq_len and columns head_dim, for one figure: "
+                        "peak, saved, reserved, forward or backward")
+    p.add_argument("--bytes", action="store_true", help="exact bytes in the tables, not MiB")
+    format_options(p)
+
+
+def run(args) -> int:
+    from memcalc.cli import budget_from, emit
+    from memcalc.config import make_config
+    from memcalc.scaling import FIGURE_KEY, sweep
+
+    seq = int_list(args.seq, "--seq")
+    dims = int_list(args.head_dim, "--head-dim")
+    batch = int_list(args.batch, "--batch")
+    heads = int_list(args.heads, "--heads")
+    dtypes = name_list(args.dtype, "--dtype")
+    impls = name_list(args.impl, "--impl")
+    if impls == ["all"]:
+        from memcalc.impls import impl_names
+
+        impls = impl_names()
+    if args.pivot is not None and args.pivot not in FIGURE_KEY:
+        raise ValueError(f"--pivot: {args.pivot!r} is not one of {', '.join(FIGURE_KEY)}")
+    for dtype in dtypes:  # validated here so the error names the option
+        make_config(dtype=dtype)
+    base = make_config(impl=impls[0], seq_len=seq[0], batch=batch[0], heads=heads[0],
+                       head_dim=dims[0], kv_len=args.kv_len, kv_heads=args.kv_heads,
+                       dtype=dtypes[0], causal=args.causal, chunk=args.chunk, gpu=args.gpu,
+                       loss=args.loss, forward_only=args.forward_only,
+                       cublas_workspace_config=args.cublas_workspace_config)
+    for name in impls[1:]:
+        make_config(impl=name)
+    result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
+                   pivot=args.pivot, unit="bytes" if args.bytes else "MiB")
+    emit(result, args.format)
+    return 0

@@ -1,0 +1,135 @@
+"""``memcalc compare``: every implementation side by side, against ``naive``.
+
+The seeds' "memory comparison" table done right: for each implementation, the N x M
+tensors it keeps for backward, its saved bytes and phase peaks, the saving against the
+baseline (bytes and factor) and the largest seq_len that fits a device budget.
+"""
+
+from __future__ import annotations
+
+from pydantic import computed_field
+
+from memcalc.breakdown import Breakdown, Result
+from memcalc.budget import Budget
+from memcalc.config import Config
+from memcalc.render import Column, csv_table, markdown_table, rich_table
+from memcalc.units import human
+
+
+def quadratic_saved(b: Breakdown) -> int:
+    """How many saved tensors are ``N x M`` (have a dim of N and one of M, e.g. the
+    weights ``(B, H, N, M)`` or ``(B*H, N, M)``)."""
+    n, m = b.config.shape.seq_len, b.config.shape.keys
+    def quadratic(shape):
+        return shape.count(n) >= 2 if n == m else (n in shape and m in shape)
+    return sum(quadratic(c.shape) for c in b.saved)
+
+
+def ratio(a: int, b: int) -> str:
+    """``a / b`` with two decimals, from integers: ``2.00x``."""
+    if b == 0:
+        return "-"
+    q = (a * 200 + b) // (2 * b)
+    return f"{q // 100}.{q % 100:02d}x"
+
+
+class Row(Result):
+    """One implementation: its breakdown and its largest fitting seq_len (or why none)."""
+
+    impl: str
+    breakdown: Breakdown | None = None
+    max_seq_len: int | None = None
+    note: str = ""
+
+
+class Comparison(Result):
+    """All rows, the baseline's name and the budget the thresholds are for."""
+
+    rows: tuple[Row, ...]
+    baseline: str
+    budget: Budget
+
+    @computed_field
+    @property
+    def baseline_peak_bytes(self) -> int | None:
+        base = next((r for r in self.rows if r.impl == self.baseline and r.breakdown), None)
+        return base.breakdown.peak_bytes if base else None
+
+    def _columns(self, human_units: bool) -> list[Column]:
+        size = human if human_units else (lambda x: x)
+        base = self.baseline_peak_bytes
+
+        def fig(name):
+            return lambda r: size(getattr(r.breakdown, name)) if r.breakdown else "-"
+
+        return [
+            Column("implementation", lambda r: r.impl if r.breakdown else f"{r.impl} ({r.note})"),
+            Column("N x M saved", lambda r: quadratic_saved(r.breakdown) if r.breakdown else "-",
+                   "right"),
+            Column("saved", fig("saved_bytes"), "right"),
+            Column("forward peak", fig("forward_peak_bytes"), "right"),
+            Column("backward peak", fig("backward_peak_bytes"), "right"),
+            Column("peak", fig("peak_bytes"), "right"),
+            Column(f"saves vs {self.baseline}", lambda r: size(base - r.breakdown.peak_bytes)
+                   if r.breakdown and base is not None else "-", "right"),
+            Column("factor", lambda r: ratio(base, r.breakdown.peak_bytes)
+                   if r.breakdown and base is not None else "-", "right"),
+            Column("max seq_len", lambda r: r.max_seq_len if r.max_seq_len is not None
+                   else ("-" if not r.breakdown else r.note or "-")),
+        ]
+
+    def _title(self) -> str:
+        c = next((r.breakdown.config for r in self.rows if r.breakdown), None)
+        shape = (f"B={c.shape.batch} H={c.shape.heads} N={c.shape.seq_len} d={c.shape.head_dim} "
+                 f"{c.dtype.value}{' causal' if c.causal else ''}") if c else ""
+        return f"{shape}; max seq_len within {self.budget.describe()}"
+
+    def __rich__(self):
+        return rich_table(self._title(), self._columns(True), self.rows)
+
+    def to_markdown(self) -> str:
+        return f"**{self._title()}**\n\n" + markdown_table(self._columns(True), self.rows)
+
+    def to_csv(self) -> str:
+        return csv_table(self._columns(False), self.rows)
+
+    def to_dict(self) -> dict:
+        def row(r: Row) -> dict:
+            b = r.breakdown
+            figures = {k: getattr(b, k) for k in ("saved_bytes", "forward_peak_bytes",
+                       "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes")} if b else {}
+            return {"impl": r.impl, "quadratic_saved": quadratic_saved(b) if b else None,
+                    **figures, "max_seq_len": r.max_seq_len, "note": r.note}
+        return {"baseline": self.baseline, "budget_bytes": self.budget.budget_bytes,
+                "rows": [row(r) for r in self.rows]}
+
+
+def compare(base: Config, budget: Budget, impls: list[str] | None = None,
+            baseline: str = "naive", solve: bool = True) -> Comparison:
+    """Every implementation (or ``impls``) at ``base``'s sizes; with ``solve``, also the
+    largest seq_len that fits ``budget`` (``memcalc.thresholds.solve``, which skips, with
+    the reason, what it cannot solve quickly)."""
+    from memcalc.impls import impl_names
+
+    names = impls or [n for n in impl_names() if not n.startswith("trace:")]
+    thresholds = _thresholds(base, budget) if solve else {}
+    rows = tuple(_row(base, n, thresholds.get(n, (None, ""))) for n in names)
+    return Comparison(rows=rows, baseline=baseline, budget=budget)
+
+
+def _thresholds(base: Config, budget: Budget) -> dict[str, tuple[int | None, str]]:
+    from memcalc.thresholds import solve
+
+    report = solve(base, budget)
+    solved = {r.impl: (r.max_value, "") for r in report.results}
+    return solved | {s.impl: (None, "not solved (memcalc oom says why)") for s in report.skipped}
+
+
+def _row(base: Config, impl: str, threshold: tuple[int | None, str]) -> Row:
+    from memcalc.timeline import predict
+
+    try:
+        b = predict(Config.model_validate({**base.model_dump(), "impl": impl}))
+    except ValueError as error:  # the implementation rejects these options
+        return Row(impl=impl, note=str(error).splitlines()[-1].strip()[:60])
+    return Row(impl=impl, breakdown=b, max_seq_len=threshold[0], note=threshold[1])

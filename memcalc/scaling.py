@@ -1,0 +1,276 @@
+"""Scaling tables: every figure over a grid of shapes, the layouts of the seeds' tables.
+
+``sweep`` evaluates the product of the given sequence lengths, head dims, batches and
+heads for each implementation and dtype through ``memcalc.vectorized`` (exact, numpy), marks
+each configuration that does not fit the budget (``memcalc.budget.fit``), and returns a
+``Sweep`` that renders itself two ways:
+
+* long (seed 000's "MEMORY SCALING WITH SEQUENCE LENGTH"): one row per configuration with
+  the peak, what is saved for backward, the reserved peak, the growth of the peak against
+  the first row of its series (same implementation and shape but ``seq_len``), the share of
+  the peak held by N x M tensors (the seeds' "seq_len^2 components") and the OOM mark;
+* pivot (seed 002's "Memory Before Backward (MB)": rows ``seq_len``, columns ``head_dim``),
+  one table per implementation and the other axes, for one figure.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from itertools import product
+from typing import Iterable, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, computed_field
+
+from memcalc.budget import Budget, fit
+from memcalc.config import Config, DType
+from memcalc.render import Column, csv_table, markdown_table
+from memcalc.units import _fixed, mib, share
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+Figure = Literal["peak", "saved", "reserved", "forward", "backward"]
+FIGURE_KEY = {"peak": "peak_bytes", "saved": "saved_bytes", "reserved": "reserved_peak_bytes",
+              "forward": "forward_peak_bytes", "backward": "backward_peak_bytes"}
+FIGURE_TITLE = {"peak": "Peak, max_memory_allocated", "saved": "Saved for backward",
+                "reserved": "Reserved peak, max_memory_reserved", "forward": "Forward peak",
+                "backward": "Backward peak"}
+
+
+class SweepRow(BaseModel):
+    """One configuration of the grid and its figures (bytes)."""
+
+    model_config = _FROZEN
+    impl: str
+    dtype: str
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    saved_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    reserved_peak_bytes: int
+    quadratic_bytes: int
+    fits: bool
+    first_peak_bytes: int  # the peak of the first row of this row's series
+
+    @computed_field
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    @property
+    def growth(self) -> Fraction:
+        """This row's peak over the first row's of its series."""
+        return Fraction(self.peak_bytes, self.first_peak_bytes) if self.first_peak_bytes else Fraction(0)
+
+    @property
+    def series(self) -> tuple:
+        return self.impl, self.dtype, self.batch, self.heads, self.head_dim
+
+
+def compact_table(title: str | None, columns: list[Column], rows):
+    """A rich table that fits 80 columns: a simple head rule, one space between columns,
+    first column never wrapped."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
+                  pad_edge=False, show_edge=False, collapse_padding=True, expand=False)
+    cells = [[str(c.cell(row)) for c in columns] for row in rows]
+    for i, c in enumerate(columns):  # numbers never wrap or shorten: headers wrap instead
+        width = max((len(r[i]) for r in cells), default=1)
+        table.add_column(c.header, justify=c.justify, min_width=width, no_wrap=(i == 0))
+    for r in cells:
+        table.add_row(*r)
+    return table
+
+
+def _bold_title(title: str) -> str:
+    """Markdown: the title's first line in bold, the rest as a paragraph."""
+    first, _, rest = title.partition("\n")
+    return f"**{first}**\n\n" + (f"{rest}\n\n" if rest else "")
+
+
+def _growth(r: SweepRow) -> str:
+    g = r.growth
+    return f"x{_fixed(g.numerator, g.denominator, 2)}" if g.denominator else "-"
+
+
+def _mark(budget: Budget):
+    return lambda r: "fits" if r.fits else "OOM"
+
+
+class Sweep(BaseModel):
+    """A grid of configurations and their figures; ``pivot`` picks the seed-002 layout."""
+
+    model_config = _FROZEN
+    budget: Budget
+    base: Config
+    axes: dict[str, tuple]  # the values of each axis, as given
+    rows: tuple[SweepRow, ...]
+    skipped: tuple[tuple[str, str], ...] = ()  # (impl or impl/dtype, reason)
+    pivot: Figure | None = None
+    unit: Literal["MiB", "bytes"] = "MiB"
+
+    @computed_field
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget.budget_bytes
+
+    def _cell(self, nbytes: int) -> str | int:
+        return nbytes if self.unit == "bytes" else mib(nbytes)
+
+    def _varying(self) -> list[str]:
+        return [k for k in ("impl", "dtype", "batch", "heads", "head_dim") if len(self.axes[k]) > 1]
+
+    def long_columns(self) -> list[Column]:
+        u = "bytes" if self.unit == "bytes" else "MiB"
+        shown = self._varying()
+        cols = [Column(k, (lambda k: lambda r: getattr(r, k))(k)) for k in shown if k != "head_dim"]
+        cols += [Column("seq_len", lambda r: r.seq_len, "right")]
+        if "head_dim" in shown:
+            cols += [Column("head_dim", lambda r: r.head_dim, "right")]
+        return cols + [
+            Column(f"peak ({u})", lambda r: self._cell(r.peak_bytes), "right"),
+            Column(f"saved ({u})", lambda r: self._cell(r.saved_bytes), "right"),
+            Column(f"reserved ({u})", lambda r: self._cell(r.reserved_peak_bytes), "right"),
+            Column("x first", _growth, "right"),
+            Column("N^2 share", lambda r: share(r.quadratic_bytes, r.peak_bytes), "right"),
+            Column("OOM?", _mark(self.budget)),
+        ]
+
+    def title(self) -> str:
+        fixed = {k: v[0] for k, v in self.axes.items() if len(v) == 1 and k != "seq_len"}
+        shape = " ".join(f"{k}={v}" for k, v in fixed.items())
+        flags = (" causal" if self.base.causal else "") + (
+            " forward-only" if self.base.protocol.forward_only else "")
+        return f"memory scaling with sequence length: {shape}{flags}\n{self.budget.describe()}"
+
+    def notes(self) -> list[str]:
+        lines = ["peak: max_memory_allocated over the step; saved: memory_allocated after the "
+                 "forward less before, less the output; reserved: max_memory_reserved; x first: "
+                 "peak over the first row's with the same shape but seq_len; N^2 share: blocks "
+                 "of the tensors whose size grows as seq_len x kv_len, at the peak; OOM?: "
+                 "replaying the step with capacity = budget raises (reserved memory)."]
+        return lines + [f"{who}: skipped, {why}" for who, why in self.skipped]
+
+    # pivot layout
+    def pivot_tables(self, figure: Figure) -> list[tuple[str, list[Column], list]]:
+        """One (title, columns, rows) per series group: rows seq_len, columns head_dim."""
+        key = FIGURE_KEY[figure]
+        u = "bytes" if self.unit == "bytes" else "MiB"
+        groups: dict[tuple, dict[int, dict[int, SweepRow]]] = {}
+        for r in self.rows:
+            g = groups.setdefault((r.impl, r.dtype, r.batch, r.heads), {})
+            g.setdefault(r.seq_len, {})[r.head_dim] = r
+        out = []
+        dims = [d for d in self.axes["head_dim"]]
+        for (impl, dtype, batch, heads), table in groups.items():
+            def cell(row, d, key=key):
+                r = row[1].get(d)
+                if r is None:
+                    return "-"
+                value = self._cell(getattr(r, key))
+                return value if r.fits else f"{value} OOM"
+            cols = [Column("seq_len \\ head_dim", lambda row: row[0], "right")]
+            cols += [Column(str(d), (lambda d: lambda row: cell(row, d))(d), "right") for d in dims]
+            title = (f"{FIGURE_TITLE[figure]} ({u}): {impl} {dtype} batch={batch} heads={heads}")
+            out.append((title, cols, sorted(table.items())))
+        return out
+
+    # rendering
+    def __rich__(self):
+        from rich.console import Group
+
+        if self.pivot:
+            parts = [compact_table(t, c, rows) for t, c, rows in self.pivot_tables(self.pivot)]
+        else:
+            parts = [compact_table(self.title(), self.long_columns(), self.rows)]
+        return Group(*parts, *self.notes())
+
+    def _repr_html_(self) -> str:
+        from memcalc.render import html
+
+        return html(self)
+
+    def to_markdown(self) -> str:
+        if self.pivot:
+            body = "\n".join(f"#### {t}\n\n" + markdown_table(c, rows)
+                             for t, c, rows in self.pivot_tables(self.pivot))
+        else:
+            body = _bold_title(self.title()) + markdown_table(self.long_columns(), self.rows)
+        return body + "\n" + "\n".join(self.notes()) + "\n"
+
+    def to_csv(self) -> str:
+        """Every row, every figure in bytes (the layout does not apply)."""
+        cols = [Column(k, (lambda k: lambda r: getattr(r, k))(k)) for k in
+                ("impl", "dtype", "batch", "heads", "seq_len", "head_dim", "peak_bytes",
+                 "saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                 "reserved_peak_bytes", "quadratic_bytes")]
+        cols += [Column("growth", lambda r: str(r.growth)), Column("fits", lambda r: r.fits)]
+        return csv_table(cols, self.rows)
+
+    def to_dict(self) -> dict:
+        rows = [{**r.model_dump(exclude={"first_peak_bytes"}), "growth": str(r.growth)}
+                for r in self.rows]
+        return {"budget_bytes": self.budget.budget_bytes,
+                "budget": self.budget.model_dump(mode="json"),
+                "axes": {k: list(v) for k, v in self.axes.items()}, "rows": rows,
+                "skipped": [{"impl": w, "reason": r} for w, r in self.skipped],
+                "config": self.base.model_dump(mode="json")}
+
+
+def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterable[int] = (),
+          batch: Iterable[int] = (), heads: Iterable[int] = (), impls: Iterable[str] = (),
+          dtypes: Iterable[str] = (), pivot: Figure | None = None,
+          unit: Literal["MiB", "bytes"] = "MiB") -> Sweep:
+    """Every combination of the given values (``base``'s where none are given) for each
+    implementation and dtype, exact, with the OOM mark for ``budget``. An implementation
+    that rejects a dtype (or any configuration) is listed under ``skipped``."""
+    from memcalc.vectorized import classify, evaluate
+
+    s = base.shape
+    axes = {"impl": tuple(impls) or (base.impl,), "dtype": tuple(dtypes) or (base.dtype.value,),
+            "batch": tuple(batch) or (s.batch,), "heads": tuple(heads) or (s.heads,),
+            "head_dim": tuple(head_dim) or (s.head_dim,), "seq_len": tuple(seq_len)}
+    for k, values in axes.items():
+        if not values:
+            raise ValueError(f"{k}: no values")
+    rows: list[SweepRow] = []
+    skipped: list[tuple[str, str]] = []
+    grid = list(product(axes["batch"], axes["heads"], axes["head_dim"], axes["seq_len"]))
+    b_, h_, d_, n_ = (np.array(v, dtype=np.int64) for v in zip(*grid))
+    for impl, dtype in product(axes["impl"], axes["dtype"]):
+        try:
+            config = Config(**{**base.model_dump(), "impl": impl, "dtype": DType(dtype)})
+            figures = evaluate(config, batch=b_, heads=h_, head_dim=d_, seq_len=n_)
+        except Exception as error:  # noqa: BLE001 - a model that rejects (or breaks on) these
+            from memcalc.errors import one_line
+
+            if len(axes["impl"]) * len(axes["dtype"]) == 1:
+                raise
+            kind = "" if isinstance(error, ValueError) else f"the model raised {type(error).__name__}: "
+            skipped.append((f"{impl} {dtype}", kind + one_line(error)))
+            continue
+        verdict = classify(figures, budget.budget_bytes)
+        first: dict[tuple, int] = {}
+        for i, (b, h, d, n) in enumerate(grid):
+            fig = figures.row(i)
+            shape = {"batch": b, "heads": h, "head_dim": d, "seq_len": n}
+            if verdict[i] == -1:
+                c = config.model_copy(update={"shape": config.shape.model_copy(update=shape)})
+                ok = fit(c, budget.budget_bytes).fits
+            else:
+                ok = bool(verdict[i] == 1)
+            key = (impl, dtype, b, h, d)
+            first.setdefault(key, fig["peak_bytes"])
+            rows.append(SweepRow(impl=impl, dtype=dtype, batch=b, heads=h, seq_len=n, head_dim=d,
+                                 saved_bytes=fig["saved_bytes"],
+                                 forward_peak_bytes=fig["forward_peak_bytes"],
+                                 backward_peak_bytes=fig["backward_peak_bytes"],
+                                 reserved_peak_bytes=fig["reserved_peak_bytes"],
+                                 quadratic_bytes=fig["quadratic_bytes"], fits=ok,
+                                 first_peak_bytes=first[key]))
+    return Sweep(budget=budget, base=base, axes=axes, rows=tuple(rows), skipped=tuple(skipped),
+                 pivot=pivot, unit=unit)

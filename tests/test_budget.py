@@ -1,0 +1,142 @@
+"""The budget (device memory less the reserve), the presets it reads, and "fits"."""
+
+import json
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from memcalc.allocator import MiB
+from memcalc.budget import (DEFAULT_RESERVE_BYTES, Budget, check, fit, fits, parse_gb,
+                            parse_size)
+from memcalc.cli import main
+from memcalc.config import Config, Device
+from memcalc.gpus import gpu_presets
+from memcalc.timeline import predict
+
+GiB = 1024 * MiB
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("512MiB", 536_870_912),  # 512 x 2^20
+    ("0", 0),
+    ("300", 314_572_800),  # a bare number is MiB: 300 x 2^20
+    ("1.5GiB", 1_610_612_736),  # 3 x 2^29
+    ("200MB", 200_000_000),  # decimal units are powers of 10
+    ("4096 B", 4096),
+])
+def test_parse_size(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["1,,x", "-5", "12parsecs", "1.0000001B", ""])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="--reserve"):
+        parse_size(text)
+
+
+def test_gpu_gb_counts_binary_gigabytes():
+    assert parse_gb("80") == 85_899_345_920  # 80 x 2^30
+    assert parse_gb("79.5") == 85_362_475_008  # 159 x 2^29
+    for bad in ("0", "-1", "x", "1/0"):
+        with pytest.raises(ValueError, match="--gpu-gb"):
+            parse_gb(bad)
+
+
+def test_default_budget_of_a_preset():
+    b = Budget.of(Device(gpu="h100-80gb"))
+    assert b.reserve_bytes == DEFAULT_RESERVE_BYTES == 536_870_912  # 512 MiB
+    assert b.budget_bytes == 84_983_939_072  # 81559 x 2^20 - 512 x 2^20 = 81047 x 2^20
+    assert "NVIDIA H100" in b.describe()
+
+
+def test_gpu_gb_budget_says_what_gb_means():
+    b = Budget.of(Device(gpu="a100-80gb"), reserve_bytes=0, memory_bytes=parse_gb("40"))
+    assert b.budget_bytes == 42_949_672_960  # 40 x 2^30
+    assert "2^30" in b.describe() and "a100-80gb" in b.describe()
+
+
+def test_reserve_must_leave_memory():
+    with pytest.raises(ValidationError, match="--reserve"):
+        Budget(device="x", memory_bytes=GiB, reserve_bytes=GiB)
+
+
+def test_presets_memory_matches_their_source():
+    # every preset: memory_bytes = the MiB figure its source quotes x 2^20
+    for g in gpu_presets().values():
+        mib = int(re.search(r"memory\.total (\d+) MiB", g.source).group(1))
+        assert g.memory_bytes == mib * MiB, g.name
+
+
+# --- fits ---------------------------------------------------------------------------------
+
+SMALL = Config(impl="naive-softmax", shape={"batch": 1, "seq_len": 4096})
+R_SMALL = 306_184_192  # its reserved peak, unbounded: the one figure the tests below pivot on
+
+
+def test_fits_within_the_reserved_peak():
+    b = predict(SMALL)
+    assert b.reserved_peak_bytes == R_SMALL
+    f = fit(SMALL, R_SMALL, b)
+    assert f.fits and not f.retried and f.headroom_bytes == 0  # budget == reserved peak
+
+
+def test_fits_after_release_and_retry():
+    # 1 MiB below the reserved peak: a segment request fails, the allocator frees its cached
+    # segments and retries, and the step completes
+    f = fit(SMALL, R_SMALL - MiB)
+    assert f.fits and f.retried and f.headroom_bytes == -1_048_576
+
+
+def test_does_not_fit_when_the_blocks_alone_exceed():
+    b = predict(SMALL)
+    f = fit(SMALL, b.peak_bytes - 1)  # below max_memory_allocated: nothing can save it
+    assert not f.fits
+    assert f.oom_request_bytes > 0 and f.oom_reserved_bytes + f.oom_request_bytes > b.peak_bytes - 1
+
+
+@pytest.mark.parametrize("impl", ["naive", "naive-softmax", "naive-weights"])
+@pytest.mark.parametrize("n", [1000, 2048, 4097])
+def test_fit_agrees_with_the_one_replay_definition(impl, n):
+    config = Config(impl=impl, shape={"batch": 2, "seq_len": n})
+    r = predict(config).reserved_peak_bytes
+    for budget in (r + 1, r, r - MiB, r - 8 * MiB, r - 64 * MiB, r // 2):
+        assert fit(config, budget).fits == fits(config, budget)
+
+
+def test_check_wraps_a_breakdown():
+    c = check(SMALL, Budget(device="test", memory_bytes=R_SMALL + DEFAULT_RESERVE_BYTES))
+    data = c.to_dict()
+    assert data["budget_bytes"] == R_SMALL and data["fits"] is True
+    assert data["peak_bytes"] == predict(SMALL).peak_bytes
+    assert "fits" in c.summary()
+
+
+# --- CLI ----------------------------------------------------------------------------------
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_breakdown_reports_the_fit(capsys):
+    code, out, _ = run(capsys, "breakdown", "--seq", "20000", "--gpu-gb", "80", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["budget_bytes"] == 85_362_475_008  # 80 x 2^30 - 512 x 2^20
+    assert data["fits"] is False  # the seeds' naive step at N=20000 needs 83.5 GiB reserved
+    code, out, _ = run(capsys, "breakdown", "--seq", "16384", "--reserve", "0")
+    assert code == 0 and "fits: reserved peak" in out
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--reserve", "1,,x"], "--reserve"),
+    (["--reserve", "100GiB"], "--reserve"),
+    (["--gpu-gb", "0"], "--gpu-gb"),
+    (["--gpu-gb", "eighty"], "--gpu-gb"),
+])
+def test_bad_budget_options(capsys, argv, option):
+    code, out, err = run(capsys, "breakdown", "--seq", "1024", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and option in err and "Traceback" not in err

@@ -1,0 +1,158 @@
+"""OOM thresholds: each answer fits and one more does not, by ``memcalc breakdown`` too."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memcalc.budget import Budget, fits
+from memcalc.cli import main
+from memcalc.config import Config, Device
+from memcalc.impls import IMPLS, impl_names, register
+from memcalc.thresholds import Unsolved, at, bisect_max, live_polynomial, max_fitting, solve
+from memcalc.tensors import Program, Role, free, new
+
+GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_naive_threshold_at_80_gib():
+    s = max_fitting(Config(impl="naive"), GIB80)
+    n = s.max_value
+    assert fits(at(Config(impl="naive"), "seq_len", n), GIB80)
+    assert not fits(at(Config(impl="naive"), "seq_len", n + 1), GIB80)
+    assert s.at_max.fits and not s.at_next.fits
+    assert s.first_failing_power_of_two == 32768  # 2^15, the first power above 19,511
+    assert n == 19511  # reserved peak 85,354,086,400 <= budget < 85,389,737,984 at 19,512
+
+
+def test_fitting_is_not_monotone_near_the_threshold():
+    """Why the answer is a threshold searched from the top: at 80 GiB the seeds' step fits
+    at 19,509, not at 19,510, again at 19,511, and not at 19,512."""
+    naive = Config(impl="naive")
+    assert [fits(at(naive, "seq_len", n), GIB80) for n in range(19509, 19513)] == [
+        True, False, True, False]
+    assert bisect_max(naive, GIB80).max_value == 19509  # doubling then halving stops early
+
+
+def test_closed_form_of_the_seeds_step():
+    """Alive at the naive backward peak (B=8, H=1, d=16, fp32): six N x N fp32 tensors,
+    8 x 4 x 6 = 192 B per N^2; argmax (8 x 8 B), row sum (8 x 4 B) and six (8, N, 16) fp32
+    tensors (q, k, v, grad_out, out, dv: 6 x 512 B) = 3,168 B per N; two 32 MiB workspaces."""
+    q = live_polynomial(Config(impl="naive", shape={"seq_len": 4096}), "seq_len")
+    assert (q.a, q.b, q.c) == (192, 3168, 67_108_864) and q.exact
+    assert q.text() == "192*N^2 + 3,168*N + 67,108,864"
+    assert q(16384) == 51_658_620_928  # the peak at N=16384: every tensor a multiple of 512 B
+
+
+def test_bisection_finds_a_threshold_too():
+    config = Config(impl="naive-softmax")
+    s = bisect_max(config, GIB80)
+    assert s.max_value == max_fitting(config, GIB80).max_value == 25807
+    assert s.evaluations > max_fitting(config, GIB80).evaluations
+
+
+@pytest.mark.parametrize("field, fixed", [("batch", {"seq_len": 4096}),
+                                          ("head_dim", {"seq_len": 4096, "batch": 1})])
+def test_other_fields(field, fixed):
+    config = Config(impl="naive-weights", shape=fixed)
+    s = max_fitting(config, GIB80, field)
+    assert fits(at(config, field, s.max_value), GIB80)
+    assert not fits(at(config, field, s.max_value + 1), GIB80)
+
+
+def test_nothing_fits():
+    s = max_fitting(Config(impl="naive"), 1 << 20)  # 1 MiB: not even the workspaces
+    assert s.max_value == 0 and s.at_max is None and s.first_failing_power_of_two == 1
+
+
+def test_time_limit():
+    with pytest.raises(Unsolved, match="no exact answer within"):
+        max_fitting(Config(impl="naive"), GIB80, time_limit=1e-9)
+
+
+@pytest.fixture
+def growing_impl():
+    before = set(impl_names())  # every module loaded first: nothing wraps the test program
+    @register("test-growing", "one event per 64 rows", traced=False)
+    def growing(d):
+        events = []
+        for i in range(d.N // 64):
+            events += [new(f"c{i}", (d.B, 64, d.D), d.dtype, Role.temporary, "mm"), free(f"c{i}")]
+        return Program(tuple(events + [new("out", (d.B, d.N, d.D), d.dtype, Role.output, "mm")]), ())
+
+    yield
+    for name in set(IMPLS) - before:
+        IMPLS.pop(name)
+
+
+def test_all_implementations_skip_growing_programs(growing_impl):
+    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    report = solve(Config(), budget, impls=None)
+    skipped = {k.impl: k.reason for k in report.skipped}
+    assert "events grow with seq_len" in skipped["test-growing"]
+    assert "test-growing" not in {r.impl for r in report.results}
+    small = Budget(device="test", memory_bytes=8 * 2**20, reserve_bytes=0)  # 8 MiB
+    named = solve(Config(protocol={"forward_only": True}), small, impls=["test-growing"])
+    n = named.results[0].max_value  # named: solved anyway; out (8, N, 16) fp32 is 512 B per row
+    assert 512 * n <= 8 * 2**20 - 2 * 2**20 < 512 * (n + 1) + 2 * 2**20 + 20 * 2**20
+
+
+# --- the command --------------------------------------------------------------------------
+
+def test_oom_json_rows_check_out_with_breakdown(capsys):
+    """The "done when" of the issue: for every row, `memcalc breakdown` with the same
+    options says it fits at max_seq_len and not one above."""
+    code, out, _ = run(capsys, "oom", "--gpu-gb", "80", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["budget_bytes"] == GIB80
+    assert data["results"]
+    for row in data["results"]:
+        n = row["max_seq_len"]
+        assert {"impl", "peak_bytes_at_max", "peak_bytes_at_next"} <= set(row)
+        for seq, expected, peak in ((n, True, row["peak_bytes_at_max"]),
+                                    (n + 1, False, row["peak_bytes_at_next"])):
+            _, out, _ = run(capsys, "breakdown", "--impl", row["impl"], "--seq", str(seq),
+                            "--gpu-gb", "80", "--json")
+            b = json.loads(out)
+            assert (b["fits"], b["peak_bytes"]) == (expected, peak), (row["impl"], seq)
+
+
+def test_oom_solve_batch_and_markdown(capsys):
+    code, out, _ = run(capsys, "oom", "--gpu", "a100-80gb", "--impl", "naive,naive-softmax",
+                       "--solve", "batch", "--seq", "4096", "--markdown")
+    assert code == 0
+    assert "| implementation | max B |" in out and "| naive-softmax |" in out
+
+
+def test_oom_table_in_a_terminal(capsys):
+    code, out, _ = run(capsys, "oom", "--gpu-gb", "80", "--impl", "naive")
+    assert code == 0 and "19511" in out and "32768" in out and "192*N^2" in out
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--solve", "depth"], "--solve"),
+    (["--impl", "naive,,flash2"], "--impl"),
+    (["--impl", "nope"], "--impl"),
+    (["--time-limit", "-1"], "--time-limit"),
+    (["--gpu-gb", "x"], "--gpu-gb"),
+    (["--batch", "0"], "--batch"),
+])
+def test_oom_bad_input(capsys, argv, option):
+    code, out, err = run(capsys, "oom", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and option in err and "Traceback" not in err
+
+
+def test_oom_and_sweep_import_no_torch():
+    code = ("import sys; from memcalc.cli import main; main(['oom', '--impl', 'naive', '--json']);"
+            " main(['sweep', '--seq', '256,512', '--json']); print(sorted(m for m in "
+            "('torch', 'matplotlib', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -1,0 +1,116 @@
+"""Scaling tables: the seeds' layouts with exact figures."""
+
+import csv
+import io
+import json
+from fractions import Fraction
+
+import pytest
+
+from memcalc.budget import Budget
+from memcalc.cli import main
+from memcalc.config import Config, Device
+from memcalc.scaling import sweep
+
+SEQ = (256, 1024, 4096, 8192, 16384)
+DIMS = (16, 32, 64, 128)
+NN = 8_589_934_592  # 8 x 16384^2 x 4 B: one N x N fp32 tensor of the seeds' benchmark
+ND = 8_388_608  # 8 x 16384 x 16 x 4 B
+WS = 33_554_432  # one H100 cuBLAS workspace
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def seeds(**kw):
+    return sweep(Config(), Budget.of(Device(), **kw), SEQ, DIMS)
+
+
+def test_rows_and_exact_figures():
+    s = seeds()
+    assert len(s.rows) == 20  # 5 lengths x 4 head dims
+    last = next(r for r in s.rows if (r.seq_len, r.head_dim) == (16384, 16))
+    # the DivBackward0 peak: six N x N tensors, argmax and row sum, 2 workspaces, 6 (8, N, 16)
+    assert last.peak_bytes == 6 * NN + 1_048_576 + 524_288 + 2 * WS + 6 * ND  # 51,658,620,928
+    assert last.saved_bytes == 2 * NN + 524_288 + 1_048_576  # exp_x, p, row sum, argmax
+    assert last.quadratic_bytes == 6 * NN
+    first = next(r for r in s.rows if (r.seq_len, r.head_dim) == (256, 16))
+    assert first.peak_bytes == 80_502_784  # N=256: the same tensors at 256, workspaces dominate
+    assert last.growth == Fraction(51_658_620_928, 80_502_784)  # x first row of its series
+    assert first.growth == 1
+
+
+def test_oom_mark_follows_the_budget():
+    assert all(r.fits for r in seeds().rows)  # an H100 holds every row
+    # 40 GiB: the N=16384 rows (reserved ~56 GiB) do not fit, N=8192 (~14 GiB) do
+    s = seeds(memory_bytes=40 * 2**30)
+    assert {r.seq_len for r in s.rows if not r.fits} == {16384}
+
+
+def test_long_table_markdown_layout(capsys):
+    code, out, _ = run(capsys, "sweep", "--seq", "256,1024,4096,8192,16384", "--markdown")
+    assert code == 0
+    assert "| seq_len | peak (MiB) | saved (MiB) | reserved (MiB) | x first | N^2 share | OOM? |" in out
+    assert "| 16384 | 49,265.50 | 16,385.50 | 57,438.00 | " in out  # 51,658,620,928 B = 49,265.50 MiB
+
+
+def test_pivot_is_the_seed_002_layout(capsys):
+    code, out, _ = run(capsys, "sweep", "--seq", "256,1024,4096,8192,16384",
+                       "--head-dim", "16,32,64,128", "--pivot", "saved", "--markdown")
+    assert code == 0
+    assert "| seq_len \\ head_dim | 16 | 32 | 64 | 128 |" in out
+    assert "| 16384 | 16,385.50 | 16,385.50 | 16,385.50 | 16,385.50 |" in out
+
+
+def test_pivot_marks_oom(capsys):
+    code, out, _ = run(capsys, "sweep", "--seq", "8192,16384", "--pivot", "peak", "--gpu-gb",
+                       "40", "--bytes", "--markdown")
+    assert "| 16384 | 51658620928 OOM |" in out
+
+
+def test_csv_and_json_carry_bytes(capsys):
+    _, out, _ = run(capsys, "sweep", "--seq", "1024,16384", "--impl", "naive,naive-softmax",
+                    "--csv")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == 4
+    assert rows[1]["peak_bytes"] == "51658620928" and rows[1]["fits"] == "True"
+    _, out, _ = run(capsys, "sweep", "--seq", "1024,16384", "--json")
+    data = json.loads(out)
+    assert data["budget_bytes"] == 84_983_939_072  # h100-80gb: 81559 MiB - 512 MiB
+    assert data["rows"][1]["saved_bytes"] == 17_181_442_048
+
+
+def test_all_implementations_skip_unsupported_dtypes(capsys):
+    code, out, _ = run(capsys, "sweep", "--seq", "256,512", "--impl", "all", "--dtype",
+                       "fp32,bf16", "--json")
+    data = json.loads(out)
+    assert code == 0
+    done = {(r["impl"], r["dtype"]) for r in data["rows"]}
+    skipped = {s["impl"] for s in data["skipped"]}
+    assert ("naive", "fp32") in done and ("naive", "bf16") in done
+    assert all(f"{i} {d}" in skipped or (i, d) in done for i, d in done)
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--seq", "1,,x"], "--seq"),
+    (["--seq", "0,256"], "--seq"),
+    (["--head-dim", "16;32"], "--head-dim"),
+    (["--batch", "4:2:1"], "--batch"),
+    (["--impl", "naive,"], "--impl"),
+    (["--impl", "flashy"], "--impl"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--pivot", "everything"], "--pivot"),
+    (["--reserve", "lots"], "--reserve"),
+])
+def test_bad_input(capsys, argv, option):
+    code, out, err = run(capsys, "sweep", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and option in err and "Traceback" not in err
+
+
+def test_ranges(capsys):
+    code, out, _ = run(capsys, "sweep", "--seq", "256:1024:256", "--json")
+    assert [r["seq_len"] for r in json.loads(out)["rows"]] == [256, 512, 768, 1024]

@@ -1,0 +1,177 @@
+"""The vectorized path equals ``predict`` to the byte, and says where it falls back."""
+
+import numpy as np
+import pytest
+
+import memcalc.vectorized as V
+from memcalc.config import Config
+from memcalc.impls import IMPLS, impl_names, register
+from memcalc.tensors import Program, Role, free, new
+from memcalc.timeline import predict
+from memcalc.vectorized import SizeDependent, Sym, classify, evaluate
+
+FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
+           "reserved_peak_bytes")
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Record paths even for tiny grids (by default they take the scalar replay)."""
+    monkeypatch.setattr(V, "SCALAR_BELOW", 2)
+    monkeypatch.setattr(V, "SCALAR_TAIL", 0)
+    V._EVALUATORS.clear()
+    yield
+    V._EVALUATORS.clear()
+
+
+def at(config, **shape):
+    return config.model_copy(update={"shape": config.shape.model_copy(update=shape)})
+
+
+def assert_exact(base, figures, axes):
+    for i in range(len(figures)):
+        b = predict(at(base, **{k: int(np.ravel(v)[i]) for k, v in axes.items()}))
+        assert {k: int(getattr(figures, k)[i]) for k in FIGURES} == b.figures(), (base.impl, i)
+
+
+# --- symbolic sizes -----------------------------------------------------------------------
+
+def test_products_are_canonical():
+    b, h, n, m = (Sym.leaf(x) for x in "BHNM")
+    assert ((b * h) * n * m * 4).key == (b * (h * n) * m * 4).key  # (B*H, N, M) == (B, H, N, M)
+    assert (n + n).key == (2 * n).key
+    assert V.evaluate_sym(-(-n // 128) * 128, {"N": 129}) == 256  # round up to 128
+
+
+def test_decisions_on_sizes_raise():
+    n, d = Sym.leaf("N"), Sym.leaf("D")
+    with pytest.raises(SizeDependent) as error:
+        max(n, d)
+    assert error.value.leaves == {"N", "D"}
+    with pytest.raises(SizeDependent):
+        bool(n > 1024)
+    assert (n == n) and not (n != n)  # the same expression compares without a value
+
+
+# --- exactness ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", impl_names())
+def test_random_grid_equals_predict(eager, impl):
+    """Every registered implementation (fp32, or bf16 if it has no fp32), random shapes."""
+    rng = np.random.default_rng(sum(map(ord, impl)))
+    axes = dict(seq_len=rng.integers(1, 2500, 24), batch=rng.integers(1, 9, 24),
+                heads=rng.choice([1, 2, 4], 24), head_dim=rng.choice([16, 32, 64, 128], 24))
+    for dtype in ("fp32", "bf16"):
+        base = Config(impl=impl, dtype=dtype)
+        try:
+            figures = evaluate(base, **axes)
+        except ValueError:
+            continue  # this dtype is not supported: try the next
+        assert "unmodelled" not in figures.fallback
+        assert_exact(base, figures, axes)
+        return
+    pytest.fail(f"{impl} accepts neither fp32 nor bf16")
+
+
+def test_large_lengths_follow_few_paths(eager):
+    """The seeds' shape at every length from 16,000 to 16,640: every allocator decision
+    (unsplit 2 MiB remainders, best fit among cached blocks) is a guard, so the lengths
+    share a handful of recorded paths, all exact."""
+    base = Config(impl="naive")
+    n = np.arange(16000, 16641)
+    figures = evaluate(base, seq_len=n)
+    assert figures.fallback == {}
+    assert len(set(figures.path.tolist())) <= 64
+    sample = n[::37]
+    assert_exact(base, evaluate(base, seq_len=sample), {"seq_len": sample})
+
+
+def test_seeds_benchmark_figures():
+    # B=8 H=1 N=16384 d=16 fp32: NN = 8 x 16384^2 x 4 = 8,589,934,592; ND = 8,388,608;
+    # workspaces 2 x 32 MiB (H100); the same arithmetic as tests/test_timeline.py
+    NN, ND, ROW, IDX, WS = 8_589_934_592, 8_388_608, 524_288, 1_048_576, 33_554_432
+    figures = evaluate(Config(impl="naive"), seq_len=[1024, 16384], head_dim=16)
+    row = figures.row(1)
+    assert row["saved_bytes"] == 2 * NN + ROW + IDX  # exp_x, p, row sum, argmax
+    assert row["peak_bytes"] == 6 * NN + IDX + ROW + 2 * WS + 6 * ND  # 51,658,620,928
+    assert row["quadratic_bytes"] == 6 * NN  # the six N x N tensors alive at the peak
+
+
+def test_overflow_takes_python_integers():
+    # p: 4096 x 1 x 2^22 x 2^22 x 4 B = 2^58, beyond what the int64 forms may sum
+    figures = evaluate(Config(impl="naive-softmax"), seq_len=2**22, batch=4096)
+    assert figures.fallback == {"small": 1}
+    assert figures.row(0)["saved_bytes"] == 2**58
+
+
+def test_overflow_in_a_large_grid(eager):
+    # p: 2^17 x 1 x 2^22 x 2^22 x 4 B = 2^63, more than int64 holds: Python ints, exact
+    figures = evaluate(Config(impl="naive-softmax"), seq_len=[1024, 2**22], batch=[1, 2**17])
+    assert figures.fallback == {"overflow": 1}
+    assert figures.saved_bytes.dtype == object and figures.saved_bytes[1] == 2**63
+    assert figures.saved_bytes[0] == 4_194_304  # 1 x 1024^2 x 4 B, from the int64 path
+
+
+# --- the fallbacks, with programs made for the purpose -------------------------------------
+
+@pytest.fixture
+def toy_impls():
+    """Two programs: one loops over N // 64 chunks, one pads the head dim with max()."""
+    before = set(impl_names())  # every module loaded first: nothing wraps the test programs
+
+    @register("test-chunked", "loops over chunks", traced=False)
+    def chunked(d):
+        events = []
+        for i in range(d.N // 64):  # the number of events depends on N
+            events += [new(f"c{i}", (d.B, 64, d.D), d.dtype, Role.temporary, "mm"), free(f"c{i}")]
+        return Program(tuple(events + [new("out", (d.B, d.N, d.D), d.dtype, Role.output, "mm")]), ())
+
+    @register("test-padded", "pads D to 32", traced=False)
+    def padded(d):
+        width = max(d.D, 32)  # a decision on D only: the grid is split by D
+        return Program((new("out", (d.B, d.N, width), d.dtype, Role.output, "mm"),), ())
+
+    yield
+    for name in set(IMPLS) - before:
+        IMPLS.pop(name)
+
+
+def test_structure_depending_on_n_falls_back(eager, toy_impls):
+    base = Config(impl="test-chunked", protocol={"forward_only": True})
+    n = np.arange(64, 64 * 9, 64)
+    figures = evaluate(base, seq_len=n)
+    assert figures.fallback == {"structure": 8}
+    assert_exact(base, figures, {"seq_len": n})
+
+
+def test_decision_on_head_dim_splits_the_grid(eager, toy_impls):
+    base = Config(impl="test-padded", protocol={"forward_only": True})
+    nn, dd = np.meshgrid(np.arange(100, 140), [16, 64], indexing="ij")
+    figures = evaluate(base, seq_len=nn, head_dim=dd)
+    assert figures.fallback == {}
+    assert_exact(base, figures, {"seq_len": nn, "head_dim": dd})
+
+
+# --- classification -----------------------------------------------------------------------
+
+def test_classify_decides_only_what_it_can(eager):
+    from memcalc.budget import fits
+
+    base = Config(impl="naive", shape={"batch": 1})
+    n = np.arange(3000, 3400, 7)
+    figures = evaluate(base, seq_len=n)
+    budget = int(figures.reserved_peak_bytes[len(n) // 2])
+    verdict = classify(figures, budget)
+    assert set(verdict.tolist()) >= {0, 1}
+    for i in range(len(n)):
+        if verdict[i] >= 0:
+            assert bool(verdict[i]) == fits(at(base, seq_len=int(n[i])), budget)
+
+
+def test_bad_axes():
+    with pytest.raises(ValueError, match="seq_len"):
+        evaluate(Config(), seq_len=[0, 5])
+    with pytest.raises(ValueError, match="unknown grid axis"):
+        evaluate(Config(), depth=[3])
+    with pytest.raises(ValueError, match="kv_heads"):
+        evaluate(Config(), heads=4, kv_heads=3)
