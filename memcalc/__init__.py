@@ -50,6 +50,62 @@ def breakdown(**options):
     return predict(make_config(**options))
 
 
+def _budget(config, gpu_gb=None, reserve=None):
+    """The device budget: the preset's memory (or ``gpu_gb`` x 2^30 B) less ``reserve``
+    (bytes, or a size string such as ``"1GiB"``; default 512 MiB)."""
+    from memcalc.budget import Budget, parse_gb, parse_size
+
+    memory = parse_gb(str(gpu_gb)) if gpu_gb is not None else None
+    reserve_bytes = parse_size(str(reserve)) if isinstance(reserve, str) else reserve
+    return Budget.of(config.device, reserve_bytes, memory)
+
+
+def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **options):
+    """The largest seq_len (or ``solve="batch"``, ``"head_dim"``) whose step fits, per
+    implementation: an ``OomReport``.
+
+    >>> report = memcalc.oom(gpu_gb=80, impls=["naive"])
+    >>> r = report.results[0]
+    >>> (r.max_value, r.at_max.fits, r.at_next.fits)  # fits at N, not at N + 1
+    (19511, True, False)
+    """
+    from memcalc.thresholds import solve as run
+
+    config = make_config(**options)
+    return run(config, _budget(config, gpu_gb, reserve), solve, impls)
+
+
+def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(), heads=(),
+          impls=(), dtypes=(), gpu_gb=None, reserve=None, **options):
+    """The seeds' scaling table: every combination, exact, with OOM marks: a ``Sweep``.
+
+    >>> table = memcalc.sweep(seq_lens=(8192, 16384))
+    >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
+    51658620928
+    """
+    from memcalc.scaling import sweep as run
+
+    config = make_config(**options)
+    return run(config, _budget(config, gpu_gb, reserve), seq_lens, head_dims, batches,
+               heads, impls, dtypes)
+
+
+def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str = "naive", **options):
+    """Every implementation side by side against ``baseline``: a ``Comparison``.
+
+    >>> rows = memcalc.compare(seq_len=4096, impls=["naive", "naive-softmax"]).rows
+    >>> [(r.impl, r.breakdown.saved_bytes) for r in rows]  # 8 x 4096^2 x 4 B = 536,870,912
+    [('naive', 1074135040), ('naive-softmax', 536870912)]
+
+    (naive: ``exp_x`` and ``p``, plus the row sum 8 x 4096 x 4 B and the int64 argmax
+    8 x 4096 x 8 B: 2 x 536,870,912 + 131,072 + 262,144.)
+    """
+    from memcalc.comparison import compare as run
+
+    config = make_config(**options)
+    return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
+
+
 def trace(fn: Callable, **options):
     """The breakdown of your own ``fn(q, k, v)``, traced on the meta device (needs torch).
 

@@ -30,6 +30,21 @@ class Result(BaseModel):
             return {k: v for k, v in data.items() if k not in cls.model_computed_fields}
         return data
 
+    def records(self) -> list[dict]:
+        """The result's rows as plain dicts (one per component, configuration, ...)."""
+        return [self.to_dict()]
+
+    def to_dataframe(self):
+        """``records()`` as a pandas DataFrame; pandas is optional (``memcalc[pandas]``)."""
+        try:
+            import pandas
+        except ImportError:
+            raise ValueError("to_dataframe needs pandas (pip install 'memcalc[pandas]')") from None
+        return pandas.DataFrame(self.records())
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json", by_alias=True)
+
 
 class Component(Result):
     """One allocation: a tensor (or a workspace) and the block the allocator gave it."""
@@ -121,6 +136,10 @@ class Breakdown(Result):
         dump = lambda cs: [c.model_dump(mode="json", by_alias=True) for c in cs]  # noqa: E731
         return {**figures, "peak_phase": self.peak_phase, "components": dump(self.components),
                 "saved": dump(self.saved), "config": self.config.model_dump(mode="json")}
+
+    def records(self) -> list[dict]:
+        """One dict per component alive at the peak."""
+        return self.to_dict()["components"]
 
     def to_markdown(self) -> str:
         from memcalc.render import breakdown_markdown

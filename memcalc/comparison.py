@@ -93,6 +93,10 @@ class Comparison(Result):
     def to_csv(self) -> str:
         return csv_table(self._columns(False), self.rows)
 
+    def records(self) -> list[dict]:
+        """One dict per implementation."""
+        return self.to_dict()["rows"]
+
     def to_dict(self) -> dict:
         def row(r: Row) -> dict:
             b = r.breakdown

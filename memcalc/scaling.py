@@ -23,6 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, computed_field
 
 from memcalc.budget import Budget, fit
+from memcalc.breakdown import Result
 from memcalc.config import Config, DType
 from memcalc.render import Column, csv_table, markdown_table
 from memcalc.units import _fixed, mib, share
@@ -101,7 +102,7 @@ def _mark(budget: Budget):
     return lambda r: "fits" if r.fits else "OOM"
 
 
-class Sweep(BaseModel):
+class Sweep(Result):
     """A grid of configurations and their figures; ``pivot`` picks the seed-002 layout."""
 
     model_config = _FROZEN
@@ -210,6 +211,10 @@ class Sweep(BaseModel):
                  "reserved_peak_bytes", "quadratic_bytes")]
         cols += [Column("growth", lambda r: str(r.growth)), Column("fits", lambda r: r.fits)]
         return csv_table(cols, self.rows)
+
+    def records(self) -> list[dict]:
+        """One dict per row (configuration)."""
+        return self.to_dict()["rows"]
 
     def to_dict(self) -> dict:
         rows = [{**r.model_dump(exclude={"first_peak_bytes"}), "growth": str(r.growth)}

@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from memcalc.budget import Budget, Fit, fit, replay_within
+from memcalc.breakdown import Result
 from memcalc.config import Config
 from memcalc.render import Column, csv_table, markdown_table
 from memcalc.scaling import _bold_title, compact_table
@@ -423,7 +424,7 @@ def _fixed_options(config: Config, field: str) -> str:
     return " ".join(parts.values()) + f" {config.dtype.value}{flags}"
 
 
-class OomReport(BaseModel):
+class OomReport(Result):
     """The threshold of every implementation asked for, in one budget."""
 
     model_config = _FROZEN
@@ -467,6 +468,10 @@ class OomReport(BaseModel):
 
     def to_csv(self) -> str:
         return csv_table(_byte_columns(self.field), self.results)
+
+    def records(self) -> list[dict]:
+        """One dict per solved implementation."""
+        return self.to_dict()["results"]
 
     def to_dict(self) -> dict:
         return {"budget_bytes": self.budget.budget_bytes, "solve": self.field,

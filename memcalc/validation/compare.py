@@ -105,3 +105,10 @@ class Report(Result):
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
+
+    def records(self) -> list[dict]:
+        """One dict per configuration: its impl, sizes, verdict and figure differences."""
+        return [{"impl": c.config.impl, "seq_len": c.config.shape.seq_len,
+                 "dtype": c.config.dtype.value, "causal": c.config.causal, "ok": c.ok,
+                 "outcome": c.outcome, **{f"diff_{k}": v for k, v in c.differences.items()}}
+                for c in self.checks]
