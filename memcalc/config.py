@@ -94,6 +94,7 @@ class Device(BaseModel):
     gpu: str | None = Field("h100-80gb", description="GPU preset name (memcalc gpus)")
     memory_bytes: int | None = Field(None, ge=1, description="total device memory in bytes")
     compute_capability: tuple[int, int] | None = Field(None, description="e.g. (9, 0)")
+    sm_count: int | None = Field(None, ge=1, description="streaming multiprocessors")
 
     @field_validator("gpu")
     @classmethod
@@ -118,6 +119,7 @@ class Device(BaseModel):
             memory_bytes=self.memory_bytes or base.memory_bytes,
             compute_capability=self.compute_capability or base.compute_capability,
             source=base.source if base else "given by the user",
+            sm_count=self.sm_count or (base.sm_count if base else None),
         )
 
 

@@ -18,6 +18,7 @@ class GPU(BaseModel):
     memory_bytes: int = Field(ge=1)
     compute_capability: tuple[int, int]
     source: str
+    sm_count: int | None = Field(None, ge=1, description="streaming multiprocessors")
 
 
 @cache

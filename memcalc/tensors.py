@@ -135,12 +135,15 @@ class Dims:
     Hk: int
     chunk: int
     forward_only: bool = False
+    sm_count: int | None = None  # the device's, for fused kernels' split heuristics
+    compute_capability: tuple[int, int] = (9, 0)
 
     @classmethod
     def of(cls, config: Config) -> "Dims":
-        s, p = config.shape, config.protocol
+        s, p, gpu = config.shape, config.protocol, config.device.spec
         return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim, config.dtype.torch_name,
-                   config.causal, p.loss, s.key_heads, config.chunk, p.forward_only)
+                   config.causal, p.loss, s.key_heads, config.chunk, p.forward_only,
+                   gpu.sm_count, gpu.compute_capability)
 
 
 @dataclass(frozen=True)

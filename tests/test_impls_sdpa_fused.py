@@ -293,3 +293,18 @@ def test_models_cover_loss_and_forward_only_without_errors():
         b = predict(Config(impl=impl, causal=causal, dtype="bf16", shape=BIG,
                            protocol=Protocol(loss=loss, forward_only=fo)))
         assert b.peak_bytes >= 4 * ND  # at least q, k, v and out (or grad_out)
+
+
+def test_split_kv_follows_the_presets_sm_count():
+    """B=1, H=3, N=4096: 3 x ceil(4096/64) = 192 blocks fill an H100's 2 x 132 SMs poorly,
+    so num_splits_heuristic picks 4 splits there, none on an A100 (2 x 108)."""
+    from memcalc.config import make_config
+
+    def forward_peak(gpu):
+        config = make_config(impl="sdpa-flash", dtype="bf16", batch=1, heads=3, seq_len=4096,
+                             gpu=gpu)
+        return predict(config).forward_peak_bytes
+
+    # the two fp32 split accumulators on the H100: (4, 1, 3, 4096) x 4 B = 196,608 and
+    # (4, 1, 3, 4096, 32) x 4 B = 6,291,456 (head dim 16 rounded up to 32)
+    assert forward_peak("h100-80gb") - forward_peak("a100-80gb") == 196_608 + 6_291_456

@@ -79,6 +79,7 @@ def environment(torch=None) -> dict[str, str]:
         "device": props.name,
         "compute_capability": f"{props.major}.{props.minor}",
         "total_memory": str(props.total_memory),
+        "sm_count": str(props.multi_processor_count),
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
@@ -88,8 +89,9 @@ def environment(torch=None) -> dict[str, str]:
 def live_config(config: Config, env: dict[str, str]) -> Config:
     """``config`` on the device that runs it, with the environment's workspace config."""
     major, minor = (int(x) for x in env["compute_capability"].split("."))
+    sms = int(env["sm_count"]) if env.get("sm_count") else None
     device = Device(gpu=None, memory_bytes=int(env["total_memory"]),
-                    compute_capability=(major, minor))
+                    compute_capability=(major, minor), sm_count=sms)
     protocol = config.protocol.model_copy(
         update={"cublas_workspace_config": env["CUBLAS_WORKSPACE_CONFIG"] or None})
     return config.model_copy(update={"device": device, "protocol": protocol})
