@@ -79,3 +79,29 @@ def test_bad_targets_are_one_line(tmp_path, capsys, target, message):
     code = main(["trace", target.format(tmp=tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_oom_trace_agrees_with_direct_traces(capsys):
+    """``memcalc oom --trace``: the step traced directly fits at max_seq_len and not one
+    row later, with the allocator model capped at the budget."""
+    import json
+
+    from memcalc.allocator import OutOfMemory
+    from memcalc.config import make_config
+    from memcalc.validation.emulated import measure
+
+    spec = f"{ROOT}/examples/custom_softmax/variants.py:reciprocal"
+    assert main(["oom", "--trace", spec, "--gpu-gb", "2", "--batch", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    n, budget = data["results"][0]["max_seq_len"], data["budget_bytes"]
+    fn = load_function(spec)
+
+    def fits(seq_len):
+        config = make_config(impl=register_function(fn, "direct"), seq_len=seq_len, batch=1)
+        try:
+            measure(config, fn, capacity=budget)
+        except OutOfMemory:
+            return False
+        return True
+
+    assert fits(n) and not fits(n + 1)

@@ -14,6 +14,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--solve", default="seq", metavar="FIELD",
                         help="what to maximise: seq (default), batch or head-dim; the other "
                              "options fix the rest (--seq is where the search starts)")
+    parser.add_argument("--trace", default=None, metavar="FILE.py:FUNCTION",
+                        help="solve for your own fn(q, k, v), traced on the meta device "
+                             "(imports and runs the named file as Python code)")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                         help="give up on an implementation after this long (default: none)")
     format_options(parser)
@@ -27,11 +30,22 @@ def run(args) -> int:
         raise ValueError(f"--solve: {args.solve!r} is not seq, batch or head-dim")
     if args.time_limit is not None and args.time_limit <= 0:
         raise ValueError(f"--time-limit: must be positive (got {args.time_limit})")
+    impls = _impls(args)
+    base = config_from(args, impl=impls[0] if impls else "naive")
+    emit(solve(base, budget_from(args), field, impls, args.time_limit), args.format)
+    return 0
+
+
+def _impls(args) -> list[str] | None:
+    """The implementations asked for: ``--impl a,b``, and ``--trace`` registered as one."""
     impls = None
     if args.impl is not None:
         impls = [name.strip() for name in args.impl.split(",")]
         if not all(impls):
             raise ValueError(f"--impl: {args.impl!r} is not a comma-separated list of names")
-    base = config_from(args, impl=impls[0] if impls else "naive")
-    emit(solve(base, budget_from(args), field, impls, args.time_limit), args.format)
-    return 0
+    if args.trace is not None:
+        from memcalc.tracing import load_function, register_function
+
+        traced = register_function(load_function(args.trace), args.trace)
+        impls = (impls or []) + [traced]
+    return impls

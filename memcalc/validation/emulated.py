@@ -210,10 +210,11 @@ def _name_inputs(tracer: Tracer, inputs) -> None:
             live.component = live.component.model_copy(update={"name": name, "source": ""})
 
 
-def measure(config: Config, fn: Callable | None = None) -> Breakdown:
+def measure(config: Config, fn: Callable | None = None, capacity: int | None = None) -> Breakdown:
     """Run the protocol for ``config`` on the meta device and read the breakdown off the
-    trace; ``fn(q, k, v)`` defaults to the reference code of ``config.impl``."""
-    tracer = Tracer(config.workspace_bytes)
+    trace; ``fn(q, k, v)`` defaults to the reference code of ``config.impl``. With
+    ``capacity``, the allocator model raises ``OutOfMemory`` where the device would."""
+    tracer = Tracer(config.workspace_bytes, capacity)
     probe = TracerProbe(tracer)
     measured = run_traced(config, fn or reference_fn(config), tracer, probe)
     relabel = _roles(tracer, probe)
