@@ -63,7 +63,7 @@ class Comparison(Result):
             return lambda r: size(getattr(r.breakdown, name)) if r.breakdown else "-"
 
         return [
-            Column("implementation", lambda r: r.impl if r.breakdown else f"{r.impl} ({r.note})"),
+            Column("implementation", lambda r: r.impl),
             Column("N x M saved", lambda r: quadratic_saved(r.breakdown) if r.breakdown else "-",
                    "right"),
             Column("saved", fig("saved_bytes"), "right"),
@@ -75,7 +75,7 @@ class Comparison(Result):
             Column("factor", lambda r: ratio(base, r.breakdown.peak_bytes)
                    if r.breakdown and base is not None else "-", "right"),
             Column("max seq_len", lambda r: r.max_seq_len if r.max_seq_len is not None
-                   else ("-" if not r.breakdown else r.note or "-")),
+                   else ("n/a" if not r.breakdown else "not solved"), "right"),
         ]
 
     def _title(self) -> str:
@@ -84,11 +84,20 @@ class Comparison(Result):
                  f"{c.dtype.value}{' causal' if c.causal else ''}") if c else ""
         return f"{shape}; max seq_len within {self.budget.describe()}"
 
+    def notes(self) -> list[str]:
+        """Why a row has no figures (n/a) or no threshold (not solved)."""
+        return [f"{r.impl}: {r.note}" for r in self.rows if r.note]
+
     def __rich__(self):
-        return rich_table(self._title(), self._columns(True), self.rows)
+        from rich.console import Group
+
+        table = rich_table(self._title(), self._columns(True), self.rows)
+        return Group(table, *self.notes())
 
     def to_markdown(self) -> str:
-        return f"**{self._title()}**\n\n" + markdown_table(self._columns(True), self.rows)
+        notes = "".join(f"\n- {n}" for n in self.notes())
+        return (f"**{self._title()}**\n\n" + markdown_table(self._columns(True), self.rows)
+                + notes + ("\n" if notes else ""))
 
     def to_csv(self) -> str:
         return csv_table(self._columns(False), self.rows)
@@ -126,7 +135,14 @@ def _thresholds(base: Config, budget: Budget) -> dict[str, tuple[int | None, str
 
     report = solve(base, budget)
     solved = {r.impl: (r.max_value, "") for r in report.results}
-    return solved | {s.impl: (None, "not solved (memcalc oom says why)") for s in report.skipped}
+    return solved | {s.impl: (None, f"not solved: {s.reason}") for s in report.skipped}
+
+
+def _reason(error: ValueError) -> str:
+    """The message of a rejection, without pydantic's framing."""
+    from memcalc.errors import one_line
+
+    return one_line(error)
 
 
 def _row(base: Config, impl: str, threshold: tuple[int | None, str]) -> Row:
@@ -135,5 +151,5 @@ def _row(base: Config, impl: str, threshold: tuple[int | None, str]) -> Row:
     try:
         b = predict(Config.model_validate({**base.model_dump(), "impl": impl}))
     except ValueError as error:  # the implementation rejects these options
-        return Row(impl=impl, note=str(error).splitlines()[-1].strip()[:60])
+        return Row(impl=impl, note=_reason(error))
     return Row(impl=impl, breakdown=b, max_seq_len=threshold[0], note=threshold[1])

@@ -29,8 +29,8 @@ class Column:
 
 def rich_table(title: str | None, columns: list[Column], rows: Iterable[Any]) -> Table:
     table = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
-    for c in columns:
-        table.add_column(c.header, justify=c.justify, no_wrap=c.justify == "right")
+    for i, c in enumerate(columns):  # names (first column) and numbers are never wrapped
+        table.add_column(c.header, justify=c.justify, no_wrap=i == 0 or c.justify == "right")
     for row in rows:
         table.add_row(*(str(c.cell(row)) for c in columns))
     return table
