@@ -1,0 +1,41 @@
+"""memcalc compare: the seeds' comparison table, exact."""
+
+import json
+
+from memcalc.budget import Budget
+from memcalc.cli import main
+from memcalc.comparison import compare, ratio
+from memcalc.config import make_config
+
+NN = 8 * 16384 * 16384 * 4  # one N x N fp32 tensor of the seeds' benchmark: 8,589,934,592
+
+
+def test_rows_count_quadratic_tensors_and_savings():
+    base = make_config(seq_len=16384)
+    result = compare(base, Budget.of(base.device), ["naive", "naive-softmax", "flash2"],
+                     solve=False)
+    rows = {r["impl"]: r for r in result.to_dict()["rows"]}
+    assert rows["naive"]["quadratic_saved"] == 2  # exp_x and p
+    assert rows["naive-softmax"]["quadratic_saved"] == 1  # p
+    assert rows["flash2"]["quadratic_saved"] == 0
+    # naive's backward peak holds 6 N x N tensors, naive-softmax's 3: 3 x NN saved
+    assert rows["naive"]["peak_bytes"] - rows["naive-softmax"]["peak_bytes"] == 3 * NN
+
+
+def test_rejected_options_are_a_note_not_a_crash():
+    base = make_config(seq_len=1024)  # fp32: the flash kernel has none
+    row = compare(base, Budget.of(base.device), ["sdpa-flash"], solve=False).rows[0]
+    assert row.breakdown is None and "fp16 and bf16" in row.note
+
+
+def test_ratio_is_exact():
+    assert ratio(2, 1) == "2.00x"
+    assert ratio(1, 3) == "0.33x"
+    assert ratio(2, 3) == "0.67x"  # 0.666... rounds half up
+
+
+def test_cli_json_with_thresholds(capsys):
+    assert main(["compare", "--seq", "4096", "--only", "naive", "--gpu-gb", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["budget_bytes"] == 8 * 2**30 - 512 * 2**20  # 8 GiB less the 512 MiB reserve
+    assert data["rows"][0]["max_seq_len"] > 4096
