@@ -75,9 +75,11 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **opti
     return run(config, _budget(config, gpu_gb, reserve), solve, impls)
 
 
-def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(), heads=(),
-          impls=(), dtypes=(), gpu_gb=None, reserve=None, **options):
+def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(),
+          head_counts=(), impls=(), dtypes=(), gpu_gb=None, reserve=None, **options):
     """The seeds' scaling table: every combination, exact, with OOM marks: a ``Sweep``.
+    The lists are ``seq_lens``, ``head_dims``, ``batches``, ``head_counts``, ``impls`` and
+    ``dtypes``; the other options (``heads=4``, ``batch=2``, ...) fix the rest.
 
     >>> table = memcalc.sweep(seq_lens=(8192, 16384))
     >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
@@ -87,7 +89,7 @@ def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(), 
 
     config = make_config(**options)
     return run(config, _budget(config, gpu_gb, reserve), seq_lens, head_dims, batches,
-               heads, impls, dtypes)
+               head_counts, impls, dtypes)
 
 
 def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str = "naive", **options):

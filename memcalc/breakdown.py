@@ -34,6 +34,12 @@ class Result(BaseModel):
         """The result's rows as plain dicts (one per component, configuration, ...)."""
         return [self.to_dict()]
 
+    def _repr_html_(self) -> str:
+        """Jupyter: the same tables as in a terminal, as HTML."""
+        from memcalc.render import html
+
+        return html(self)
+
     def to_dataframe(self):
         """``records()`` as a pandas DataFrame; pandas is optional (``memcalc[pandas]``)."""
         try:

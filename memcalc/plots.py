@@ -1,8 +1,12 @@
 """Pictures of results (matplotlib, an optional extra: ``pip install memcalc[plot]``).
 
-Every function draws on a new figure, writes it when given a path, and returns the figure;
-matplotlib is imported inside, so importing memcalc never loads it. Axes are in MiB or GiB,
-chosen from the largest value, and say which.
+Three pictures: ``plot_timeline`` (one step's allocated and reserved memory, event by
+event), ``plot_components`` (what is alive at each implementation's peak, by role) and
+``plot_peaks`` (peak against seq_len, log-log, with the budget and each line's largest
+fitting seq_len). Every function draws on a new ``matplotlib.figure.Figure`` (not pyplot:
+no backend is switched, nothing stays registered), writes it when given a path, and returns
+it; in Jupyter the returned figure shows inline. matplotlib is imported inside, so importing
+memcalc never loads it. Axes are in MiB or GiB, chosen from the largest value, and say which.
 """
 
 from __future__ import annotations
@@ -10,11 +14,11 @@ from __future__ import annotations
 from typing import Iterable
 
 from memcalc.allocator import MiB
-from memcalc.units import GiB
+from memcalc.units import GiB, human
 
 ROLE_COLOURS = {
     "input": "#9e9e9e", "saved": "#d62728", "activation": "#ff7f0e", "temporary": "#1f77b4",
-    "gradient": "#2ca02c", "output": "#8c564b", "workspace": "#7f7f7f",
+    "gradient": "#2ca02c", "output": "#8c564b", "workspace": "#bcbd22",
 }
 
 
@@ -23,15 +27,16 @@ def _unit(largest: int) -> tuple[int, str]:
 
 
 def _figure(width: float = 9, height: float = 5):
+    """A new figure and its axes, made without pyplot: no backend is chosen or switched
+    (a notebook keeps its own, and shows the returned figure inline) and no figure stays
+    registered after the caller drops it."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
         raise ValueError("--plot: needs matplotlib (pip install 'memcalc[plot]')") from None
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=(width, height), layout="constrained")
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots()
 
 
 def _finish(fig, path: str | None):
@@ -60,18 +65,26 @@ def plot_timeline(config, path: str | None = None):
     _mark_saved_and_peak(ax, events, result, scale, unit)
     ax.set_xlabel("allocation events of the measured step (forward, then backward)")
     ax.set_ylabel(f"memory ({unit})")
-    ax.set_title(f"{config.impl}: one step, N={config.shape.seq_len}, "
-                 f"{config.dtype.value}, {config.device.spec.label}")
-    ax.legend(loc="upper left")
+    ax.set_ylim(0, max(e.reserved for e in events) / scale * 1.08)
+    ax.set_title(f"{config.impl}: one training step, {_shape_text(config)}\n"
+                 f"torch.cuda memory on {config.device.spec.label}", fontsize=11)
+    fig.legend(loc="outside lower center", ncols=3, fontsize=9, frameon=False)
     return _finish(fig, path)
+
+
+def _shape_text(config) -> str:
+    """``N=16384 B=8 H=1 d=16 fp32`` (and ``causal``): what a plot title needs to say."""
+    s = config.shape
+    flags = " causal" if config.causal else ""
+    return f"N={s.seq_len:,} B={s.batch} H={s.heads} d={s.head_dim} {config.dtype.value}{flags}"
 
 
 def _mark_phases(ax, events) -> None:
     for i, e in enumerate(events):
         if e.kind == "phase":
             ax.axvline(i, color="#555555", linestyle=":", linewidth=1)
-            ax.annotate(e.label, (i, 0), xytext=(3, 3), textcoords="offset points",
-                        fontsize=9, color="#555555")
+            ax.annotate(e.label, (i, 1), xycoords=("data", "axes fraction"), xytext=(4, -4),
+                        textcoords="offset points", va="top", fontsize=9, color="#555555")
 
 
 def _mark_saved_and_peak(ax, events, result, scale: int, unit: str) -> None:
@@ -79,38 +92,244 @@ def _mark_saved_and_peak(ax, events, result, scale: int, unit: str) -> None:
     if backward is not None:
         level = events[backward].allocated
         ax.axhline(level / scale, color="#d62728", linestyle="--", linewidth=1,
-                   label=f"after forward: saved + inputs + output ({level / scale:,.2f} {unit})")
+                   label=f"after forward: inputs + saved + output ({level / scale:,.2f} {unit})")
     peak = max(range(len(events)), key=lambda i: events[i].allocated)
-    top = sorted(result.components, key=lambda c: -c.block_bytes)[:4]
-    label = "peak {:,.2f} {}\n".format(result.peak_bytes / scale, unit) + "\n".join(
-        f"{c.name}: {c.block_bytes / scale:,.2f} {unit}" for c in top)
+    top = sorted(result.components, key=lambda c: -c.block_bytes)[:6]
+    rest = result.peak_bytes - sum(c.block_bytes for c in top)
+    label = f"total {human(result.peak_bytes)} ({result.peak_phase})\n" + "\n".join(
+        f"{c.name}: {human(c.block_bytes)}" for c in top)
+    if rest:
+        label += f"\n{len(result.components) - len(top)} more: {human(rest)}"
     ax.plot([peak], [events[peak].allocated / scale], "o", color="#d62728")
-    ax.annotate(label, (peak, events[peak].allocated / scale), xytext=(-10, -10),
-                textcoords="offset points", ha="right", va="top", fontsize=8,
-                bbox={"boxstyle": "round", "fc": "white", "ec": "#cccccc"})
+    ax.annotate("peak", (peak, events[peak].allocated / scale), xytext=(6, 2),
+                textcoords="offset points", fontsize=8, color="#d62728")
+    ax.text(1.02, 1, "alive at the peak (red dot)\n" + label, transform=ax.transAxes,
+            ha="left", va="top", fontsize=8, linespacing=1.5,
+            bbox={"boxstyle": "round", "fc": "white", "ec": "#cccccc"})
 
 
 def plot_components(results: Iterable, path: str | None = None):
-    """The live set at each result's peak as one stacked bar per implementation, by role."""
+    """The live set at each result's peak as one stacked horizontal bar per implementation,
+    by role, each labelled with its peak and phase; horizontal so that long names stay
+    readable however many implementations there are."""
     results = list(results)
     scale, unit = _unit(max(r.peak_bytes for r in results))
-    fig, ax = _figure()
+    fig, ax = _figure(10, 1.6 + 0.38 * len(results))
     names = [r.config.impl for r in results]
-    bottoms = [0.0] * len(results)
+    ys = range(len(results))
+    lefts = [0.0] * len(results)
     for role, colour in ROLE_COLOURS.items():
-        heights = [sum(c.block_bytes for c in r.components if c.role.value == role) / scale
-                   for r in results]
-        if any(heights):
-            ax.bar(names, heights, bottom=bottoms, color=colour, label=role)
-            bottoms = [b + h for b, h in zip(bottoms, heights)]
-    for x, r in enumerate(results):
-        ax.annotate(f"{r.peak_bytes / scale:,.2f} {unit}\n({r.peak_phase})",
-                    (x, bottoms[x]), ha="center", va="bottom", fontsize=8)
-    c = results[0].config
-    ax.set_ylim(0, max(bottoms) * 1.15)
-    ax.set_ylabel(f"alive at the peak ({unit})")
-    ax.set_title(f"What is alive at the peak: N={c.shape.seq_len}, B={c.shape.batch}, "
-                 f"H={c.shape.heads}, d={c.shape.head_dim}, {c.dtype.value}")
-    ax.legend(title="role", loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.tick_params(axis="x", labelrotation=20)
+        widths = [sum(c.block_bytes for c in r.components if c.role.value == role) / scale
+                  for r in results]
+        if any(widths):
+            ax.barh(ys, widths, left=lefts, color=colour, label=role, height=0.7)
+            lefts = [a + w for a, w in zip(lefts, widths)]
+    for y, r in enumerate(results):
+        ax.annotate(f" peak {human(r.peak_bytes)} ({r.peak_phase})", (lefts[y], y),
+                    va="center", ha="left", fontsize=8)
+    ax.set_yticks(list(ys), names, fontsize=9)
+    ax.invert_yaxis()  # first result on top, as in the tables
+    ax.set_xlim(0, max(lefts) * 1.3)
+    ax.set_xlabel(f"alive at the peak, max_memory_allocated ({unit})")
+    ax.set_title(f"What is alive at each implementation's peak: {_shape_text(results[0].config)}",
+                 fontsize=11)
+    ax.legend(title="role", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
+    ax.grid(axis="x", color="#eeeeee")
+    ax.set_axisbelow(True)
     return _finish(fig, path)
+
+
+def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | None = 10.0):
+    """Peak memory (max_memory_allocated) against seq_len, log-log, one line per series of
+    ``sweep`` (a ``memcalc.scaling.Sweep``), with the budget as a horizontal line and each
+    series' largest fitting seq_len (``report``, an ``OomReport``, or solved here with
+    ``memcalc.thresholds.solve``, at most ``time_limit`` seconds per series) marked and
+    labelled with N: where each one runs out."""
+    series = _series(sweep)
+    solved = _solved_by_series(sweep, series, report, time_limit)
+    budget = sweep.budget.budget_bytes
+    tops = [budget] + [r.peak_bytes for rows in series.values() for r in rows]
+    scale, unit = _unit(max(tops))
+    fig, ax = _figure(10.5, 5.8)
+    names = _series_names(sweep, series)
+    marks = []
+    for i, (key, rows) in enumerate(series.items()):
+        _draw_series(ax, _style(i, len(series)), names[key], rows, solved.get(key), scale)
+        s = solved.get(key)
+        if s is not None and s.at_max is not None:
+            marks.append((s.max_value, s.peak_bytes_at_max / scale, ax.lines[-1].get_color()))
+    _label_thresholds(ax, marks)
+    if any(not r.fits for r in sweep.rows):
+        ax.plot([], [], "o", markerfacecolor="white", color="#555555",
+                label="sweep point that does not fit")
+    ax.axhline(budget / scale, color="black", linewidth=1.2, linestyle="--",
+               label=f"budget {human(budget)}")
+    xs = [r.seq_len for r in sweep.rows] + [m[0] for m in marks]
+    _log_axes(ax, unit, min(xs), max(xs))
+    ax.set_title(_peaks_title(sweep), fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8,
+              title="x: largest N that fits", title_fontsize=8)
+    return _finish(fig, path)
+
+
+def _series(sweep) -> dict[tuple, list]:
+    """The sweep's rows by series (impl, dtype, batch, heads, head_dim), in seq_len order."""
+    out: dict[tuple, list] = {}
+    for r in sweep.rows:
+        out.setdefault(r.series, []).append(r)
+    return {k: sorted(v, key=lambda r: r.seq_len) for k, v in out.items()}
+
+
+def _series_names(sweep, series) -> dict[tuple, str]:
+    """Each series named by the implementation and whatever else varies in the sweep."""
+    fields = ("impl", "dtype", "batch", "heads", "head_dim")
+    prefix = {"impl": "", "dtype": "", "batch": "B=", "heads": "H=", "head_dim": "d="}
+    varying = [0] + [i for i in range(1, 5) if len({k[i] for k in series}) > 1]
+    return {k: " ".join(f"{prefix[fields[i]]}{k[i]}" for i in varying) for k in series}
+
+
+def _solved_by_series(sweep, series, report, time_limit) -> dict[tuple, object]:
+    """The ``Solved`` threshold of each series: from ``report`` when it has the
+    implementation and the sweep has one shape and dtype, else solved per series. Series
+    that ``memcalc oom`` would skip as too slow (events that grow with seq_len) get none:
+    the solver's time limit is only checked between replays, and one replay near their
+    threshold can take minutes."""
+    from memcalc.thresholds import _too_big, solve
+
+    given = {r.impl: r for r in report.results} if report is not None else {}
+    if report is not None:
+        _check_report(sweep, report)
+    one_shape = all(len(sweep.axes[k]) == 1 for k in ("dtype", "batch", "heads", "head_dim"))
+    out = {}
+    for key in series:
+        if one_shape and key[0] in given:
+            out[key] = given[key[0]]
+            continue
+        config = _series_config(sweep.base, key)
+        try:
+            if _too_big(config, "seq_len") is not None:
+                continue
+            result = solve(config, sweep.budget, "seq_len", [key[0]], time_limit).results
+        except ValueError:  # a threshold the solver cannot reach: the line has no x
+            continue
+        if result:
+            out[key] = result[0]
+    return out
+
+
+def _check_report(sweep, report) -> None:
+    """A ``report`` must be for the sweep's budget and options, or its N would be wrong."""
+    def options(config):
+        dump = config.model_dump(mode="json")
+        dump.pop("impl")
+        dump["shape"] = {k: v for k, v in dump["shape"].items() if k not in ("seq_len", "kv_len")}
+        return dump
+
+    if report.field != "seq_len":
+        raise ValueError(f"plot_peaks: the report solves {report.field}, not seq_len")
+    if report.budget != sweep.budget or options(report.base) != options(sweep.base):
+        raise ValueError("plot_peaks: the report is for another budget or other options than "
+                         "the sweep (pass the same gpu, gpu_gb, reserve and shape to both)")
+
+
+def _series_config(base, key):
+    """``base`` with one series' implementation, dtype and shape."""
+    from memcalc.config import Config, DType
+
+    impl, dtype, batch, heads, head_dim = key
+    shape = base.shape.model_copy(update={"batch": batch, "heads": heads, "head_dim": head_dim})
+    return Config(**{**base.model_dump(), "impl": impl, "dtype": DType(dtype),
+                     "shape": shape.model_dump()})
+
+
+def _style(i: int, count: int) -> tuple:
+    """The colour and line style of series ``i`` of ``count``: tab10, or tab20 for more
+    than ten lines, then the same colours dashed."""
+    import matplotlib
+
+    colours = 10 if count <= 10 else 20
+    return (matplotlib.colormaps[f"tab{colours}"](i % colours),
+            ("-", "--", "-.", ":")[(i // colours) % 4])
+
+
+def _draw_series(ax, style: tuple, name: str, rows, solved, scale: int) -> None:
+    """One series' peaks as a line (open markers where the sweep says OOM) and its largest
+    fitting N as an x, joined to the line by a dotted extension."""
+    colour, style = style
+    xs, ys = [r.seq_len for r in rows], [r.peak_bytes / scale for r in rows]
+    label = f"{name} (largest N not solved)"
+    if solved is not None:
+        label = f"{name} (fits to N={solved.max_value:,})"
+    ax.plot(xs, ys, style, color=colour, marker="o", markersize=4, label=label)
+    over = [(r.seq_len, r.peak_bytes / scale) for r in rows if not r.fits]
+    if over:
+        ax.plot(*zip(*over), "o", markersize=7, markerfacecolor="white", color=colour)
+    if solved is None or solved.at_max is None:
+        return
+    n, peak = solved.max_value, solved.peak_bytes_at_max / scale
+    if n > xs[-1]:
+        ax.plot([xs[-1], n], [ys[-1], peak], ":", color=colour, linewidth=1)
+    ax.plot([n], [peak], "x", color=colour, markersize=9, markeredgewidth=2)
+
+
+def _label_thresholds(ax, points: list[tuple[int, float, object]]) -> None:
+    """``N=...`` under each x marker; labels closer than two octaves to the previous one
+    drop a line, so that neighbouring thresholds stay readable."""
+    import math
+
+    level, last = 0, None
+    for n, peak, colour in sorted(points, key=lambda p: p[0]):
+        if n == last:  # the same threshold (checkpoint-x and x): one label
+            continue
+        level = level + 1 if last is not None and math.log2(n / last) < 2 else 0
+        last = n
+        ax.annotate(f"N={n:,}", (n, peak), xytext=(-6, -8 - 10 * level),
+                    textcoords="offset points", fontsize=7.5, color=colour, va="top", ha="left",
+                    bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})
+
+
+def _log_axes(ax, unit: str, lo: int, hi: int) -> None:
+    """Log-log axes with plain tick labels: seq_len from ``lo`` to ``hi`` as 256, 4K, 1M
+    (every octave, or every second or third when the range is wide); memory as 0.5, 20.
+    Room is left right of ``hi`` for the threshold labels."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    first, last = lo.bit_length() - 1, hi.bit_length()
+    step = -(-(last - first) // 12)
+    ax.xaxis.set_major_locator(FixedLocator([2.0 ** e for e in range(first, last + 1, step)]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _seq_text(x)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _fmt(y)))
+    ax.set_xlim(lo / 1.4, hi * 3.5)
+    ax.set_xlabel("seq_len N (log scale; K = 1,024, M = 1,024 K)")
+    ax.set_ylabel(f"peak, max_memory_allocated ({unit}, log scale)")
+    ax.grid(which="major", color="#e5e5e5")
+
+
+def _seq_text(x: float) -> str:
+    n = int(round(x))
+    for size, suffix in ((1 << 20, "M"), (1 << 10, "K")):
+        if n >= size and n % size == 0:
+            return f"{n // size:,}{suffix}"
+    return f"{n:,}"
+
+
+def _fmt(value: float) -> str:
+    """A tick or budget figure: at most three significant digits, no exponent."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _peaks_title(sweep) -> str:
+    """What is fixed in the sweep (batch, heads, head_dim, dtype) and the budget."""
+    fixed = {k: v[0] for k, v in sweep.axes.items() if len(v) == 1 and k not in ("seq_len", "impl")}
+    order = ("batch", "heads", "head_dim", "dtype")
+    shape = ", ".join(f"{k} {fixed[k]}" if k != "dtype" else str(fixed[k])
+                      for k in order if k in fixed)
+    flags = (" causal" if sweep.base.causal else "") + (
+        " forward-only" if sweep.base.protocol.forward_only else "")
+    b = sweep.budget
+    return (f"Peak memory of one training step against seq_len: {shape}{flags}\n"
+            f"budget {human(b.budget_bytes)} = {human(b.memory_bytes)} device "
+            f"({sweep.base.device.spec.name}) less {human(b.reserve_bytes)} reserve")

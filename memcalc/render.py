@@ -128,6 +128,7 @@ def html(renderable) -> str:
     """Jupyter HTML of anything with ``__rich__``, through rich's own exporter."""
     from rich.console import Console
 
-    console = Console(record=True, width=140, file=io.StringIO())
+    # force_jupyter=False: in a notebook rich would also display the table itself
+    console = Console(record=True, width=140, file=io.StringIO(), force_jupyter=False)
     console.print(renderable)
     return console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")

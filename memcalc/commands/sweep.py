@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
                    help="seed-002 layout, rows seq_len and columns head_dim, for one figure: "
                         "peak, saved, reserved, forward or backward")
     p.add_argument("--bytes", action="store_true", help="exact bytes in the tables, not MiB")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also draw the peak against seq_len, log-log, with the budget and each "
+                        "line's largest fitting seq_len (needs matplotlib)")
     format_options(p)
 
 
@@ -90,4 +93,8 @@ def run(args) -> int:
     result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
                    pivot=args.pivot, unit="bytes" if args.bytes else "MiB")
     emit(result, args.format)
+    if args.plot:
+        from memcalc.plots import plot_peaks
+
+        plot_peaks(result, path=args.plot)
     return 0

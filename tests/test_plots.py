@@ -1,0 +1,110 @@
+"""The three pictures: each function and each CLI --plot writes a non-empty PNG, with no
+warning, and only --plot loads matplotlib."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+import memcalc  # noqa: E402
+from memcalc.cli import main  # noqa: E402
+from memcalc.plots import plot_components, plot_peaks, plot_timeline  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def no_warnings():
+    """Any warning while drawing (tight layout, missing glyph, overlap) fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+def is_png(path) -> bool:
+    data = path.read_bytes()
+    return len(data) > 10_000 and data.startswith(PNG)
+
+
+def test_timeline(tmp_path):
+    out = tmp_path / "timeline.png"
+    fig = plot_timeline(memcalc.make_config(seq_len=4096), str(out))
+    assert is_png(out)
+    assert "naive" in fig.axes[0].get_title()
+
+
+def test_components(tmp_path):
+    out = tmp_path / "components.png"
+    results = [memcalc.breakdown(impl=name, seq_len=2048) for name in ("naive", "flash2")]
+    fig = plot_components(results, str(out))
+    assert is_png(out)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["naive", "flash2"]
+
+
+def test_peaks_marks_the_solved_threshold(tmp_path):
+    out = tmp_path / "peaks.png"
+    table = memcalc.sweep(seq_lens=(1024, 4096), impls=["naive", "flash2"], gpu_gb=80)
+    report = memcalc.oom(gpu_gb=80, impls=["naive", "flash2"])
+    ax = plot_peaks(table, report, str(out)).axes[0]
+    assert is_png(out)
+    texts = [t.get_text() for t in ax.texts]
+    assert "N=19,511" in texts  # memcalc.oom's answer for naive at 80 GB
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    title = ax.get_title()
+    assert "batch 8" in title and "head_dim 16" in title and "fp32" in title
+    assert "79.50 GiB" in title
+
+
+def test_peaks_solves_per_series_without_a_report(tmp_path):
+    table = memcalc.sweep(seq_lens=(1024, 4096), impls=["naive"], dtypes=["fp16", "fp32"],
+                          gpu_gb=80)
+    ax = plot_peaks(table, path=str(tmp_path / "p.png")).axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert any(label.startswith("naive fp32 (fits to N=19,511)") for label in labels)
+    assert any(label.startswith("naive fp16") for label in labels)
+
+
+def test_peaks_rejects_a_report_for_another_budget():
+    table = memcalc.sweep(seq_lens=(1024,), impls=["naive"], gpu_gb=80)
+    with pytest.raises(ValueError, match="another budget"):
+        plot_peaks(table, memcalc.oom(gpu_gb=40, impls=["naive"]))
+
+
+def test_peaks_skips_implementations_too_slow_to_solve():
+    table = memcalc.sweep(seq_lens=(256, 1024), impls=["linear-causal-chunked"], gpu_gb=80)
+    labels = plot_peaks(table).axes[0].get_legend_handles_labels()[1]
+    assert labels[0] == "linear-causal-chunked (largest N not solved)"
+
+
+@pytest.mark.parametrize("argv", [
+    ["breakdown", "--seq", "2048"],
+    ["compare", "--seq", "2048", "--only", "naive", "--only", "flash2"],
+    ["sweep", "--seq", "1024,4096", "--impl", "naive,flash2"],
+])
+def test_cli_plot(tmp_path, capsys, argv):
+    out = tmp_path / "out.png"
+    assert main([*argv, "--plot", str(out)]) == 0
+    assert is_png(out)
+    assert capsys.readouterr().out  # the table is still printed
+
+
+def test_sweep_without_plot_imports_no_matplotlib():
+    code = ("import sys; from memcalc.cli import main; main(['sweep', '--seq', '1024', "
+            "'--json']); print('matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("name", ["timeline", "components", "peaks"])
+def test_example_scripts(tmp_path, monkeypatch, capsys, name):
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "plots" / f"{name}.py"
+    out = tmp_path / f"{name}.png"
+    monkeypatch.setattr(sys, "argv", [str(script), str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    assert is_png(out)
