@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 
 class UsageError(Exception):
@@ -93,6 +95,30 @@ def emit(result, fmt: str | None) -> None:
     sys.stdout.write(text[fmt](result))
 
 
+def check_output(path: str | None, option: str) -> None:
+    """Fail before any work, naming ``option``, when ``path`` cannot become a file."""
+    if not path:
+        return
+    parent = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise ValueError(f"{option}: {path!r} is a directory, not a file")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option}: {path!r}: no directory {parent!r} to write it into")
+
+
+@contextmanager
+def naming(option: str) -> Iterator[None]:
+    """Re-raise an OSError or ValueError from writing or reading ``option``'s file as a
+    one-line ValueError that names the option."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        from memcalc.errors import one_line
+
+        text = one_line(error)
+        raise ValueError(text if text.startswith(option) else f"{option}: {text}") from None
+
+
 def commands() -> dict:
     """Every module of ``memcalc.commands`` by subcommand name."""
     import memcalc.commands as package
@@ -102,6 +128,7 @@ def commands() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``memcalc`` parser with one subparser per module of ``memcalc.commands``."""
     parser = _Parser(prog="memcalc", description="Byte-exact GPU memory of attention steps.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, module in commands().items():
@@ -110,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``memcalc argv``; the exit status (2 and one stderr line on bad input)."""
     from pydantic import ValidationError
 
     from memcalc.errors import FLAGS, one_line

@@ -23,4 +23,8 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
         name = (flags or {}).get(loc[-1], ".".join(loc))
         return f"{name}: {message} (got {first.get('input')!r})"
     text = str(error)
-    return text.splitlines()[0] if text else type(error).__name__
+    first = text.splitlines()[0] if text else type(error).__name__
+    field, sep, rest = first.partition(": ")
+    if sep and field in (flags or {}):  # "kv_len: ..." from the library: name the option
+        return f"{flags[field]}: {rest}"
+    return first

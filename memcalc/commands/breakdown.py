@@ -1,6 +1,7 @@
 """``memcalc breakdown``: what one forward and backward step allocates."""
 
-from memcalc.cli import budget_from, budget_options, config_from, emit, format_options, shape_options
+from memcalc.cli import (budget_from, budget_options, check_output, config_from, emit,
+                         format_options, naming, shape_options)
 
 HELP = "what one forward+backward step allocates, by component"
 
@@ -14,12 +15,17 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    """Check the options, compute, draw the plot if asked (so that a failure to write it
+    prints nothing else), then print."""
     from memcalc.budget import check
 
+    check_output(args.plot, "--plot")
     config = config_from(args)
-    emit(check(config, budget_from(args)), args.format)
+    result = check(config, budget_from(args))
     if args.plot:
         from memcalc.plots import plot_timeline
 
-        plot_timeline(config, args.plot)
+        with naming("--plot"):
+            plot_timeline(config, args.plot)
+    emit(result, args.format)
     return 0

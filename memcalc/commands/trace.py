@@ -15,9 +15,15 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from memcalc.tracing import load_function, register_function, trace
+    """Load, trace and print; a failure of the target is one line naming it as given."""
+    from memcalc.tracing import TraceError, load_function, register_function, trace
 
-    fn = load_function(args.target)
-    name = register_function(fn, args.target)
-    emit(trace(fn, config_from(args, impl=name)), args.format)
+    try:
+        fn = load_function(args.target)
+        name = register_function(fn, args.target)
+        result = trace(fn, config_from(args, impl=name))
+    except TraceError as error:
+        text = str(error).removeprefix(f"--trace {args.target}: ")
+        raise ValueError(f"target {args.target}: {text.splitlines()[0]}") from None
+    emit(result, args.format)
     return 0

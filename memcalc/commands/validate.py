@@ -1,6 +1,8 @@
 """``memcalc validate``: predictions against traced (emulated) or live (cuda) runs."""
 
-from memcalc.cli import emit, format_options
+import os
+
+from memcalc.cli import check_output, emit, format_options, naming
 
 HELP = "compare predictions with the emulated trace or a live GPU run"
 
@@ -15,11 +17,37 @@ def add_arguments(parser) -> None:
     format_options(parser)
 
 
+def check_grid(path: str | None) -> None:
+    """``--grid`` must name a readable file (its content is checked by ``load_grid``)."""
+    if path is None:
+        return
+    if not os.path.isfile(path):
+        what = "a directory, not a grid file" if os.path.isdir(path) else "no such file"
+        raise ValueError(f"--grid {path}: {what}")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"--grid {path}: not readable")
+
+
+def check_impls(names: list[str] | None) -> None:
+    """Each ``--impl`` must be a known implementation."""
+    from memcalc.impls import get_impl
+
+    for name in names or []:
+        with naming("--impl"):
+            get_impl(name)
+
+
 def run(args) -> int:
+    """Check the options, validate, write the report if asked, print; 1 on a mismatch."""
     from memcalc.validation import validate, write_report
 
+    check_grid(args.grid)
+    check_impls(args.impl)
+    if args.out and not (os.path.isdir(args.out) or args.out.endswith("/")):
+        check_output(args.out, "--out")
     report = validate(backend=args.backend, impls=args.impl, grid=args.grid)
     if args.out:
-        write_report(report, args.out)
+        with naming("--out"):
+            write_report(report, args.out)
     emit(report, args.format)
     return 0 if report.ok else 1

@@ -1,0 +1,73 @@
+"""Cold start of the CLI against the floor it cannot go below (no assertions).
+
+``memcalc breakdown --seq 16384 --json`` as a user runs it (the installed console script,
+a fresh process each time) against ``python -c "import pydantic, rich"``, the two libraries
+every run needs. Median of ``--runs`` runs each, interleaved so that both see the same
+machine load.
+
+Run: ``python benchmarks/bench_startup.py`` (``--runs 20`` for steadier medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+
+FLOOR = [sys.executable, "-c", "import pydantic, rich"]
+ARGS = ["breakdown", "--seq", "16384", "--json"]
+
+
+def cli_command() -> list[str]:
+    """The installed ``memcalc`` script run by this interpreter (not a pyenv or shell shim),
+    or ``python -m memcalc.cli`` when there is none."""
+    script = os.path.join(sysconfig.get_path("scripts"), "memcalc")
+    if os.path.isfile(script):
+        return [sys.executable, script, *ARGS]
+    return [sys.executable, "-m", "memcalc.cli", *ARGS]
+
+
+def wall(command: list[str]) -> float:
+    """Seconds for one run of ``command`` in a fresh process (it must succeed)."""
+    start = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def measure(runs: int = 10) -> dict:
+    """Median wall times of the CLI and of the floor, and their ratio."""
+    cli = cli_command()
+    wall(cli), wall(FLOOR)  # warm the file cache (bytecode, shared libraries)
+    cli_times, floor_times = [], []
+    for _ in range(runs):
+        cli_times.append(wall(cli))
+        floor_times.append(wall(FLOOR))
+    cli_median, floor_median = statistics.median(cli_times), statistics.median(floor_times)
+    return {"runs": runs, "cli": cli, "cli_s": cli_median, "floor_s": floor_median,
+            "factor": cli_median / floor_median}
+
+
+def report(result: dict) -> str:
+    """The measurement as text."""
+    shown = " ".join(["memcalc", *ARGS])
+    floor = 'python -c "import pydantic, rich" (floor)'
+    return (f"CLI start-up, median of {result['runs']} fresh processes each:\n"
+            f"  {shown:44} {result['cli_s'] * 1e3:7.0f} ms\n"
+            f"  {floor:44} "
+            f"{result['floor_s'] * 1e3:7.0f} ms\n"
+            f"  factor {result['factor']:.2f}x the floor "
+            f"(+{(result['cli_s'] - result['floor_s']) * 1e3:.0f} ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10, help="runs of each (default 10)")
+    print(report(measure(parser.parse_args().runs)))
+
+
+if __name__ == "__main__":
+    main()
