@@ -1,6 +1,6 @@
 """``memcalc sweep``: the seeds' scaling tables, every figure over a grid of shapes."""
 
-from memcalc.cli import budget_options, format_options
+from memcalc.cli import budget_options, format_options, check_output, naming
 
 HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
 
@@ -23,8 +23,9 @@ def int_list(text: str, option: str) -> list[int]:
         except ValueError:
             raise ValueError(f"{option}: {text!r} is not a comma-separated list of positive "
                              f"integers (or start:stop:step ranges)") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{option}: {text!r} is not a comma-separated list of positive integers")
+    if not values or min(values) < 1 or max(values) >= 2**62:
+        raise ValueError(f"{option}: {text!r} is not a comma-separated list of positive integers "
+                         "below 2^62")
     return values
 
 
@@ -90,11 +91,13 @@ def run(args) -> int:
                        cublas_workspace_config=args.cublas_workspace_config)
     for name in impls[1:]:
         make_config(impl=name)
+    check_output(args.plot, "--plot")
     result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
                    pivot=args.pivot, unit="bytes" if args.bytes else "MiB")
-    emit(result, args.format)
-    if args.plot:
+    if args.plot:  # before printing, so that a failure to write it prints nothing else
         from memcalc.plots import plot_peaks
 
-        plot_peaks(result, path=args.plot)
+        with naming("--plot"):
+            plot_peaks(result, path=args.plot)
+    emit(result, args.format)
     return 0

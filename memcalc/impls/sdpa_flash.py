@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
-import numpy as np
 
 from memcalc.impls import register
 from memcalc.impls.common import with_loss
@@ -79,6 +78,8 @@ def head_dims(d: Dims) -> tuple[int, int]:
 def num_splits_heuristic(bnm: int, num_sms: int, num_n_blocks: int, max_splits: int) -> int:
     """``flash_api.cpp`` ``num_splits_heuristic``, in the float32 arithmetic of the C++:
     the fewest splits of the key dimension that reach 85 % of the best wave efficiency."""
+    import numpy as np  # here, not at the top: every CLI start-up imports this module
+
     f32 = np.float32
     if f32(bnm) >= f32(0.8) * f32(num_sms):
         return 1
