@@ -60,6 +60,32 @@ def _budget(config, gpu_gb=None, reserve=None):
     return Budget.of(config.device, reserve_bytes, memory)
 
 
+def _names(values, field: str, known: list[str]) -> list[str]:
+    """A list of names, each known; a ValueError naming ``field`` otherwise."""
+    if isinstance(values, str) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{field}: a list of names, e.g. [{known[0]!r}] (got {values!r})")
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise ValueError(f"{field}: unknown {unknown[0]!r}; known: {', '.join(known)}")
+    return list(values)
+
+
+def _sizes(values, field: str) -> tuple[int, ...]:
+    """A non-empty list of positive integers below 2^62; a ValueError naming ``field``."""
+    ok = not isinstance(values, (str, int)) and len(values) > 0 and all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**62 for v in values)
+    if not ok:
+        raise ValueError(f"{field}: a non-empty list of integers from 1 to 2^62 - 1 "
+                         f"(got {values!r})")
+    return tuple(values)
+
+
+def _impl_names() -> list[str]:
+    from memcalc.impls import impl_names
+
+    return impl_names()
+
+
 def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **options):
     """The largest seq_len (or ``solve="batch"``, ``"head_dim"``) whose step fits, per
     implementation: an ``OomReport``.
@@ -71,6 +97,10 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **opti
     """
     from memcalc.thresholds import solve as run
 
+    if solve not in ("seq_len", "batch", "head_dim"):
+        raise ValueError(f"solve: seq_len, batch or head_dim (got {solve!r})")
+    if impls is not None:
+        impls = _names(impls, "impls", _impl_names())
     config = make_config(**options)
     return run(config, _budget(config, gpu_gb, reserve), solve, impls)
 
@@ -85,8 +115,14 @@ def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(),
     >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
     51658620928
     """
+    from memcalc.config import DType
     from memcalc.scaling import sweep as run
 
+    seq_lens = _sizes(seq_lens, "seq_lens (seq_len)")
+    head_dims, batches, head_counts = (_sizes(v, f) if len(v) else () for v, f in (
+        (head_dims, "head_dims"), (batches, "batches"), (head_counts, "head_counts")))
+    impls = _names(impls, "impls", _impl_names()) if len(impls) else ()
+    dtypes = _names(dtypes, "dtypes (dtype)", [t.value for t in DType]) if len(dtypes) else ()
     config = make_config(**options)
     return run(config, _budget(config, gpu_gb, reserve), seq_lens, head_dims, batches,
                head_counts, impls, dtypes)
@@ -104,6 +140,10 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str = "naive", *
     """
     from memcalc.comparison import compare as run
 
+    known = _impl_names()
+    if impls is not None:
+        impls = _names(impls, "impls (impl)", known)
+    _names([baseline], "baseline", known)
     config = make_config(**options)
     return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
 
