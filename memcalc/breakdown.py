@@ -16,6 +16,10 @@ from memcalc.tensors import ITEMSIZE, Role
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
+# the figures every backend reports and every comparison checks
+FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
+           "reserved_peak_bytes")
+
 
 class Result(BaseModel):
     """Base of result models: frozen, and their JSON reads back although it carries the
@@ -130,9 +134,7 @@ class Breakdown(Result):
 
     def figures(self) -> dict[str, int]:
         """The phase figures by name, for comparisons and tables."""
-        keys = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
-                "peak_bytes", "reserved_peak_bytes")
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in FIGURES}
 
     def to_dict(self) -> dict:
         """JSON-ready: the figures at the top level, ``components`` alive at the peak

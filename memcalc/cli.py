@@ -28,13 +28,18 @@ class _Parser(argparse.ArgumentParser):
 def shape_options(p: argparse.ArgumentParser) -> None:
     """The options that make a ``Config``; defaults are the seeds' benchmark."""
     p.add_argument("--seq", type=int, default=16384, help="sequence length N (default 16384)")
-    p.add_argument("--kv-len", type=int, default=None, help="key/value length (default: --seq)")
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument("--heads", type=int, default=1, help="attention heads (default 1)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--head-dim", type=int, default=16, help="head dimension d (default 16)")
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--impl", default="naive", help="implementation (memcalc impls)")
+    step_options(p)
+
+
+def step_options(p: argparse.ArgumentParser) -> None:
+    """The single-valued options besides the sizes (``memcalc sweep`` lists the sizes)."""
+    p.add_argument("--kv-len", type=int, default=None, help="key/value length (default: --seq)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--causal", action="store_true", help="causal mask")
     p.add_argument("--chunk", type=int, default=64, help="chunk length of chunked implementations")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset (memcalc gpus)")

@@ -71,14 +71,15 @@ import numpy as np
 
 from memcalc.allocator import (LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE,
                                SMALL_BUFFER, SMALL_SIZE, round_size)
+from memcalc.breakdown import FIGURES as BREAKDOWN_FIGURES
 from memcalc.config import Config
 from memcalc.impls import get_impl
 from memcalc.tensors import ITEMSIZE, Cublas, Dims, Free, Release, Role, Tensor
 
 AXES = ("batch", "heads", "seq_len", "head_dim", "kv_len", "kv_heads")
 """The shape fields a grid can vary (``Shape``'s fields)."""
-FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
-           "reserved_peak_bytes", "floor_peak_bytes", "quadratic_bytes")
+# the Breakdown's figures, plus two the grid path also reports
+FIGURES = BREAKDOWN_FIGURES + ("floor_peak_bytes", "quadratic_bytes")
 CHUNK = 1 << 15  # configurations per numpy pass: keeps the arrays in cache
 MAX_PATHS = 256  # per group and call, before the rest falls back to the scalar replay
 SCALAR_BELOW = 32  # groups smaller than this take the scalar replay: recording would not pay

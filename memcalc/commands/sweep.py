@@ -1,6 +1,6 @@
 """``memcalc sweep``: the seeds' scaling tables, every figure over a grid of shapes."""
 
-from memcalc.cli import budget_options, format_options, check_output, naming
+from memcalc.cli import budget_options, check_output, format_options, naming, step_options
 
 HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
 
@@ -45,15 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--impl", default="naive", metavar="LIST",
                    help="implementations, or 'all' (default naive)")
     p.add_argument("--dtype", default="fp32", metavar="LIST", help="fp32, fp16, bf16 (default fp32)")
-    p.add_argument("--kv-len", type=int, default=None, help="key/value length (default: --seq)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA)")
-    p.add_argument("--causal", action="store_true", help="causal mask")
-    p.add_argument("--chunk", type=int, default=64, help="chunk length of chunked implementations")
-    p.add_argument("--gpu", default="h100-80gb", help="GPU preset: workspaces and OOM mark")
-    p.add_argument("--loss", default="grad", help="grad: out.backward(grad_out); sum: out.sum()")
-    p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
-    p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
-                   help='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"')
+    step_options(p)
     budget_options(p)
     p.add_argument("--pivot", default=None, metavar="FIGURE",
                    help="seed-002 layout, rows seq_len and columns head_dim, for one figure: "

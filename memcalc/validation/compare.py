@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pydantic import computed_field
 
-from memcalc.breakdown import Result
+from memcalc.breakdown import FIGURES, Result
 from memcalc.config import Config
 from memcalc.render import Column, markdown_table, rich_table
 
-FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
-           "reserved_peak_bytes")
 
 
 class Check(Result):

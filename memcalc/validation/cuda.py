@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import os
 
+from memcalc.breakdown import FIGURES
 from memcalc.config import Config, Device
 from memcalc.timeline import predict
 from memcalc.validation.compare import Check
@@ -122,17 +123,14 @@ def check(config: Config, torch=None, probe=None, device: str = "cuda", fn=None,
     """Model against the live run for one configuration; an OOM is an outcome, not a failure."""
     torch = torch or _torch()
     config = live_config(config, env or environment(torch))
-    predicted = predict(config)
-    figures = {k: getattr(predicted, k) for k in predicted.figures()}
+    figures = predict(config).figures()
     try:
         m = measure(config, torch, probe, device, fn)
     except torch.cuda.OutOfMemoryError as error:
         _release(torch)
         return Check(config=config, predicted=figures, outcome="oom",
                      detail=str(error).splitlines()[0])
-    measured = {"saved_bytes": m.saved_bytes, "forward_peak_bytes": m.forward_peak_bytes,
-                "backward_peak_bytes": m.backward_peak_bytes, "peak_bytes": m.peak_bytes,
-                "reserved_peak_bytes": m.reserved_peak_bytes}
+    measured = {k: getattr(m, k) for k in FIGURES}
     return Check(config=config, predicted=figures, measured=measured)
 
 
