@@ -48,8 +48,6 @@ from memcalc.tensors import (
     free,
 )
 
-# custom autograd.Functions registered without a ``last_save`` mark: recompute all of it
-STOP_AT_END = frozenset({"naive-weights"})
 # traced implementations this wrapper cannot describe, and why
 UNSUPPORTED = {
     "flash2": "a custom Function that saves its own output: the recomputed output would "
@@ -68,8 +66,6 @@ def stop_index(name: str, forward: tuple[Event, ...]) -> int:
     marks = [i for i, e in enumerate(forward) if isinstance(e, Mark) and e.label == LAST_SAVE]
     if marks:
         return marks[-1]
-    if name in STOP_AT_END:
-        return len(forward)
     return next(i for i, e in enumerate(forward)
                 if isinstance(e, Tensor) and e.role is Role.output)
 

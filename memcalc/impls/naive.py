@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from memcalc.impls import register
 from memcalc.impls.common import with_loss
-from memcalc.tensors import Dims, Program, Role, cublas, free, new, release
+from memcalc.tensors import Dims, Program, Role, cublas, free, last_save, new, release
 
 A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
 
@@ -160,6 +160,7 @@ def naive_weights(d: Dims) -> Program:
         free(s),
         *output(d, "p"),
         free("p"),
+        last_save(),  # a custom Function packs ctx.saved_tensors after its forward returns
     ]
     backward = [
         new("dv", (d.B * d.H, d.M, d.D), dt, G, "bmm"),  # (B*H, M, D) p^T @ dout
