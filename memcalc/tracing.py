@@ -298,7 +298,7 @@ def register_function(fn: Callable, label: str) -> str:
     """Register ``fn`` as implementation ``trace:<label>`` and return that name, for
     ``Config(impl=...)``. Its program is fitted on first use, once per combination of the
     sizes other than seq_len (batch, heads, head_dim, dtype, causal, loss, forward-only)."""
-    from memcalc.impls import IMPLS, Impl
+    from memcalc.registry import Impl, add
 
     name = f"trace:{label}"
     programs: dict[Dims, Callable[[int], Program]] = {}
@@ -311,7 +311,8 @@ def register_function(fn: Callable, label: str) -> str:
             programs[key] = traced_program(fn, _config_of(name, d))
         return programs[key](d.N)
 
-    IMPLS[name] = Impl(name, f"traced from {label}", build, gqa=True, traced=True)
+    # tracing the same function again replaces its earlier registration, on purpose
+    add(Impl(name, f"traced from {label}", build, gqa=True, traced=True), replace=True)
     return name
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
-from memcalc.impls import register
+from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.impls.sdpa_flash import Gpu, gpu_of, round_up
 from memcalc.tensors import Dims, Program, Role, free, new, release

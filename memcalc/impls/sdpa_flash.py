@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from math import ceil
 
 
-from memcalc.impls import register
+from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.tensors import Dims, Program, Role, free, new, release
 

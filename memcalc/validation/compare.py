@@ -10,6 +10,11 @@ from memcalc.render import Column, markdown_table, rich_table
 
 
 
+
+def figures_of(result) -> dict[str, int]:
+    """The compared figures of a ``Breakdown`` (or anything with those attributes)."""
+    return {k: getattr(result, k) for k in FIGURES}
+
 class Check(Result):
     """One configuration: the model's figures and the backend's, or why there are none."""
     config: Config

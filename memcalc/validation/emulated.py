@@ -257,7 +257,7 @@ def _check_consistent(result: Breakdown, measured: Measured) -> None:
 def check(config: Config) -> Check:
     """The model against the trace for one configuration; tolerance 0."""
     from memcalc.timeline import predict
-    from memcalc.validation import figures_of
+    from memcalc.validation.compare import figures_of
 
     predicted = figures_of(predict(config))
     return Check(config=config, predicted=predicted, measured=figures_of(measure(config)))
