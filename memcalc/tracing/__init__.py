@@ -130,14 +130,19 @@ def trace(fn: Callable, config: Config, options: TraceOptions = TraceOptions()) 
 
 
 def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
-           budget=None):
+           budget=None, history: list | None = None):
     """``trace`` with its notes (SDPA backends and why, what is not modelled) and, given a
-    ``memcalc.budget.Budget``, whether the step fits in it (a capped direct trace)."""
+    ``memcalc.budget.Budget``, whether the step fits in it (a capped direct trace).
+    ``history``: a list to extend with the allocator ledger's history (for plots)."""
     from memcalc.budget import fit
     from memcalc.tracing.report import Traced
+    from memcalc.validation.emulated import Tracer
 
     paths = _paths(config, options)
-    result = _measure(fn, config, options, paths=paths)
+    tracer = Tracer(config.workspace_bytes, None, paths)
+    result = _measure(fn, config, options, paths=paths, tracer=tracer)
+    if history is not None:
+        history.extend(tracer.ledger.history)
     checked = {}
     if budget is not None:
         replay = lambda capacity: _measure(fn, config, options, capacity)  # noqa: E731

@@ -160,6 +160,7 @@ def mask_add(paths: CudaPaths, func, args, kwargs):
     """The first ``add.Tensor`` of a math SDPA call with a mask: in place, so the result is
     the scores' own storage (an alias, no new allocation)."""
     paths.mask_adds -= 1
+    paths.note("math backend mask add: in place, as on a GPU (attention.cpp attn.add_)")
     return args[0].view(args[0].shape)
 
 
@@ -196,6 +197,8 @@ def half_to_float(paths: CudaPaths, func, args, kwargs):
     log = func in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
                    torch.special.log_softmax)
     op = torch.ops.aten._log_softmax if log else torch.ops.aten._softmax
+    _noted(paths, f"{'log_softmax' if log else 'softmax'}(dtype=float32) on fp16", "fused "
+           f"{'_log_softmax' if log else '_softmax'}(half_to_float=True): no float32 copy")
     return op(x, dim, True)
 
 
@@ -213,7 +216,15 @@ def fused_dropout(paths: CudaPaths, func, args, kwargs):
     inplace = func is F.dropout and _arg(args, kwargs, 3, "inplace", False)
     if not train or inplace or not 0 < p < 1 or x.numel() == 0:
         return func(*args, **kwargs)  # identity, or dropout_ (never fused: Dropout.cpp)
+    _noted(paths, f"dropout(p={p})", "fused native_dropout: a bool mask is saved")
     return torch.ops.aten.native_dropout(x, p, True)[0]
+
+
+def _noted(paths: CudaPaths, what: str, how: str) -> None:
+    """Say which rule ran where."""
+    from memcalc.validation.emulated import _where
+
+    paths.note(f"{what} at {_where()[0]}: {how}")
 
 
 UNMODELLED = {

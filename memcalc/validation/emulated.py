@@ -177,6 +177,7 @@ class TracerProbe:
         self.marks: list[set] = []  # live keys at each ``allocated()`` read
         self.peaks: list[tuple[Component, ...]] = []  # live set at each ``max_allocated()``
         self.output_key = None
+        self.resets = 0
 
     def allocated(self) -> int:
         self.tracer.mark("allocated")
@@ -192,7 +193,11 @@ class TracerProbe:
         return self.allocator.peak_reserved
 
     def reset_peak(self) -> None:
+        """Reset the peak; the protocol resets it where the measured forward and the
+        backward start, which the ledger's history marks as phases (for plots)."""
         self.tracer.mark("reset_peak")
+        self.tracer.ledger.phase(("forward", "backward")[min(self.resets, 1)])
+        self.resets += 1
         self.tracer.ledger.reset_peak()
 
     def block_bytes(self, tensor) -> int:
