@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 N_EMBD, N_HEAD, BLOCK_SIZE, DROPOUT = 768, 12, 1024, 0.0
+DTYPE = torch.bfloat16  # the parameters' dtype (nanoGPT casts the model or uses autocast)
 
 
 class CausalSelfAttention(nn.Module):
@@ -25,7 +26,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.c_proj = nn.Linear(N_EMBD, N_EMBD, bias=False)
+        self.c_proj = nn.Linear(N_EMBD, N_EMBD, bias=False, dtype=DTYPE)
         self.attn_dropout = nn.Dropout(DROPOUT)
         self.resid_dropout = nn.Dropout(DROPOUT)
         self.dropout = DROPOUT

@@ -200,9 +200,11 @@ def output_like(fn: Callable, config: Config) -> tuple | None:
 
 def _guarded(run: Callable, fn: Callable):
     """Run a trace; a failure becomes a TraceError naming the user's line and a hint."""
+    from memcalc.allocator import OutOfMemory
+
     try:
         return run()
-    except TraceError:
+    except (TraceError, OutOfMemory):  # a capped trace's OOM is an answer, not a failure
         raise
     except Exception as error:  # noqa: BLE001 - anything the user's code raises on meta
         raise TraceError(_explain(error, fn)) from None
