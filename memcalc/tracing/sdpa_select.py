@@ -212,10 +212,6 @@ def _cudnn_dropout(c: Call, cc, r) -> str | None:
     return None
 
 
-def _cudnn_deterministic(c: Call, cc, r) -> str | None:
-    return None  # read from Flags in select()
-
-
 def _cudnn_shapes(c: Call, cc, r: Release) -> str | None:
     """``check_cudnn_tensor_shapes`` (cuDNN >= 9): sizes, head-dim limit and alignment."""
     if c.q[0] > 65535 or c.q[1] > 65535:
