@@ -160,22 +160,25 @@ class Fit(BaseModel):
         return self.model_dump(mode="json")
 
 
-def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None) -> Fit:
+def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None,
+        replay=None) -> Fit:
     """Whether ``config``'s step fits in ``budget_bytes`` (``fits``: the replay with
     ``capacity=budget_bytes`` raises no ``OutOfMemory``), with the figures that decide it.
 
     ``breakdown`` (``predict(config)``, computed if not given) saves work: when its reserved
     peak is within the budget, the capped replay never reaches the capacity, so it is the
-    same replay and fits; otherwise the capped replay decides."""
+    same replay and fits; otherwise the capped replay decides. ``replay(capacity)``: the
+    capped replay when it is not ``predict``'s (a direct trace of the user's code)."""
     from memcalc.timeline import predict
 
+    replay = replay or (lambda capacity: predict(config, capacity=capacity))
     b = breakdown if breakdown is not None else predict(config)
     common = dict(budget_bytes=budget_bytes, peak_bytes=b.peak_bytes,
                   reserved_peak_bytes=b.reserved_peak_bytes)
     if b.reserved_peak_bytes <= budget_bytes:
         return Fit(**common)
     try:
-        predict(config, capacity=budget_bytes)
+        replay(budget_bytes)
     except OutOfMemory as oom:
         return Fit(**common, oom_request_bytes=oom.requested, oom_reserved_bytes=oom.reserved)
     return Fit(**common, retried=True)

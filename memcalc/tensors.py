@@ -37,6 +37,8 @@ class Role(str, Enum):
     gradient = "gradient"
     temporary = "temporary"
     workspace = "workspace"
+    parameter = "parameter"  # an nn.Module's parameters: resident, made before the step
+    buffer = "buffer"  # registered buffers and module-level tensors: resident as well
 
 
 @dataclass(frozen=True)
