@@ -93,10 +93,8 @@ class Tracer(TorchDispatchMode):
             with self:
                 return CUDA_COMPOSITES[func](*args, **(kwargs or {}))
         if self.paths is not None:
-            from memcalc.tracing import cuda_paths
-
-            cuda_paths.observe(self.paths, func)
-            rule = cuda_paths.dispatch_rule(self.paths, func, args)
+            self.paths.observe(func)
+            rule = self.paths.rule(func, args)
             if rule is not None:
                 return rule(self.paths, func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
