@@ -35,6 +35,11 @@ def test_largest_allocation_bisects_to_2_mib(limit):
     assert len(calls) <= 16  # log2(80 GiB / 2 MiB + 1) = 15.3 halvings
 
 
+def test_largest_allocation_can_be_all_that_is_free():
+    allocate, _ = allocator(80 * GiB)  # nothing else holds memory: all of it in one piece
+    assert largest_allocation(allocate, Oom, 80 * GiB, lambda: None) == 80 * GiB
+
+
 def test_calibration_figures():
     c = Calibration(device="Fake", total_memory_bytes=80 * GiB,
                     used_before_context_bytes=100 * MiB, used_before_source="nvml",

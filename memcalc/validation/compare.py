@@ -218,15 +218,19 @@ class Report(Result):
         return LIVE_COLUMNS if self.backend == "cuda" else REPORT_COLUMNS
 
     def _shown(self) -> list[Check]:
-        """Mismatches first, then up to 20 others: the whole grid is in the JSON."""
-        bad = [c for c in self.checks if not c.ok]
+        """Up to 50 mismatches first, then up to 20 others: all are in the JSON."""
+        bad = [c for c in self.checks if not c.ok][:50]
         return bad + [c for c in self.checks if c.ok][: max(0, 20 - len(bad))]
 
     def __rich__(self):
         from rich.console import Group
 
         env = ", ".join(f"{k}={v}" for k, v in self.environment.items())
-        parts = [rich_table(f"{self.summary()}\n{env}", self._columns(), self._shown())]
+        shown = self._shown()
+        parts = [rich_table(f"{self.summary()}\n{env}", self._columns(), shown)]
+        if len(shown) < len(self.checks):
+            parts.append(f"{len(shown)} of {len(self.checks)} configurations shown "
+                         "(mismatches first); --json, --csv or --out give them all")
         parts += [c.describe() for c in self.calibrations]
         return Group(*parts, self.summary())
 

@@ -28,7 +28,10 @@ class CudaUnavailable(ValueError):
 
 
 def _torch():
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise CudaUnavailable("--backend cuda: torch is not installed") from None
 
     if not torch.cuda.is_available():
         raise CudaUnavailable(
