@@ -44,6 +44,7 @@ def test_calibration_figures():
     c = Calibration(device="Fake", total_memory_bytes=80 * GiB,
                     used_before_context_bytes=100 * MiB, used_before_source="nvml",
                     free_after_context_bytes=80 * GiB - 600 * MiB,
+                    mem_get_info_total_bytes=80 * GiB,
                     largest_allocation_bytes=79 * GiB, free_after_run_bytes=80 * GiB - 1 * GiB)
     assert c.unavailable_at_start_bytes == 600 * MiB
     assert c.context_bytes == 600 * MiB - 100 * MiB  # used after less used before
@@ -67,6 +68,7 @@ def test_calibrate_reads_the_device():
     allocate, _ = allocator(69 * GiB + 5 * MiB)
     c = calibration.calibrate(Cuda(), allocate, (None, "unavailable"))
     assert (c.free_after_context_bytes, c.largest_allocation_bytes) == (70 * GiB, 69 * GiB + 4 * MiB)
+    assert c.mem_get_info_total_bytes == 80 * GiB
     assert c.context_bytes is None and c.unavailable_at_start_bytes == 10 * GiB
 
 

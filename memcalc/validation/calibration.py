@@ -33,6 +33,8 @@ class Calibration(Result):
     used_before_context_bytes: int | None  # None: neither NVML nor nvidia-smi answered
     used_before_source: str  # nvml | nvidia-smi (MiB) | unavailable
     free_after_context_bytes: int  # mem_get_info()[0] right after the context exists
+    mem_get_info_total_bytes: int  # mem_get_info()[1]: what older allocators scale the
+    # memory fraction by (newer ones take total_memory); the OOM cases assume they agree
     largest_allocation_bytes: int  # the largest single torch.empty that succeeded
     free_after_run_bytes: int | None = None  # mem_get_info()[0] at the end, cache emptied
 
@@ -122,10 +124,10 @@ def calibrate(cuda, allocate: Callable[[int], object], used_before: tuple[int | 
               ) -> Calibration:
     """Measure the device behind ``cuda`` (``torch.cuda`` or a stand-in) once its context
     exists; ``used_before`` was read before it did (``used_before_context``)."""
-    free, _total = cuda.mem_get_info()
+    free, total = cuda.mem_get_info()
     props = cuda.get_device_properties(0)
     largest = largest_allocation(allocate, cuda.OutOfMemoryError, free, cuda.empty_cache)
     return Calibration(device=props.name, total_memory_bytes=props.total_memory,
                        used_before_context_bytes=used_before[0],
                        used_before_source=used_before[1], free_after_context_bytes=free,
-                       largest_allocation_bytes=largest)
+                       mem_get_info_total_bytes=total, largest_allocation_bytes=largest)
