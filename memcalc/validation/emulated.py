@@ -67,7 +67,9 @@ def _safe_softmax(x, dim, dtype=None):
 
 # ops whose CUDA kernel is a composite of other ops: the tracer runs that composite so that
 # its inner allocations are seen, as on a GPU
-CUDA_COMPOSITES = {torch.ops.aten._safe_softmax.default: _safe_softmax}
+# (``_safe_softmax`` exists from torch 2.5 on; torch 2.4's sdpa has no such op)
+CUDA_COMPOSITES = {op.default: _safe_softmax for op in
+                   [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
 
 
 class Tracer(TorchDispatchMode):
