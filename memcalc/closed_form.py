@@ -13,6 +13,7 @@ from fractions import Fraction
 from pydantic import BaseModel, ConfigDict, Field
 
 from memcalc.config import Config
+from memcalc.deadline import TimeUp
 from memcalc.tensors import Role
 from memcalc.timeline import predict, tensor_sizes
 
@@ -92,6 +93,8 @@ def live_polynomial(config: Config, field: str, breakdown=None) -> Quadratic | N
         points = [(x, raw(x)) for x in (x0, 2 * x0, 4 * x0)]
         check_x = 3 * x0
         check = raw(check_x)
+    except TimeUp:
+        raise
     except Exception:  # noqa: BLE001 - a size the builder rejects: no closed form
         return None
     if any(v is None for _, v in points):

@@ -29,6 +29,7 @@ values. ``Q`` is also what the report shows, "so the user sees why".
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from fractions import Fraction
 from typing import Literal
 
@@ -37,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 from memcalc.budget import Fit, fit, replay_within
 from memcalc.closed_form import Quadratic, live_polynomial
 from memcalc.config import Config
+from memcalc.deadline import TimeUp, deadline
 from memcalc.timeline import predict
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -108,13 +110,24 @@ class _Probe:
     def __call__(self, x: int) -> bool:
         """``fits`` at ``x``: one replay under the capacity."""
         if x not in self.known:
-            if self.deadline is not None and time.perf_counter() > self.deadline:
-                lo = max((k for k, (f, _) in self.known.items() if f), default=0)
-                hi = min((k for k, (f, _) in self.known.items() if not f), default=None)
-                raise Unsolved(lo, hi, self.time_limit)
-            self.known[x] = replay_within(self.config.replace(**{self.field: x}), self.budget)
+            with self._limited():
+                self.known[x] = replay_within(self.config.replace(**{self.field: x}),
+                                              self.budget)
             self.evaluations += 1
         return self.known[x][0]
+
+    @contextmanager
+    def _limited(self):
+        """Replays inside stop at the deadline, between replays or inside one."""
+        try:
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                raise TimeUp
+            with deadline(self.deadline):
+                yield
+        except TimeUp:
+            lo = max((k for k, (f, _) in self.known.items() if f), default=0)
+            hi = min((k for k, (f, _) in self.known.items() if not f), default=None)
+            raise Unsolved(lo, hi, self.time_limit) from None
 
     def size(self, x: int) -> int:
         """What steers the search: the reserved peak (fits) or reserved + the failed
@@ -126,9 +139,10 @@ class _Probe:
         """``fit`` with its figures (an unbounded prediction, plus the capped one if needed)."""
         if x not in self.full:
             c = self.config.replace(**{self.field: x})
-            b = predict(c)
+            with self._limited():
+                b = predict(c)
+                self.full[x] = fit(c, self.budget, b)
             self.evaluations += 1
-            self.full[x] = fit(c, self.budget, b)
             self.breakdowns[x] = b
         return self.full[x]
 
@@ -186,7 +200,8 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
     probe = _Probe(config, field, budget_bytes, time_limit)
     x = start or getattr(config.shape, field)
     probe.fit(x)
-    q = live_polynomial(config.replace(**{field: x}), field, probe.breakdowns[x])
+    with probe._limited():
+        q = live_polynomial(config.replace(**{field: x}), field, probe.breakdowns[x])
     previous, step = x, max(1, x // 64)  # no model: 1/64 of the start
     for _ in range(3):  # Newton-like steps on rho Q(x) = budget
         guess = _guess(probe, x, q)
@@ -231,7 +246,8 @@ def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solv
         power *= 2
     q = None
     if approximate and n >= 1:
-        q = live_polynomial(config.replace(**{field: n}), field, probe.breakdowns.get(n))
+        with probe._limited():
+            q = live_polynomial(config.replace(**{field: n}), field, probe.breakdowns.get(n))
     return Solved(impl=config.impl, field=field, max_value=n,
                   first_failing_power_of_two=power, at_max=at_max, at_next=at_next,
                   approximation=q, evaluations=probe.evaluations)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from math import prod
 
+from memcalc.deadline import tick
 from memcalc.dims import Dims
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
@@ -90,6 +91,7 @@ Event = Tensor | Free | Release | Cublas | Mark
 
 def new(name: str, shape: tuple[int, ...], dtype: str, role: Role, op: str) -> Tensor:
     """Declare that ``op`` allocates tensor ``name``."""
+    tick()  # a program of millions of tensors stops at a time limit while it is built
     return Tensor(name, tuple(shape), dtype, role, op)
 
 

@@ -18,6 +18,7 @@ from typing import Hashable, NamedTuple
 from memcalc.allocator import Block, CachingAllocator
 from memcalc.breakdown import Breakdown, Component
 from memcalc.config import Config
+from memcalc.deadline import tick
 from memcalc.dims import Dims
 from memcalc.impls import get_impl
 from memcalc.tensors import Cublas, Free, Program, Release, Role, Tensor
@@ -230,6 +231,7 @@ def _release(ledger: Ledger, *roles: Role) -> None:
 def _run(ledger: Ledger, events, thread: str, grad: bool) -> None:
     """Apply events in order. Under no_grad, ``saved`` tensors die with their last reference."""
     for event in events:
+        tick()
         if isinstance(event, Tensor):
             ledger.alloc(event.name, event)
         elif isinstance(event, Cublas):

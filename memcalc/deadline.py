@@ -1,0 +1,42 @@
+"""A time limit that holds inside long computations: program builds and replays.
+
+``memcalc oom --time-limit`` must answer within its limit even when one program has
+millions of events (a chunked loop at a large length); the builders and the replay look
+at the clock every ``CHECK_EVERY`` steps through ``tick``.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+CHECK_EVERY = 4096  # steps between two looks at the clock
+_DEADLINE: ContextVar[float | None] = ContextVar("deadline", default=None)
+_steps = 0
+
+
+class TimeUp(Exception):
+    """A build or replay ran past the deadline of ``deadline()``."""
+
+
+@contextmanager
+def deadline(at: float | None):
+    """Builds and replays inside stop with ``TimeUp`` once ``time.perf_counter()`` passes
+    ``at`` (None: no limit)."""
+    token = _DEADLINE.set(at)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def tick() -> None:
+    """One step of a long computation: every ``CHECK_EVERY`` steps, raise ``TimeUp`` if
+    the deadline has passed."""
+    global _steps
+    _steps += 1
+    if _steps % CHECK_EVERY == 0:
+        limit = _DEADLINE.get()
+        if limit is not None and time.perf_counter() > limit:
+            raise TimeUp("ran past the time limit")

@@ -1,0 +1,31 @@
+"""A time limit holds inside one program build and one replay, not only between them."""
+
+import time
+
+import pytest
+
+from memcalc.config import Config
+from memcalc.deadline import CHECK_EVERY, TimeUp, deadline
+from memcalc.impls import get_impl
+from memcalc.timeline import predict
+
+# 4,096 chunks of 64 rows: tens of thousands of events, so the clock is read many times
+CHUNKED = Config(impl="linear-causal-chunked", shape={"seq_len": 64 * 4096, "batch": 1})
+
+
+def test_a_passed_deadline_stops_the_build():
+    with deadline(time.perf_counter() - 1), pytest.raises(TimeUp):
+        get_impl(CHUNKED.impl).build(CHUNKED.dims)
+
+
+def test_a_passed_deadline_stops_the_replay():
+    program = get_impl(CHUNKED.impl).build(CHUNKED.dims)  # built without a limit
+    assert len(program.forward) > 2 * CHECK_EVERY
+    with deadline(time.perf_counter() - 1), pytest.raises(TimeUp):
+        predict(CHUNKED)
+
+
+def test_no_deadline_no_limit():
+    small = Config(impl="naive", shape={"seq_len": 64})
+    with deadline(None):
+        assert predict(small).peak_bytes == predict(small).peak_bytes
