@@ -7,7 +7,7 @@ import pytest
 from memcalc.config import Config
 from memcalc.deadline import CHECK_EVERY, TimeUp, deadline
 from memcalc.impls import get_impl
-from memcalc.timeline import predict
+from memcalc.timeline import Ledger, predict, replay
 
 # 4,096 chunks of 64 rows: tens of thousands of events, so the clock is read many times
 CHUNKED = Config(impl="linear-causal-chunked", shape={"seq_len": 64 * 4096, "batch": 1})
@@ -21,8 +21,9 @@ def test_a_passed_deadline_stops_the_build():
 def test_a_passed_deadline_stops_the_replay():
     program = get_impl(CHUNKED.impl).build(CHUNKED.dims)  # built without a limit
     assert len(program.forward) > 2 * CHECK_EVERY
+    ledger = Ledger(CHUNKED.workspace_bytes)
     with deadline(time.perf_counter() - 1), pytest.raises(TimeUp):
-        predict(CHUNKED)
+        replay(ledger, CHUNKED.dims, program)
 
 
 def test_no_deadline_no_limit():
