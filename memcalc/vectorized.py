@@ -11,7 +11,8 @@ This module evaluates one program for many configurations with numpy, in three s
    naming the fields it looked at; those fields are then held fixed (the grid is split by
    their values) and the build retried.
 
-2. **Paths.** The caching allocator decides, at every ``malloc``, the pool (size <= 1 MiB),
+2. **Paths.** The caching allocator (``memcalc.allocator``, the one model, here over sizes
+   that are ``Form``s: ``FormSizes``) decides, at every ``malloc``, the pool (size <= 1 MiB),
    which cached free block fits best, whether it is split (remainder >= 512 B small pool,
    > 1 MiB large pool: ``should_split``) and, for a new segment, its size (2 MiB, 20 MiB or
    the request rounded to 2 MiB). All are comparisons between sizes. Replaying the program
@@ -44,15 +45,18 @@ This module evaluates one program for many configurations with numpy, in three s
 
    * ``structure``: the builder branches on the sequence length (a loop over chunks:
      the events themselves change with N), so there is one program per configuration;
-   * ``overflow``: a size or a sum could exceed ``int64`` (beyond 2^52 B per tensor, about
-     4 PiB); Python integers keep those exact;
    * ``small``: fewer than ``SCALAR_BELOW`` configurations share a program, and ``tail``:
      at most ``SCALAR_TAIL`` configurations, over all calls, reached a signature with no
      path that holds (recording a path costs about four replays);
    * ``paths``: more than ``MAX_PATHS`` new paths in one call for one signature;
    * ``unmodelled``: a recorded path disagreed with ``predict`` on the configuration that
-     recorded it (this module mirrors ``timeline.py`` and ``allocator.py``; a rule added
-     there and not here shows up as this, and the tests fail on it).
+     recorded it (both run ``timeline.replay`` over ``allocator.CachingAllocator``, this
+     one on forms: a disagreement is a bug in the forms' arithmetic, and the tests fail
+     on it).
+
+   Configurations whose sizes could exceed ``int64`` (beyond 2^52 B per tensor, about
+   4 PiB) are no fallback: they take the same paths, evaluated on Python integers
+   (``object`` arrays), exact and slower.
 
 The reserved peak computed here is the one of an unbounded device (``capacity=None``):
 under a capacity, PyTorch frees cached segments and retries before raising, which changes
@@ -763,7 +767,10 @@ class _Bank:
 
 def _product(matrix: np.ndarray, atoms: np.ndarray, floats: np.ndarray | None,
              matrix_f: np.ndarray | None = None) -> np.ndarray:
-    """``matrix`` (forms) times ``atoms``: in float64 when that is exact, else int64."""
+    """``matrix`` (forms) times ``atoms``: in float64 when that is exact, else int64, or
+    Python integers when the atoms are."""
+    if atoms.dtype == object:
+        return matrix.astype(object) @ atoms
     if floats is not None:
         mf = matrix_f if matrix_f is not None else matrix.astype(np.float64)
         n = floats.shape[1]
@@ -779,9 +786,25 @@ def _product(matrix: np.ndarray, atoms: np.ndarray, floats: np.ndarray | None,
 def _floats(atoms: np.ndarray, coef_sum: int) -> np.ndarray | None:
     """``atoms`` as float64 when every partial sum of a form stays below 2^53 (then the
     float matrix product is exact), else None."""
-    if atoms.size and coef_sum * int(atoms.max()) < FLOAT_EXACT:
+    if atoms.dtype != object and atoms.size and coef_sum * int(atoms.max()) < FLOAT_EXACT:
         return atoms.astype(np.float64)
     return None
+
+
+def _atom_rows(sizes: list, env: dict, n: int) -> np.ndarray:
+    """For each distinct size: its rounded block and its 2 MiB-rounded segment, one row
+    each over the ``n`` configurations, then a row of ones (the forms' constant column).
+    ``int64``, or Python integers (``object``) when ``env``'s leaves are."""
+    exact = any(getattr(v, "dtype", None) == object for v in env.values())
+    rows = np.empty((2 * len(sizes) + 1, n), dtype=object if exact else np.int64)
+    memo: dict = {}
+    for i, expr in enumerate(sizes):
+        nbytes = np.broadcast_to(evaluate_sym(expr, env, memo), (n,))
+        r = np.maximum(-(-nbytes // MIN_BLOCK) * MIN_BLOCK, MIN_BLOCK)  # round_size
+        r[nbytes <= 0] = 0
+        rows[2 * i], rows[2 * i + 1] = r, -(-r // ROUND_LARGE) * ROUND_LARGE
+    rows[-1] = 1
+    return rows
 
 
 class Evaluator:
@@ -843,9 +866,9 @@ class Evaluator:
             needed = (group.leaves & symbolic) or symbolic
             return self._evaluate(leaves, idx, out, path_ids, fallback, fixed | needed)
         safe = self._safe(group, leaves)
-        if not safe.all():
-            self._scalar({k: v[~safe] for k, v in leaves.items()}, idx[~safe], out, path_ids,
-                         fallback, "overflow")
+        if not safe.all():  # sizes past int64: the same paths on Python integers
+            self._evaluate_group(group, {k: v[~safe].astype(object) for k, v in leaves.items()},
+                                 idx[~safe], out, path_ids, fallback)
             leaves, idx = {k: v[safe] for k, v in leaves.items()}, idx[safe]
             if len(idx) == 0:
                 return
@@ -855,19 +878,7 @@ class Evaluator:
                         path_ids: np.ndarray, fallback: dict) -> None:
         n = len(idx)
         env = {k: (v if k in group.symbolic else int(v[0])) for k, v in leaves.items()}
-        memo: dict = {}
-        rows = np.empty((2 * len(group.sizes) + 1, n), dtype=np.int64)
-        for i, expr in enumerate(group.sizes):
-            nbytes = np.broadcast_to(evaluate_sym(expr, env, memo), (n,))
-            r = rows[2 * i]
-            np.floor_divide(nbytes + (MIN_BLOCK - 1), MIN_BLOCK, out=r)
-            r *= MIN_BLOCK
-            np.maximum(r, MIN_BLOCK, out=r)
-            r[nbytes <= 0] = 0
-            g = rows[2 * i + 1]
-            np.floor_divide(r + (ROUND_LARGE - 1), ROUND_LARGE, out=g)
-            g *= ROUND_LARGE
-        rows[-1] = 1
+        rows = _atom_rows(group.sizes, env, n)
         codes = _size_classes(rows[0:-1:2], rows[1:-1:2])
         if len(group.sizes) <= 27:
             signature = (codes * (5 ** np.arange(len(group.sizes), dtype=np.int64))[:, None]).sum(0)
@@ -999,6 +1010,8 @@ class Evaluator:
                  path_ids: np.ndarray) -> None:
         """``path``'s figures on configurations (columns of ``rows``) that follow it."""
         atoms = rows[path.cols]
+        if atoms.dtype == object:  # Python integers: so must the figures be
+            out.update({k: v.astype(object) for k, v in out.items() if v.dtype != object})
         floats = _floats(atoms, path.coef_sum)
         forward = _product(path.forward, atoms, floats)
         backward = _product(path.backward, atoms, floats)

@@ -107,7 +107,7 @@ def test_overflow_takes_python_integers():
 def test_overflow_in_a_large_grid(eager):
     # p: 2^17 x 1 x 2^22 x 2^22 x 4 B = 2^63, more than int64 holds: Python ints, exact
     figures = evaluate(Config(impl="naive-softmax"), seq_len=[1024, 2**22], batch=[1, 2**17])
-    assert figures.fallback == {"overflow": 1}
+    assert figures.fallback == {}  # the same path as the int64 configuration, not a replay
     assert figures.saved_bytes.dtype == object and figures.saved_bytes[1] == 2**63
     assert figures.saved_bytes[0] == 4_194_304  # 1 x 1024^2 x 4 B, from the int64 path
 
