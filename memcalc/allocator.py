@@ -152,8 +152,9 @@ class FreeBlocks:
         self.blocks: list[Block] = []
 
     def add(self, block: Block) -> None:
-        i = bisect_left(self.keys, self.sizes.key(block.size, block.addr))
-        self.keys.insert(i, self.sizes.key(block.size, block.addr))
+        key = self.sizes.key(block.size, block.addr)
+        i = bisect_left(self.keys, key)
+        self.keys.insert(i, key)
         self.blocks.insert(i, block)
 
     def remove(self, block: Block) -> None:
@@ -162,11 +163,16 @@ class FreeBlocks:
         i = self.blocks.index(block)
         del self.keys[i], self.blocks[i]
 
-    def best_fit(self, size) -> Block | None:
-        """The smallest free block of at least ``size`` (lowest address among equals):
-        ``lower_bound`` of ``(size, lowest address)``, as ``get_free_block`` searches."""
+    def take_best_fit(self, size) -> Block | None:
+        """Take out the smallest free block of at least ``size`` (lowest address among
+        equals): ``lower_bound`` of ``(size, lowest address)``, as ``get_free_block``
+        searches; None when no block is large enough."""
         i = bisect_left(self.keys, self.sizes.key(size, -1))
-        return self.blocks[i] if i < len(self.blocks) else None
+        if i == len(self.blocks):
+            return None
+        block = self.blocks[i]
+        del self.keys[i], self.blocks[i]
+        return block
 
 
 class CachingAllocator:
@@ -191,11 +197,7 @@ class CachingAllocator:
         if not self.sizes.ge0(size - 1):
             return None
         small = self.sizes.ge0(SMALL_SIZE - size)
-        block = self.pools[small].best_fit(size)
-        if block is None:
-            block = self._new_segment(nbytes, size, small)
-        else:
-            self.pools[small].remove(block)
+        block = self.pools[small].take_best_fit(size) or self._new_segment(nbytes, size, small)
         self._split(block, size)
         block.free = False
         self.allocated = self.allocated + block.size

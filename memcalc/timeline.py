@@ -93,13 +93,15 @@ class Ledger:
         self._log.append((key, live))
         if self.allocator.peak_allocated != before:
             self._peak_at = len(self._log)
-        self._record("alloc", live)
+        if self.history is not None:
+            self._record("alloc", live)
 
     def free(self, key: Hashable) -> None:
         live = self.live.pop(key)
         self.allocator.free(live.block)
         self._log.append((key, None))
-        self._record("free", live)
+        if self.history is not None:
+            self._record("free", live)
 
     def _record(self, kind: str, live: Live | None, label: str = "") -> None:
         """With ``record``, keep every event and the allocated bytes after it."""

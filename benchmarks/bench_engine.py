@@ -1,0 +1,107 @@
+"""The engine's long cases: chunked programs, their OOM solve, compare, a 1e6 grid to 16M.
+
+Each case prints wall seconds (median of ``--repeat`` runs where cheap). Run from the
+repository root: ``python benchmarks/bench_engine.py`` (a few minutes on 2 cores;
+``--quick`` skips N = 1e6 and shrinks the grid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from memcalc.budget import Budget
+from memcalc.config import Config, make_config
+from memcalc.solver import Unsolved, max_fitting
+from memcalc.timeline import predict
+from memcalc.vectorized import evaluate
+
+
+def seconds(fn, repeat: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeat`` runs."""
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def bench_chunked(lengths: list[int]) -> None:
+    """``predict`` of linear-causal-chunked (chunks of 64) at each length."""
+    for n in lengths:
+        config = make_config(impl="linear-causal-chunked", seq_len=n)
+        print(f"chunked breakdown, N = {n:>9,}: {seconds(lambda: predict(config)):7.2f} s")
+
+
+def bench_chunked_oom(time_limit: float) -> None:
+    """The OOM solve of linear-causal-chunked at 80 GiB, under ``time_limit``."""
+    config = Config(impl="linear-causal-chunked")
+    budget = Budget.of(config.device, None, 80 << 30).budget_bytes
+    start = time.perf_counter()
+    try:
+        answer = f"max N = {max_fitting(config, budget, time_limit=time_limit).max_value:,}"
+    except Unsolved as error:
+        answer = str(error)
+    print(f"chunked OOM at 80 GiB (time limit {time_limit:g} s): "
+          f"{time.perf_counter() - start:.2f} s, {answer}")
+
+
+def bench_cli(repeat: int) -> None:
+    """``memcalc compare --seq 16384`` against ``memcalc breakdown --seq 16384``, fresh
+    processes, wall time."""
+    def run(*argv):
+        return lambda: subprocess.run([sys.executable, "-m", "memcalc.cli", *argv],
+                                      capture_output=True, check=True)
+
+    breakdown = seconds(run("breakdown", "--seq", "16384"), repeat)
+    compare = seconds(run("compare", "--seq", "16384"), repeat)
+    print(f"CLI: breakdown {breakdown:.2f} s, compare {compare:.2f} s "
+          f"({compare / breakdown:.1f}x)")
+
+
+def bench_grid(count: int) -> None:
+    """``evaluate`` (naive) over ``count`` lengths spread up to 16M: the largest sizes pass
+    int64 and take Python integers."""
+    lengths = np.unique(np.linspace(1, 16 << 20, count).astype(np.int64))
+    config = Config(impl="naive")
+    cold = seconds(lambda: evaluate(config, seq_len=lengths))
+    warm = seconds(lambda: evaluate(config, seq_len=lengths))
+    print(f"grid, naive, {len(lengths):,} lengths to 16M: first call {cold:.2f} s, "
+          f"again {warm:.2f} s")
+
+
+def bench_latency() -> None:
+    """``predict`` at the default shape, CPU time per call (best of 7 x 200)."""
+    config = Config()
+    predict(config)
+    best = min(_cpu(lambda: predict(config), 200) for _ in range(7))
+    print(f"predict(naive, B=8 H=1 N=16384 d=16 fp32): {best * 1e3:.3f} ms CPU per call")
+
+
+def _cpu(fn, calls: int) -> float:
+    start = time.process_time()
+    for _ in range(calls):
+        fn()
+    return (time.process_time() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip N = 1e6, smaller grid")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of the CLI cases")
+    args = parser.parse_args()
+    bench_latency()
+    bench_chunked([10_000, 100_000] + ([] if args.quick else [1_000_000]))
+    bench_chunked_oom(5.0)
+    bench_cli(args.repeat)
+    bench_grid(100_000 if args.quick else 1_000_000)
+
+
+if __name__ == "__main__":
+    main()
