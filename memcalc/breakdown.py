@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, computed_field,
+                      model_validator)
 
 from memcalc.config import Config
 from memcalc.tensors import ITEMSIZE, Role
@@ -38,11 +39,56 @@ class Result(BaseModel):
         """The result's rows as plain dicts (one per component, configuration, ...)."""
         return [self.to_dict()]
 
+    # --- the rendering protocol: a result declares tables() and notes() once; ----------
+    # --- rich, HTML, Markdown, CSV, repr and str are derived (memcalc.render) ----------
+
+    def tables(self) -> list:
+        """The result's tables (``memcalc.render.Table``), as every format shows them."""
+        return []
+
+    def notes(self) -> list[str]:
+        """Lines printed after the tables: caveats, skipped rows, the budget."""
+        return []
+
+    def csv_table(self):
+        """The table ``to_csv`` writes (exact bytes); the first table by default."""
+        return self.tables()[0]
+
+    def headline(self) -> str:
+        """One short line: the ``repr`` and ``print(result)``."""
+        return type(self).__name__
+
+    def __rich__(self):
+        from memcalc.render import fitted
+
+        return fitted(self)
+
     def _repr_html_(self) -> str:
         """Jupyter: the same tables as in a terminal, as HTML."""
         from memcalc.render import html
 
         return html(self)
+
+    def to_markdown(self) -> str:
+        from memcalc.render import markdown
+
+        return markdown(self)
+
+    def to_csv(self) -> str:
+        from memcalc.render import csv_text
+
+        return csv_text(self)
+
+    def to_json(self) -> str:
+        from memcalc.render import to_json
+
+        return to_json(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {self.headline()}>"
+
+    def __str__(self) -> str:
+        return self.headline()
 
     def to_dataframe(self):
         """``records()`` as a pandas DataFrame; pandas is optional (``memcalc[pandas]``)."""
@@ -80,6 +126,9 @@ class Component(Result):
             return f"{dims} ({self.nbytes} B)"
         return f"{dims} x {ITEMSIZE[self.dtype]} B"
 
+    def headline(self) -> str:
+        return f"{self.name} ({self.role.value}, {self.op}): {self.formula}, {self.block_bytes:,} B"
+
 
 def _total(components: tuple[Component, ...]) -> int:
     return sum(c.block_bytes for c in components)
@@ -92,6 +141,7 @@ class Breakdown(Result):
     backward_live: tuple[Component, ...]
     saved: tuple[Component, ...]
     reserved_peak_bytes: int
+    _budget: object = PrivateAttr(None)  # the Budget ``fits`` uses, when given
 
     @computed_field
     @property
@@ -149,27 +199,48 @@ class Breakdown(Result):
         """One dict per component alive at the peak."""
         return self.to_dict()["components"]
 
-    def to_markdown(self) -> str:
-        from memcalc.render import breakdown_markdown
+    @property
+    def fits(self) -> bool:
+        """Whether the step fits its device's default budget (the preset's memory less the
+        512 MiB context reserve), or the budget it was computed for
+        (``memcalc.breakdown(..., gpu_gb=, reserve=)``): ``memcalc.budget.fit``."""
+        return self.fit().fits
 
-        return breakdown_markdown(self)
+    def fit(self, budget=None):
+        """The ``Fit`` of this step in ``budget`` (a ``Budget``, or bytes; default: the one
+        it was computed for, or its device's default budget)."""
+        from memcalc.budget import Budget, fit
 
-    def to_csv(self) -> str:
-        from memcalc.render import breakdown_csv
+        budget = budget if budget is not None else self._budget
+        if budget is None:
+            budget = Budget.of(self.config.device)
+        nbytes = budget if isinstance(budget, int) else budget.budget_bytes
+        return fit(self.config, nbytes, self)
 
-        return breakdown_csv(self)
+    @property
+    def budget(self):
+        """The ``Budget`` ``fits`` is judged against."""
+        from memcalc.budget import Budget
 
-    def __rich__(self):
-        from memcalc.render import breakdown_rich
+        return self._budget or Budget.of(self.config.device)
 
-        return breakdown_rich(self)
+    def with_budget(self, budget) -> "Breakdown":
+        """This breakdown, judged against ``budget`` by ``fits`` (a copy)."""
+        copy = self.model_copy()
+        copy._budget = budget
+        return copy
 
-    def _repr_html_(self) -> str:
-        from memcalc.render import html
+    def tables(self) -> list:
+        from memcalc.render_results import breakdown_tables
 
-        return html(self)
+        return breakdown_tables(self)
 
-    def __repr__(self) -> str:
-        c = self.config
-        return (f"<Breakdown {c.impl} N={c.shape.seq_len}: peak {self.peak_bytes} B "
-                f"({self.peak_phase}), saved {self.saved_bytes} B>")
+    def notes(self) -> list[str]:
+        from memcalc.render_results import caveats
+
+        return caveats([self.config.impl])
+
+    def headline(self) -> str:
+        from memcalc.render_results import breakdown_headline
+
+        return breakdown_headline(self)

@@ -30,7 +30,7 @@ from fractions import Fraction
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from memcalc.allocator import MiB, OutOfMemory
-from memcalc.breakdown import Breakdown
+from memcalc.breakdown import Breakdown, Result
 from memcalc.config import Config, Device
 from memcalc.units import GiB, human
 
@@ -199,10 +199,9 @@ def replay_within(config: Config, budget_bytes: int) -> tuple[bool, int]:
     return True, b.reserved_peak_bytes
 
 
-class Checked(BaseModel):
+class Checked(Result):
     """A breakdown with its fit in a budget: what ``memcalc breakdown`` prints."""
 
-    model_config = _FROZEN
     breakdown: Breakdown
     budget: Budget
     fit: Fit
@@ -210,21 +209,17 @@ class Checked(BaseModel):
     def summary(self) -> str:
         return f"{self.budget.describe()}\n{self.fit.describe()}"
 
-    def __rich__(self):
-        from rich.console import Group
+    def tables(self) -> list:
+        return self.breakdown.tables()
 
-        return Group(self.breakdown.__rich__(), self.summary())
+    def notes(self) -> list[str]:
+        return [self.budget.describe(), self.fit.describe(), *self.breakdown.notes()]
 
-    def _repr_html_(self) -> str:
-        from memcalc.render import html
+    def headline(self) -> str:
+        return self.breakdown.with_budget(self.budget).headline()
 
-        return html(self)
-
-    def to_markdown(self) -> str:
-        return self.breakdown.to_markdown() + f"\n{self.summary()}\n"
-
-    def to_csv(self) -> str:
-        return self.breakdown.to_csv()
+    def records(self) -> list[dict]:
+        return self.breakdown.records()
 
     def to_dict(self) -> dict:
         """The breakdown's JSON plus ``budget_bytes``, ``fits`` and both in detail."""

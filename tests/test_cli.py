@@ -26,7 +26,7 @@ def test_breakdown_json_has_figures_and_components(capsys):
 
 def test_breakdown_csv_and_markdown(capsys):
     _, csv_out, _ = run(capsys, "breakdown", "--seq", "1024", "--csv")
-    assert csv_out.splitlines()[0] == "component,role,dtype,formula (shape x element),bytes,allocated,MiB,share"
+    assert csv_out.splitlines()[0] == "component,made by,role,dtype,formula (shape x element),bytes,allocated,MiB,share"
     _, md, _ = run(capsys, "breakdown", "--seq", "1024", "--markdown")
     assert "| saved for backward | " in md
 

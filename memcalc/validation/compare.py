@@ -6,8 +6,7 @@ from pydantic import computed_field
 
 from memcalc.breakdown import FIGURES, Result
 from memcalc.config import Config
-from memcalc.render import Column, markdown_table, rich_table
-
+from memcalc.render import Column, Table
 
 
 class Check(Result):
@@ -53,9 +52,9 @@ def _worst(check: Check) -> str:
 
 
 REPORT_COLUMNS = [
-    Column("configuration", _label),
-    Column("peak predicted", lambda c: c.predicted["peak_bytes"], "right"),
-    Column("peak measured", lambda c: (c.measured or {}).get("peak_bytes", "-"), "right"),
+    Column("configuration", _label, wrap=True),
+    Column("peak predicted", lambda c: c.predicted["peak_bytes"], "right", drop=2),
+    Column("peak measured", lambda c: (c.measured or {}).get("peak_bytes", "-"), "right", drop=1),
     Column("largest difference (B)", _worst, "right"),
     Column("verdict", lambda c: "ok" if c.ok else "MISMATCH"),
 ]
@@ -86,20 +85,23 @@ class Report(Result):
         bad = [c for c in self.checks if not c.ok]
         return bad + [c for c in self.checks if c.ok][: max(0, 20 - len(bad))]
 
-    def __rich__(self):
-        from rich.console import Group
-
+    def tables(self) -> list[Table]:
         env = ", ".join(f"{k}={v}" for k, v in self.environment.items())
-        return Group(rich_table(f"{self.summary()}\n{env}", REPORT_COLUMNS, self._shown()),
-                     self.summary())
+        return [Table(f"{self.summary()}\n{env}", REPORT_COLUMNS, self._shown())]
 
-    def to_markdown(self) -> str:
-        return f"**{self.summary()}**\n\n" + markdown_table(REPORT_COLUMNS, self.checks)
+    def csv_table(self) -> Table:
+        return Table(None, REPORT_COLUMNS, self.checks)
 
-    def to_csv(self) -> str:
-        from memcalc.render import csv_table
+    def notes(self) -> list[str]:
+        from memcalc.render_results import caveats
 
-        return csv_table(REPORT_COLUMNS, self.checks)
+        shown = len(self._shown())
+        more = [f"({len(self.checks) - shown} more configurations in --json and --csv)"] \
+            if shown < len(self.checks) else []
+        return more + [self.summary()] + (caveats([]) if self.backend != "cuda" else [])
+
+    def headline(self) -> str:
+        return self.summary()
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
