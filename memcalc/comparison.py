@@ -107,7 +107,8 @@ class Comparison(Result):
         the caveats."""
         from memcalc.render_results import caveats
 
-        rows = [f"{r.impl}: {r.note}" for r in self.rows if r.note]
+        rows = [r.note if r.note.startswith(f"{r.impl}:") else f"{r.impl}: {r.note}"
+                for r in self.rows if r.note]
         shown = [r.impl for r in self.rows if r.breakdown]
         return rows + [self._baseline_note(), *caveats(shown)]
 

@@ -30,7 +30,13 @@ def gpu_presets() -> dict[str, GPU]:
 
 def gpu_preset(name: str) -> GPU:
     """The preset called ``name``; a ValueError listing the known ones otherwise."""
+    from memcalc.names import did_you_mean
+
     presets = gpu_presets()
     if name not in presets:
-        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(presets))}")
+        key = str(name).strip().lower().replace("_", "-").replace(" ", "-")
+        if key in presets:  # "H100-80GB", "h100_80gb"
+            return presets[key]
+        raise ValueError(f"unknown GPU {name!r}{did_you_mean(name, sorted(presets))}; "
+                         f"known: {', '.join(sorted(presets))}")
     return presets[name]

@@ -136,7 +136,7 @@ def _rich_table(columns: list[Column], cells: list[list[str]]) -> RichTable:
                       collapse_padding=True, expand=False)
     for i, c in enumerate(columns):
         table.add_column(c.header, justify=c.justify, width=_width(c, [r[i] for r in cells]),
-                         no_wrap=not c.wrap, overflow="fold")
+                         overflow="fold")  # every cell fits its width: only headers and prose wrap
     for row in cells:
         table.add_row(*row)
     return table

@@ -103,5 +103,5 @@ def breakdown_headline(b) -> str:
     verdict = "fits" if f.fits else "does not fit"
     return (f"{c.impl} B={s.batch} H={s.heads} N={s.seq_len} d={s.head_dim} {c.dtype.value}: "
             f"peak {b.peak_bytes:,} B ({human(b.peak_bytes)}, {b.peak_phase}), saved "
-            f"{human(b.saved_bytes)}, reserved {human(b.reserved_peak_bytes)}; {verdict} "
-            f"{human(f.budget_bytes)} ({b.budget.device})")
+            f"{human(b.saved_bytes)}, reserved {human(b.reserved_peak_bytes)}; {verdict} in "
+            f"{human(f.budget_bytes)} (the budget of {b.budget.device})")

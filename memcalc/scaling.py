@@ -179,7 +179,7 @@ class Sweep(Result):
 
     def headline(self) -> str:
         fit = sum(r.fits for r in self.rows)
-        return (f"{len(self.rows)} configurations ({', '.join(self.axes['impl'])}), {fit} fit "
+        return (f"{len(self.rows)} configuration{'s' * (len(self.rows) != 1)} ({', '.join(self.axes['impl'])}), {fit} fit "
                 f"{human(self.budget.budget_bytes)}")
 
     def records(self) -> list[dict]:
@@ -200,10 +200,12 @@ class Sweep(Result):
 def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterable[int] = (),
           batch: Iterable[int] = (), heads: Iterable[int] = (), impls: Iterable[str] = (),
           dtypes: Iterable[str] = (), pivot: Figure | None = None,
-          unit: Literal["MiB", "bytes"] = "MiB") -> Sweep:
+          unit: Literal["MiB", "bytes"] = "MiB", progress=None) -> Sweep:
     """Every combination of the given values (``base``'s where none are given) for each
     implementation and dtype, exact, with the OOM mark for ``budget``. An implementation
-    that rejects a dtype (or any configuration) is listed under ``skipped``."""
+    that rejects a dtype (or any configuration) is listed under ``skipped``.
+    ``progress(items, total, description)`` wraps the loop over implementations and dtypes
+    (``memcalc.progress``)."""
     from memcalc.vectorized import classify, evaluate
 
     s = base.shape
@@ -217,7 +219,10 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
     skipped: list[tuple[str, str]] = []
     grid = list(product(axes["batch"], axes["heads"], axes["head_dim"], axes["seq_len"]))
     b_, h_, d_, n_ = (np.array(v, dtype=np.int64) for v in zip(*grid))
-    for impl, dtype in product(axes["impl"], axes["dtype"]):
+    series = list(product(axes["impl"], axes["dtype"]))
+    if progress is not None and len(series) > 1:
+        series = progress(series, len(series), "sweep")
+    for impl, dtype in series:
         try:
             config = Config(**{**base.model_dump(), "impl": impl, "dtype": DType(dtype)})
             figures = evaluate(config, batch=b_, heads=h_, head_dim=d_, seq_len=n_)

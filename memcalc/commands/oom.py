@@ -8,8 +8,7 @@ SOLVE = {"seq": "seq_len", "seq-len": "seq_len", "seq_len": "seq_len", "batch": 
 
 
 def add_arguments(parser) -> None:
-    shape_options(parser)
-    parser.set_defaults(impl=None)
+    shape_options(parser, impls="many")
     budget_options(parser)
     parser.add_argument("--solve", default="seq", metavar="FIELD",
                         help="what to maximise: seq (default), batch or head-dim; the other "
@@ -38,11 +37,9 @@ def run(args) -> int:
 
 def _impls(args) -> list[str] | None:
     """The implementations asked for: ``--impl a,b``, and ``--trace`` registered as one."""
-    impls = None
-    if args.impl is not None:
-        impls = [name.strip() for name in args.impl.split(",")]
-        if not all(impls):
-            raise ValueError(f"--impl: {args.impl!r} is not a comma-separated list of names")
+    from memcalc.names import impl_list
+
+    impls = impl_list(args.impl)
     if args.trace is not None:
         from memcalc.tracing import load_function, register_function
 

@@ -2,14 +2,14 @@
 
 import os
 
-from memcalc.cli import check_output, emit, format_options, naming
+from memcalc.cli import check_output, emit, format_options, impl_option, naming
 
 HELP = "compare predictions with the emulated trace or a live GPU run"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--backend", default="emulated", choices=["emulated", "cuda"])
-    parser.add_argument("--impl", action="append", help="only these implementations (repeatable)")
+    impl_option(parser)
     parser.add_argument("--grid", default=None, help="grid file (default: the shipped grids)")
     parser.add_argument("--out", default=None,
                         help="write the JSON report to this file, or into this directory "
@@ -28,24 +28,19 @@ def check_grid(path: str | None) -> None:
         raise ValueError(f"--grid {path}: not readable")
 
 
-def check_impls(names: list[str] | None) -> None:
-    """Each ``--impl`` must be a known implementation."""
-    from memcalc.impls import get_impl
-
-    for name in names or []:
-        with naming("--impl"):
-            get_impl(name)
-
-
 def run(args) -> int:
     """Check the options, validate, write the report if asked, print; 1 on a mismatch."""
     from memcalc.validation import validate, write_report
 
+    from memcalc.names import impl_list
+
     check_grid(args.grid)
-    check_impls(args.impl)
+    impls = impl_list(args.impl)
     if args.out and not (os.path.isdir(args.out) or args.out.endswith("/")):
         check_output(args.out, "--out")
-    report = validate(backend=args.backend, impls=args.impl, grid=args.grid)
+    from memcalc.progress import progress
+
+    report = validate(backend=args.backend, impls=impls, grid=args.grid, progress=progress)
     if args.out:
         with naming("--out"):
             write_report(report, args.out)

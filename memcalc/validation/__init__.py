@@ -14,9 +14,11 @@ from memcalc.validation.grid import default_grid, load_grid
 
 
 def validate(backend: str = "emulated", impls: list[str] | None = None,
-             grid: str | Path | None = None, configs: list[Config] | None = None) -> Report:
+             grid: str | Path | None = None, configs: list[Config] | None = None,
+             progress=None) -> Report:
     """Check every configuration of ``grid`` (default: the shipped grid), or ``configs``,
-    against ``backend``: ``emulated`` (meta device, tolerance 0) or ``cuda`` (live)."""
+    against ``backend``: ``emulated`` (meta device, tolerance 0) or ``cuda`` (live).
+    ``progress(items, total, description)`` wraps the loop (``memcalc.progress``)."""
     if configs is None:
         configs = (load_grid(grid) if grid else default_grid()).expand(impls)
     if backend == "emulated":
@@ -25,6 +27,9 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
         from memcalc.validation import cuda as runner
     else:
         raise ValueError(f"unknown backend {backend!r}; known: emulated, cuda")
+    configs = list(configs)
+    if progress is not None:
+        configs = progress(configs, len(configs), f"validate ({backend})")
     checks = tuple(runner.check(c) for c in configs)
     return Report(backend=backend, environment=runner.environment(), checks=checks)
 
