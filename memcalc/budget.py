@@ -1,7 +1,9 @@
 """The memory budget of a device, and the one definition of a step that fits in it.
 
-Budget: ``memory_bytes`` (a GPU preset's ``nvidia-smi memory.total``, or ``--gpu-gb``)
-minus ``reserve_bytes``, what the caching allocator may reserve for itself.
+Budget: ``memory_bytes`` (a GPU preset's memory PyTorch can use -- the "total capacity" of
+PyTorch's out-of-memory message where a public report quotes it, else nvidia-smi's
+``memory.total``, ``memcalc/data/gpus.json`` -- or ``--gpu-gb``) minus ``reserve_bytes``,
+what the caching allocator may reserve for itself.
 
 Default reserve, 512 MiB: a PyTorch process's CUDA context (driver state, the kernel
 images of the libraries it loaded) takes device memory that ``torch.cuda`` never counts.
@@ -59,6 +61,15 @@ def parse_size(text: str, option: str = "--reserve") -> int:
     return int(value)
 
 
+def size_note(text: str) -> str:
+    """How a size was read when it used decimal units: ``1GB = 10^9 B``; else ``""``."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if unit in ("kb", "mb", "gb"):
+        return f"{m.group(1)} {unit.upper()} = {m.group(1)} x 10^{'369'['kmg'.index(unit[0])]} B"
+    return ""
+
+
 def parse_gb(text: str, option: str = "--gpu-gb") -> int:
     """``--gpu-gb X``: X binary gigabytes (2^30 B each), exactly (``"79.5"`` allowed)."""
     try:
@@ -81,6 +92,8 @@ class Budget(BaseModel):
     reserve_bytes: int = Field(DEFAULT_RESERVE_BYTES, ge=0,
                                description="CUDA context and anything else not for the allocator")
     memory_source: str = ""
+    memory_kind: str = Field("", description="what memory_bytes is, for the budget line")
+    reserve_source: str = Field("", description="how --reserve was given, when in decimal units")
 
     @model_validator(mode="after")
     def _check(self) -> "Budget":
@@ -96,8 +109,10 @@ class Budget(BaseModel):
 
     @classmethod
     def of(cls, device: Device, reserve_bytes: int | None = None,
-           memory_bytes: int | None = None) -> "Budget":
+           memory_bytes: int | None = None, reserve_source: str = "") -> "Budget":
         """The budget of ``device`` (its preset's memory unless ``memory_bytes``)."""
+        from memcalc.gpus import MEMORY_KINDS, gpu_preset
+
         spec = device.spec
         reserve = DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes
         if memory_bytes is not None:
@@ -107,15 +122,21 @@ class Budget(BaseModel):
                               f"compute capability {spec.compute_capability[0]}."
                               f"{spec.compute_capability[1]})",
                        memory_bytes=memory_bytes, reserve_bytes=reserve,
-                       memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B")
+                       memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B",
+                       reserve_source=reserve_source)
+        preset = device.memory_bytes is None and device.gpu is not None
+        kind = gpu_preset(device.gpu).memory_kind if preset else "given"
         return cls(device=spec.label, memory_bytes=spec.memory_bytes, reserve_bytes=reserve,
-                   memory_source=f"{spec.name}: {spec.source}")
+                   memory_source=f"{spec.name}: {spec.source}", memory_kind=MEMORY_KINDS[kind],
+                   reserve_source=reserve_source)
 
     def describe(self) -> str:
         """``budget = memory - reserve``, spelled out."""
+        kind = f" ({self.memory_kind})" if self.memory_kind else ""
+        given = f"{self.reserve_source}, " if self.reserve_source else ""
         return (f"budget {self.budget_bytes:,} B ({human(self.budget_bytes)}) = {self.device} "
-                f"{self.memory_bytes:,} B - reserve {self.reserve_bytes:,} B "
-                f"({human(self.reserve_bytes)}, CUDA context)")
+                f"{self.memory_bytes:,} B{kind} - reserve {self.reserve_bytes:,} B "
+                f"({given}{human(self.reserve_bytes)}, CUDA context)")
 
     def __str__(self) -> str:
         return self.describe()

@@ -76,17 +76,18 @@ def budget_options(p: argparse.ArgumentParser) -> None:
                         "(whose compute capability still sets the cuBLAS workspace)")
     p.add_argument("--reserve", default=None, metavar="SIZE",
                    help="memory the allocator cannot have: CUDA context, other processes "
-                        "(default 512MiB; units B, KiB, MiB, GiB, bare numbers MiB)")
+                        "(default 512MiB; units B, KiB, MiB, GiB = 2^30 B; KB, MB, GB = 10^9 B; "
+                        "bare numbers MiB)")
 
 
 def budget_from(args):
     """The ``Budget`` the options describe (``memcalc.budget``)."""
-    from memcalc.budget import Budget, parse_gb, parse_size
+    from memcalc.budget import Budget, parse_gb, parse_size, size_note
     from memcalc.config import Device
 
     memory = parse_gb(args.gpu_gb) if args.gpu_gb is not None else None
     reserve = parse_size(args.reserve) if args.reserve is not None else None
-    return Budget.of(Device(gpu=args.gpu), reserve, memory)
+    return Budget.of(Device(gpu=args.gpu), reserve, memory, size_note(args.reserve or ""))
 
 
 def format_options(p: argparse.ArgumentParser) -> None:

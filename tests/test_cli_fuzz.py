@@ -203,7 +203,7 @@ def test_random_words(capsys, argv):
 @pytest.mark.parametrize("argv, option", [
     (["breakdown", "--seq", "1,,x"], "--seq"),
     (["breakdown", "--seq"], "--seq"),
-    (["breakdown", "--gpu", "h100 80gb"], "--gpu"),
+    (["breakdown", "--gpu", "h100 90gb"], "--gpu"),  # "h100 80gb" is accepted
     (["breakdown", "--gpu-gb", "0"], "--gpu-gb"),
     (["breakdown", "--gpu-gb", "0.1"], "--gpu-gb"),  # not whole bytes
     (["breakdown", "--gpu-gb", "0.5"], "--reserve"),  # 512 MiB, all of it reserved
