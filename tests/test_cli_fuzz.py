@@ -211,7 +211,8 @@ def test_random_words(capsys, argv):
     (["compare", "--seq", "64", "--plot", "/nonexistent-dir/x.png"], "--plot"),
     (["breakdown", "--reserve", "1,,x"], "--reserve"),
     (["breakdown", "--seq", "64", "--plot", "/nonexistent-dir/x.png"], "--plot"),
-    (["compare", "--seq", "64", "--only", "flashy"], "--only"),
+    (["compare", "--seq", "64", "--only", "flashy"], "--impl"),  # --only: the old --impl
+    (["compare", "--seq", "64", "--impl", "bogus"], "--impl"),
     (["compare", "--seq", "64", "--baseline", "flashy"], "--baseline"),
     (["compare", "--seq", "64", "--only", "naive", "--baseline", "flash2"], "--baseline"),
     (["sweep", "--seq", "1,,x"], "--seq"),
