@@ -41,6 +41,8 @@ def _impls(args) -> list[str] | None:
 
     impls = impl_list(args.impl)
     if args.trace is not None:
+        import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
+
         from memcalc.tracing import load_function, register_function
 
         traced = register_function(load_function(args.trace), args.trace)

@@ -16,6 +16,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     """Load, trace and print; a failure of the target is one line naming it as given."""
+    import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
+
     from memcalc.tracing import TraceError, load_function, register_function, trace
 
     try:
