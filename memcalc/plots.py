@@ -47,8 +47,11 @@ def _finish(fig, path: str | None):
 
 def plot_timeline(config, path: str | None = None):
     """Allocated and reserved bytes over the allocations of one measured step, with the
-    saved-for-backward level and the peak marked and labelled with what is alive there."""
+    saved-for-backward level and the peak marked and labelled with what is alive there.
+    ``config``: a ``Config``, or a result that has one (``memcalc.breakdown(...)``)."""
     from memcalc.timeline import Ledger, predict
+
+    config = _config_of(config)
 
     ledger = Ledger(config.workspace_bytes, record=True)
     result = predict(config, ledger=ledger)
@@ -70,6 +73,18 @@ def plot_timeline(config, path: str | None = None):
                  f"torch.cuda memory on {config.device.spec.label}", fontsize=11)
     fig.legend(loc="outside lower center", ncols=3, fontsize=9, frameon=False)
     return _finish(fig, path)
+
+
+def _config_of(obj):
+    """The ``Config`` of ``obj``: itself, or its ``.config`` (a ``Breakdown``), or its
+    breakdown's (a ``Checked``)."""
+    from memcalc.config import Config
+
+    for candidate in (obj, getattr(obj, "config", None),
+                      getattr(getattr(obj, "breakdown", None), "config", None)):
+        if isinstance(candidate, Config):
+            return candidate
+    raise TypeError(f"plot_timeline: a Config or a breakdown, not {type(obj).__name__}")
 
 
 def _shape_text(config) -> str:

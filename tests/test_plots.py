@@ -36,6 +36,15 @@ def test_timeline(tmp_path):
     assert "naive" in fig.axes[0].get_title()
 
 
+def test_timeline_of_a_breakdown(tmp_path):
+    """``plot_timeline(memcalc.breakdown(...))`` draws that step (its config)."""
+    out = tmp_path / "timeline.png"
+    fig = plot_timeline(memcalc.breakdown(impl="flash2", seq_len=2048), str(out))
+    assert is_png(out) and "flash2" in fig.axes[0].get_title()
+    with pytest.raises(TypeError, match="Config or a breakdown"):
+        plot_timeline("naive")
+
+
 def test_components(tmp_path):
     out = tmp_path / "components.png"
     results = [memcalc.breakdown(impl=name, seq_len=2048) for name in ("naive", "flash2")]
