@@ -152,6 +152,20 @@ class Fit(BaseModel):
     oom_request_bytes: int | None = Field(None, description="the segment that failed")
     oom_reserved_bytes: int | None = Field(None, description="reserved when it failed")
     retried: bool = Field(False, description="fits only by releasing cached segments first")
+    capped_reserved_peak_bytes: int | None = Field(
+        None, description="max_memory_reserved of the replay capped at the budget (fits only)")
+
+    @computed_field
+    @property
+    def reserved_bytes(self) -> int:
+        """The reserved memory that decides fitting: when it fits, the peak of the replay
+        under the budget (with release-and-retry, never above the budget); when it does
+        not, what the failed request needed (reserved + the segment it asked for)."""
+        if self.oom_request_bytes is not None:
+            return self.oom_reserved_bytes + self.oom_request_bytes
+        if self.capped_reserved_peak_bytes is not None:
+            return self.capped_reserved_peak_bytes
+        return self.reserved_peak_bytes
 
     @computed_field
     @property
@@ -173,7 +187,8 @@ class Fit(BaseModel):
         if self.retried:
             return (f"fits, after releasing cached segments: the step would reserve "
                     f"{self.reserved_peak_bytes:,} B unbounded, over the budget of "
-                    f"{self.budget_bytes:,} B, and the allocator's release-and-retry saves it")
+                    f"{self.budget_bytes:,} B; the allocator's release-and-retry keeps it at "
+                    f"{self.capped_reserved_peak_bytes:,} B")
         return (f"fits: reserved peak {self.reserved_peak_bytes:,} B <= budget "
                 f"{self.budget_bytes:,} B ({human(self.headroom_bytes)} to spare)")
 
@@ -194,12 +209,12 @@ def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None) -
     common = dict(budget_bytes=budget_bytes, peak_bytes=b.peak_bytes,
                   reserved_peak_bytes=b.reserved_peak_bytes)
     if b.reserved_peak_bytes <= budget_bytes:
-        return Fit(**common)
+        return Fit(**common, capped_reserved_peak_bytes=b.reserved_peak_bytes)
     try:
-        predict(config, capacity=budget_bytes)
+        capped = predict(config, capacity=budget_bytes)
     except OutOfMemory as oom:
         return Fit(**common, oom_request_bytes=oom.requested, oom_reserved_bytes=oom.reserved)
-    return Fit(**common, retried=True)
+    return Fit(**common, retried=True, capped_reserved_peak_bytes=capped.reserved_peak_bytes)
 
 
 def fits(config: Config, budget_bytes: int) -> bool:
