@@ -2,7 +2,7 @@
 
 1. Breakdown latency: ``memcalc.timeline.predict`` per call, at the seeds' shape.
 2. Sweeps: ``memcalc.vectorized.evaluate`` against a ``predict`` loop (``bench_oom_sweep``).
-3. OOM solve: ``memcalc.thresholds.max_fitting`` against ``bisect_max`` (``bench_oom_sweep``).
+3. OOM solve: ``memcalc.solver.max_fitting`` against ``bisect_max`` (``bench_oom_sweep``).
 4. Emulated trace (``memcalc.validation.emulated.measure``, the reference code on the meta
    device) against the analytical model (``predict``), per configuration of the shipped grid.
 5. CLI start-up against ``python -c "import pydantic, rich"`` (``bench_startup``).

@@ -7,23 +7,30 @@ Rules read from ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13, default confi
   (``round_size``); 0-byte requests allocate nothing;
 * blocks of <= 1 MiB come from the small pool, larger ones from the large pool;
 * a request takes the best-fitting free block of its pool, the smallest one that is big
-  enough, ties broken by address (``BlockComparatorSize``);
+  enough, ties broken by address (``BlockComparatorSize``); each pool keeps its free blocks
+  ordered by (size, address) and finds that block by bisection (``get_free_block``'s
+  ``lower_bound``);
 * with no fitting block a new segment is reserved (``get_allocation_size``): 2 MiB for
   small requests, 20 MiB below 10 MiB, else the size rounded up to 2 MiB;
 * the chosen block is split when the rest is >= 512 B (small pool) or > 1 MiB (large
   pool); otherwise the whole block counts as allocated (``should_split``);
-* a freed block merges with free neighbours of its segment (``try_merge_blocks``);
+* a freed block merges with its free neighbours (``try_merge_blocks``; blocks are linked to
+  their neighbours in the segment, ``Block::prev``/``next``);
 * when a new segment would exceed the device, every wholly free segment is released and
   the reservation retried once (``release_cached_blocks``), then OutOfMemory is raised.
 
 New segments get increasing virtual addresses; real ``cudaMalloc`` addresses are not
 known in advance, so ties between equal free blocks in different segments are broken as
 if segments were handed out in order.
+
+The allocator is generic over its size arithmetic (``Sizes``): plain integers for a
+replay, or the linear forms of ``memcalc.vectorized`` that record every decision as a
+guard, so that one set of rules serves a single configuration and a whole grid.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from bisect import bisect_left
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -42,18 +49,52 @@ def round_size(nbytes: int) -> int:
     return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
 
 
+def round_segment(block: int) -> int:
+    """``block`` rounded up to 2 MiB: the segment of a request of 10 MiB or more."""
+    return -(-block // ROUND_LARGE) * ROUND_LARGE
+
+
 def segment_size(block: int) -> int:
     """Size of the segment ``cudaMalloc`` reserves when no cached block fits."""
     if block <= SMALL_SIZE:
         return SMALL_BUFFER
     if block < MIN_LARGE_ALLOC:
         return LARGE_BUFFER
-    return -(-block // ROUND_LARGE) * ROUND_LARGE
+    return round_segment(block)
 
 
 def is_small(block: int) -> bool:
     """Whether a rounded request is served by the small pool."""
     return block <= SMALL_SIZE
+
+
+class Sizes:
+    """The arithmetic the allocator decides with: plain integers. A subclass may give
+    sizes another type with ``+``, ``-`` and integer constants (``memcalc.vectorized``'s
+    forms), and must then answer the three questions below for it."""
+
+    def block(self, nbytes):
+        """The rounded block of a request of ``nbytes`` (``round_size``)."""
+        return round_size(nbytes)
+
+    def large_segment(self, nbytes, block):
+        """The segment of a request of 10 MiB or more: ``block`` rounded up to 2 MiB."""
+        return round_segment(block)
+
+    def ge0(self, x) -> bool:
+        """``x >= 0``: every decision of the allocator is one of these."""
+        return x >= 0
+
+    def key(self, size, addr):
+        """What orders free blocks: by size, then address (``BlockComparatorSize``)."""
+        return size, addr
+
+    def top(self, peak, value):
+        """The new peak after ``value`` (the grid path takes its peaks elsewhere)."""
+        return value if value > peak else peak
+
+
+INTEGERS = Sizes()
 
 
 class OutOfMemory(Exception):
@@ -68,61 +109,97 @@ class OutOfMemory(Exception):
         )
 
 
-@dataclass(eq=False)
+class Segment:
+    """One ``cudaMalloc`` reservation; its blocks form a linked list from ``head``."""
+
+    __slots__ = ("addr", "size", "small", "head")
+
+    def __init__(self, addr, size, small: bool):
+        self.addr, self.size, self.small = addr, size, small
+        self.head = Block(addr, size, self)
+
+    @property
+    def blocks(self) -> list["Block"]:
+        """The blocks in address order."""
+        out, b = [], self.head
+        while b is not None:
+            out.append(b)
+            b = b.next
+        return out
+
+    def is_free(self) -> bool:
+        return self.head.free and self.head.next is None
+
+
 class Block:
     """A contiguous range of one segment, either free or handed out."""
 
-    addr: int
-    size: int
-    segment: "Segment"
-    free: bool = True
+    __slots__ = ("addr", "size", "segment", "free", "prev", "next")
+
+    def __init__(self, addr, size, segment: Segment, free: bool = True):
+        self.addr, self.size, self.segment, self.free = addr, size, segment, free
+        self.prev: Block | None = None
+        self.next: Block | None = None
 
 
-@dataclass(eq=False)
-class Segment:
-    """One ``cudaMalloc`` reservation, split into address-ordered blocks."""
+class FreeBlocks:
+    """One pool's free blocks, ordered by (size, address) like ``BlockPool::blocks`` and
+    searched by bisection: ``keys[i]`` is ``blocks[i]``'s ``Sizes.key``."""
 
-    addr: int
-    size: int
-    small: bool
-    blocks: list[Block] = field(default_factory=list)
+    def __init__(self, sizes: Sizes):
+        self.sizes = sizes
+        self.keys: list = []
+        self.blocks: list[Block] = []
 
-    def is_free(self) -> bool:
-        return len(self.blocks) == 1 and self.blocks[0].free
+    def add(self, block: Block) -> None:
+        i = bisect_left(self.keys, self.sizes.key(block.size, block.addr))
+        self.keys.insert(i, self.sizes.key(block.size, block.addr))
+        self.blocks.insert(i, block)
+
+    def remove(self, block: Block) -> None:
+        """Take ``block`` out, found by identity: no size comparison (the grid path would
+        record one as a decision)."""
+        i = self.blocks.index(block)
+        del self.keys[i], self.blocks[i]
+
+    def best_fit(self, size) -> Block | None:
+        """The smallest free block of at least ``size`` (lowest address among equals):
+        ``lower_bound`` of ``(size, lowest address)``, as ``get_free_block`` searches."""
+        i = bisect_left(self.keys, self.sizes.key(size, -1))
+        return self.blocks[i] if i < len(self.blocks) else None
 
 
 class CachingAllocator:
     """Replays allocations and frees; tracks allocated and reserved bytes and their peaks
     exactly as ``torch.cuda.memory_stats`` does."""
 
-    def __init__(self, capacity: int | None = None):
-        self.capacity = capacity
+    def __init__(self, capacity: int | None = None, sizes: Sizes = INTEGERS):
+        self.capacity, self.sizes = capacity, sizes
+        self.pools = {True: FreeBlocks(sizes), False: FreeBlocks(sizes)}  # small, large
         self.segments: list[Segment] = []
         self._next_addr = 0
-        self.allocated = 0
-        self.peak_allocated = 0
-        self.peak_reserved = 0
-
-    @property
-    def reserved(self) -> int:
-        """Bytes held in segments, what ``memory_reserved()`` reports."""
-        return sum(s.size for s in self.segments)
+        self.allocated = self.reserved = 0
+        self.peak_allocated = self.peak_reserved = 0
 
     def reset_peaks(self) -> None:
         """``reset_peak_memory_stats()``: peaks restart from the current values."""
-        self.peak_allocated = self.allocated
-        self.peak_reserved = self.reserved
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
-    def malloc(self, nbytes: int) -> Block | None:
+    def malloc(self, nbytes) -> Block | None:
         """Allocate a block for ``nbytes``; None for a 0-byte request."""
-        size = round_size(nbytes)
-        if size == 0:
+        size = self.sizes.block(nbytes)
+        if not self.sizes.ge0(size - 1):
             return None
-        block = self._best_fit(size) or self._new_segment(size)
+        small = self.sizes.ge0(SMALL_SIZE - size)
+        block = self.pools[small].best_fit(size)
+        if block is None:
+            block = self._new_segment(nbytes, size, small)
+        else:
+            self.pools[small].remove(block)
         self._split(block, size)
         block.free = False
-        self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.allocated = self.allocated + block.size
+        self.peak_allocated = self.sizes.top(self.peak_allocated, self.allocated)
         return block
 
     def free(self, block: Block | None) -> None:
@@ -130,48 +207,59 @@ class CachingAllocator:
         if block is None:
             return
         block.free = True
-        self.allocated -= block.size
-        blocks = block.segment.blocks
-        i = blocks.index(block)
-        if i + 1 < len(blocks) and blocks[i + 1].free:
-            block.size += blocks.pop(i + 1).size
-        if i > 0 and blocks[i - 1].free:
-            blocks[i - 1].size += blocks.pop(i).size
+        self.allocated = self.allocated - block.size
+        pool = self.pools[block.segment.small]
+        for neighbour in (block.next, block.prev):
+            if neighbour is not None and neighbour.free:
+                pool.remove(neighbour)
+                block = self._merge(block, neighbour)
+        pool.add(block)
 
     def empty_cache(self) -> None:
         """Release every wholly free segment (``torch.cuda.empty_cache``)."""
-        self.segments = [s for s in self.segments if not s.is_free()]
+        for segment in [s for s in self.segments if s.is_free()]:
+            self.pools[segment.small].remove(segment.head)
+            self.segments.remove(segment)
+            self.reserved = self.reserved - segment.size
 
-    def _best_fit(self, size: int) -> Block | None:
-        small = is_small(size)
-        fits = [
-            b
-            for s in self.segments
-            if s.small == small
-            for b in s.blocks
-            if b.free and b.size >= size
-        ]
-        return min(fits, key=lambda b: (b.size, b.addr), default=None)
+    @staticmethod
+    def _merge(block: Block, neighbour: Block) -> Block:
+        """Join two adjacent blocks; the lower one survives."""
+        low, high = (block, neighbour) if neighbour is block.next else (neighbour, block)
+        low.size = low.size + high.size
+        low.next = high.next
+        if high.next is not None:
+            high.next.prev = low
+        return low
 
-    def _new_segment(self, size: int) -> Block:
-        seg_size = segment_size(size)
+    def _segment_size(self, nbytes, size, small: bool):
+        if small:
+            return SMALL_BUFFER
+        if self.sizes.ge0(MIN_LARGE_ALLOC - 1 - size):
+            return LARGE_BUFFER
+        return self.sizes.large_segment(nbytes, size)
+
+    def _new_segment(self, nbytes, size, small: bool) -> Block:
+        seg_size = self._segment_size(nbytes, size, small)
         if self.capacity is not None and self.reserved + seg_size > self.capacity:
             self.empty_cache()
             if self.reserved + seg_size > self.capacity:
                 raise OutOfMemory(seg_size, self.reserved, self.capacity)
-        segment = Segment(self._next_addr, seg_size, is_small(size))
-        self._next_addr += seg_size
-        segment.blocks.append(Block(segment.addr, seg_size, segment))
+        segment = Segment(self._next_addr, seg_size, small)
+        self._next_addr = self._next_addr + seg_size
         self.segments.append(segment)
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-        return segment.blocks[0]
+        self.reserved = self.reserved + seg_size
+        self.peak_reserved = self.sizes.top(self.peak_reserved, self.reserved)
+        return segment.head
 
-    def _split(self, block: Block, size: int) -> None:
+    def _split(self, block: Block, size) -> None:
+        """Cut ``size`` off a block taken from its pool; the rest goes back to the pool."""
         rest = block.size - size
-        threshold_met = rest >= MIN_BLOCK if block.segment.small else rest > SMALL_SIZE
-        if not threshold_met:
+        if not self.sizes.ge0(rest - MIN_BLOCK if block.segment.small else rest - SMALL_SIZE - 1):
             return
-        blocks = block.segment.blocks
         remainder = Block(block.addr + size, rest, block.segment)
-        blocks.insert(blocks.index(block) + 1, remainder)
-        block.size = size
+        remainder.prev, remainder.next = block, block.next
+        if block.next is not None:
+            block.next.prev = remainder
+        block.next, block.size = remainder, size
+        self.pools[block.segment.small].add(remainder)

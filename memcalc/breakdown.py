@@ -39,14 +39,14 @@ class Result(BaseModel):
         """The result's rows as plain dicts (one per component, configuration, ...)."""
         return [self.to_dict()]
 
-    # --- the rendering protocol: a result declares tables() and notes() once; ----------
+    # --- the rendering protocol: a result declares tables() and footnotes() once; ----------
     # --- rich, HTML, Markdown, CSV, repr and str are derived (memcalc.render) ----------
 
     def tables(self) -> list:
         """The result's tables (``memcalc.render.Table``), as every format shows them."""
         return []
 
-    def notes(self) -> list[str]:
+    def footnotes(self) -> list[str]:
         """Lines printed after the tables: caveats, skipped rows, the budget."""
         return []
 
@@ -235,7 +235,7 @@ class Breakdown(Result):
 
         return breakdown_tables(self)
 
-    def notes(self) -> list[str]:
+    def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats
 
         return caveats([self.config.impl])

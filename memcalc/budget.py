@@ -196,22 +196,25 @@ class Fit(BaseModel):
         return self.model_dump(mode="json")
 
 
-def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None) -> Fit:
+def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None,
+        replay=None) -> Fit:
     """Whether ``config``'s step fits in ``budget_bytes`` (``fits``: the replay with
     ``capacity=budget_bytes`` raises no ``OutOfMemory``), with the figures that decide it.
 
     ``breakdown`` (``predict(config)``, computed if not given) saves work: when its reserved
     peak is within the budget, the capped replay never reaches the capacity, so it is the
-    same replay and fits; otherwise the capped replay decides."""
+    same replay and fits; otherwise the capped replay decides. ``replay(capacity)``: the
+    capped replay when it is not ``predict``'s (a direct trace of the user's code)."""
     from memcalc.timeline import predict
 
+    replay = replay or (lambda capacity: predict(config, capacity=capacity))
     b = breakdown if breakdown is not None else predict(config)
     common = dict(budget_bytes=budget_bytes, peak_bytes=b.peak_bytes,
                   reserved_peak_bytes=b.reserved_peak_bytes)
     if b.reserved_peak_bytes <= budget_bytes:
         return Fit(**common, capped_reserved_peak_bytes=b.reserved_peak_bytes)
     try:
-        capped = predict(config, capacity=budget_bytes)
+        capped = replay(budget_bytes)
     except OutOfMemory as oom:
         return Fit(**common, oom_request_bytes=oom.requested, oom_reserved_bytes=oom.reserved)
     return Fit(**common, retried=True, capped_reserved_peak_bytes=capped.reserved_peak_bytes)
@@ -248,8 +251,8 @@ class Checked(Result):
     def tables(self) -> list:
         return self.breakdown.tables()
 
-    def notes(self) -> list[str]:
-        return [self.budget.describe(), self.fit.describe(), *self.breakdown.notes()]
+    def footnotes(self) -> list[str]:
+        return [self.budget.describe(), self.fit.describe(), *self.breakdown.footnotes()]
 
     def headline(self) -> str:
         return self.breakdown.with_budget(self.budget).headline()

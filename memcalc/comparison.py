@@ -102,7 +102,7 @@ class Comparison(Result):
     def csv_table(self) -> Table:
         return Table(None, self._columns(False), self.rows)
 
-    def notes(self) -> list[str]:
+    def footnotes(self) -> list[str]:
         """Why a row has no figures (n/a) or no threshold (not solved); the baseline;
         the caveats."""
         from memcalc.render_results import caveats

@@ -13,7 +13,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memcalc.allocator import KiB
+from memcalc.dims import Dims
 from memcalc.gpus import GPU, gpu_preset
+from memcalc.impls import get_impl
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -147,19 +149,35 @@ class Config(BaseModel):
     @field_validator("impl")
     @classmethod
     def _check_impl(cls, value: str) -> str:
-        from memcalc.impls import get_impl
-
         get_impl(value)  # raises a ValueError naming the known implementations
         return value
 
     @model_validator(mode="after")
     def _check_gqa(self) -> "Config":
-        from memcalc.impls import get_impl
-
         if self.shape.key_heads != self.shape.heads and not get_impl(self.impl).gqa:
             raise ValueError(f"--kv-heads: implementation {self.impl} needs kv_heads == heads "
                              f"({self.shape.key_heads} != {self.shape.heads})")
         return self
+
+    @property
+    def dims(self) -> Dims:
+        """The sizes programs are built from (the one place they are read)."""
+        return Dims.of(self)
+
+    def replace(self, **changes) -> "Config":
+        """This configuration with some fields changed, validated as a new one: the one way
+        to vary a configuration. Shape fields (``seq_len``, ``batch``, ...) are given
+        directly; ``kv_len`` keeps following ``seq_len`` unless it was set."""
+        data = self.model_dump()
+        for field, value in changes.items():
+            if field in Shape.model_fields:
+                data["shape"][field] = value
+            elif field in Config.model_fields:
+                data[field] = value
+            else:
+                known = ", ".join([*Config.model_fields, *Shape.model_fields])
+                raise ValueError(f"{field}: not a configuration field; known: {known}")
+        return Config.model_validate(data)
 
     @property
     def workspace_bytes(self) -> int:

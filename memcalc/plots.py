@@ -45,17 +45,19 @@ def _finish(fig, path: str | None):
     return fig
 
 
-def plot_timeline(config, path: str | None = None):
+def plot_timeline(config, path: str | None = None, recorded=None):
     """Allocated and reserved bytes over the allocations of one measured step, with the
     saved-for-backward level and the peak marked and labelled with what is alive there.
-    ``config``: a ``Config``, or a result that has one (``memcalc.breakdown(...)``)."""
+    ``config``: a ``Config``, or a result that has one (``memcalc.breakdown(...)``).
+    ``recorded``: ``(history, breakdown)`` of a step already run (a trace's), instead of
+    ``predict(config)``'s."""
     from memcalc.timeline import Ledger, predict
 
     config = _config_of(config)
-
-    ledger = Ledger(config.workspace_bytes, record=True)
-    result = predict(config, ledger=ledger)
-    history = ledger.history
+    if recorded is None:
+        ledger = Ledger(config.workspace_bytes, record=True)
+        recorded = ledger.history, predict(config, ledger=ledger)
+    history, result = recorded
     start = next(i for i, e in enumerate(history) if e.label == "forward")
     events = [e for e in history[start:] if e.kind != "phase" or e.label != "end"]
     scale, unit = _unit(max(e.reserved for e in events))

@@ -1,7 +1,7 @@
 """Rendering of results: one protocol, every format derived from it.
 
 A result declares its tables once (``Table``: a title, ``Column`` specifications and the
-rows) and its notes (``memcalc.breakdown.Result.tables``/``notes``); the rich rendering,
+rows) and its notes (``memcalc.breakdown.Result.tables``/``footnotes``); the rich rendering,
 HTML, Markdown, CSV, JSON and the short ``repr`` all come from that declaration, here.
 
 In a terminal the tables fit the width they get, and no figure is ever cut: a column that
@@ -87,7 +87,7 @@ def markdown(result) -> str:
         notes = "".join(f"\n{n}\n" for n in t.notes)
         parts.append((_bold_title(t.title) if t.title else "")
                      + markdown_table(t.columns, t.rows) + notes)
-    notes = "".join(f"\n{n}\n" for n in result.notes())
+    notes = "".join(f"\n{n}\n" for n in result.footnotes())
     return "\n".join(parts) + notes
 
 
@@ -185,7 +185,7 @@ class Fitted:
 
 
 def fitted(result) -> Fitted:
-    return Fitted(list(result.tables()), list(result.notes()))
+    return Fitted(list(result.tables()), list(result.footnotes()))
 
 
 def text(result, width: int = 100) -> str:

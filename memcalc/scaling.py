@@ -127,7 +127,7 @@ class Sweep(Result):
             " forward-only" if self.base.protocol.forward_only else "")
         return f"memory scaling with sequence length: {shape}{flags}\n{self.budget.describe()}"
 
-    def notes(self) -> list[str]:
+    def footnotes(self) -> list[str]:
         lines = ["peak: max_memory_allocated over the step; saved: memory_allocated after the "
                  "forward less before, less the output; reserved: max_memory_reserved; x first: "
                  "peak over the first row's with the same shape but seq_len; N^2 share: blocks "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from math import prod
 
-from memcalc.config import Config, DType
+from memcalc.dims import Dims
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
             "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "bool": 1, "uint8": 1,
@@ -37,6 +37,8 @@ class Role(str, Enum):
     gradient = "gradient"
     temporary = "temporary"
     workspace = "workspace"
+    parameter = "parameter"  # an nn.Module's parameters: resident, made before the step
+    buffer = "buffer"  # registered buffers and module-level tensors: resident as well
 
 
 @dataclass(frozen=True)
@@ -119,34 +121,6 @@ def first_unpack() -> Mark:
 
 
 @dataclass(frozen=True)
-class Dims:
-    """The sizes a program needs, read once from a config: ``B`` batch, ``H`` query heads,
-    ``Hk`` key/value heads, ``N`` query rows, ``M`` key rows, ``D`` head dim, the dtype,
-    ``chunk`` (chunked implementations) and the protocol's loss."""
-
-    B: int
-    H: int
-    N: int
-    M: int
-    D: int
-    dtype: str
-    causal: bool
-    loss: str
-    Hk: int
-    chunk: int
-    forward_only: bool = False
-    sm_count: int | None = None  # the device's, for fused kernels' split heuristics
-    compute_capability: tuple[int, int] = (9, 0)
-
-    @classmethod
-    def of(cls, config: Config) -> "Dims":
-        s, p, gpu = config.shape, config.protocol, config.device.spec
-        return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim, config.dtype.torch_name,
-                   config.causal, p.loss, s.key_heads, config.chunk, p.forward_only,
-                   gpu.sm_count, gpu.compute_capability)
-
-
-@dataclass(frozen=True)
 class Program:
     """What one training step of an implementation allocates, forward then backward."""
 
@@ -154,5 +128,5 @@ class Program:
     backward: tuple[Event, ...]
 
 
-__all__ = ["DType", "Dims", "Event", "Mark", "Program", "Role", "Tensor", "cublas", "first_unpack",
+__all__ = ["Dims", "Event", "Mark", "Program", "Role", "Tensor", "cublas", "first_unpack",
            "free", "last_save", "new", "release"]

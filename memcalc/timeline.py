@@ -1,20 +1,26 @@
 """Replays a program through the allocator model, following the measurement protocol.
 
-``Ledger`` is shared with the emulated backend (``memcalc/validation/emulated.py``): both
-hand allocations to the same allocator model and take their live sets the same way, so a
-difference between prediction and trace can only come from the tensors and lifetimes.
+One replay (``replay``) serves every path: ``predict`` on integers, the grid recorder of
+``memcalc.vectorized`` on symbolic sizes (a ``Ledger`` subclass), and the emulated tracer
+(``memcalc/validation/emulated.py``), which hands its allocations to the same ``Ledger``.
+So a difference between prediction and trace can only come from the tensors and lifetimes.
+
+The ledger keeps each allocation's declaration as it came (a ``Tensor`` of a program, or a
+``Component`` of a trace) with its block; ``Component`` results are built only for the live
+sets that are reported. The live set at a peak is not copied when the peak rises: the
+ledger logs the allocations and frees of the phase and rebuilds that set once, on demand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
 from memcalc.allocator import Block, CachingAllocator
 from memcalc.breakdown import Breakdown, Component
 from memcalc.config import Config
+from memcalc.dims import Dims
 from memcalc.impls import get_impl
-from memcalc.tensors import Cublas, Dims, Event, Free, Program, Release, Role, Tensor
+from memcalc.tensors import Cublas, Free, Program, Release, Role, Tensor
 
 
 class Entry(NamedTuple):
@@ -28,43 +34,76 @@ class Entry(NamedTuple):
     label: str = ""
 
 
-@dataclass
 class Live:
-    """An allocation the ledger holds, with its block."""
+    """An allocation the ledger holds: its declaration (``Tensor`` or ``Component``) and
+    block; ``component`` is the reported form, built once when first asked for."""
 
-    component: Component
-    block: Block | None
+    __slots__ = ("item", "block", "block_bytes", "_component")
+
+    def __init__(self, item, block: Block | None):
+        self.item, self.block, self._component = item, block, None
+        # taken now: a block's size is fixed while it is allocated, not once it is freed
+        self.block_bytes = block.size if block is not None else 0
+
+    @property
+    def role(self) -> Role:
+        return self.item.role
+
+    @property
+    def component(self) -> Component:
+        if self._component is None:
+            self._component = _component(self.item, self.block_bytes)
+        return self._component
+
+    @component.setter
+    def component(self, value: Component) -> None:
+        self._component = value
+
+
+def _component(item, block_bytes: int) -> Component:
+    """The reported form of a declaration with the block it got."""
+    if isinstance(item, Component):
+        return item.model_copy(update={"block_bytes": block_bytes})
+    # built from a program's own declaration: nothing to validate, and a live set is
+    # reported at every replay (``model_construct`` skips pydantic's checks)
+    return Component.model_construct(name=item.name, role=item.role, op=item.op,
+                                      shape=item.shape, dtype=item.dtype, nbytes=item.nbytes,
+                                      block_bytes=block_bytes, source="")
 
 
 class Ledger:
     """Live allocations, keyed by whatever names them, over one allocator model."""
 
-    def __init__(self, workspace_bytes: int, capacity: int | None = None, record: bool = False):
-        self.allocator = CachingAllocator(capacity)
+    def __init__(self, workspace_bytes: int, capacity: int | None = None, record: bool = False,
+                 allocator: CachingAllocator | None = None):
+        self.allocator = allocator or CachingAllocator(capacity)
         self.workspace_bytes = workspace_bytes
         self.live: dict[Hashable, Live] = {}
-        self.peak_live: tuple[Component, ...] = ()
         self.history: list[Entry] | None = [] if record else None
+        self._start: dict[Hashable, Live] = {}  # the live set when the peak was last reset
+        self._log: list[tuple[Hashable, Live | None]] = []  # changes since then
+        self._peak_at = 0  # how many of those changes the peak had seen
 
-    def alloc(self, key: Hashable, component: Component) -> None:
-        """Allocate ``component``; remember the live set when the peak rises."""
+    def alloc(self, key: Hashable, item) -> None:
+        """Allocate ``item`` (a ``Tensor`` or ``Component``: anything with ``nbytes`` and
+        ``role``); note where the peak rises."""
         before = self.allocator.peak_allocated
-        block = self.allocator.malloc(component.nbytes)
-        size = block.size if block is not None else 0
-        self.live[key] = Live(component.model_copy(update={"block_bytes": size}), block)
-        if self.allocator.peak_allocated > before:
-            self.peak_live = self.components()
-        self._record("alloc", self.live[key].component)
+        live = self.live[key] = Live(item, self.allocator.malloc(item.nbytes))
+        self._log.append((key, live))
+        if self.allocator.peak_allocated != before:
+            self._peak_at = len(self._log)
+        self._record("alloc", live)
 
     def free(self, key: Hashable) -> None:
         live = self.live.pop(key)
         self.allocator.free(live.block)
-        self._record("free", live.component)
+        self._log.append((key, None))
+        self._record("free", live)
 
-    def _record(self, kind: str, component: Component | None, label: str = "") -> None:
+    def _record(self, kind: str, live: Live | None, label: str = "") -> None:
         """With ``record``, keep every event and the allocated bytes after it."""
         if self.history is not None:
-            a = self.allocator
+            a, component = self.allocator, live.component if live else None
             self.history.append(Entry(kind, component, a.allocated, a.reserved, label))
 
     def phase(self, label: str) -> None:
@@ -82,92 +121,124 @@ class Ledger:
                                       source=source))
 
     def reset_peak(self) -> None:
+        """``reset_peak_memory_stats()``: the peak restarts from what is alive now."""
         self.allocator.reset_peaks()
-        self.peak_live = self.components()
+        self._start, self._log, self._peak_at = dict(self.live), [], 0
+
+    @property
+    def peak_live(self) -> tuple[Component, ...]:
+        """What was alive at the peak since the last reset."""
+        live = dict(self._start)
+        for key, entry in self._log[:self._peak_at]:
+            if entry is None:
+                del live[key]
+            else:
+                live[key] = entry
+        return tuple(v.component for v in live.values())
 
     def components(self) -> tuple[Component, ...]:
         return tuple(v.component for v in self.live.values())
 
     def block_bytes(self, key: Hashable) -> int:
-        return self.live[key].component.block_bytes
+        return self.live[key].block_bytes
 
 
-def predict(config: Config, capacity: int | None = None, ledger: Ledger | None = None) -> Breakdown:
-    """The breakdown of one step of ``config``, by replaying its program (DESIGN.md s.1).
+class Step(NamedTuple):
+    """What ``replay`` leaves to read: what the measured forward left alive for backward
+    (less the output), and the reserved peak of the measured step."""
 
-    With ``capacity``, raises ``OutOfMemory`` where the device would; pass a recording
-    ``ledger`` to keep the event history."""
-    program = get_impl(config.impl).build(Dims.of(config))
-    ledger = ledger or Ledger(config.workspace_bytes, capacity)
-    _inputs(ledger, config)
-    grad = not config.protocol.forward_only
+    saved: list[Live]
+    reserved_peak: object
+
+
+def replay(ledger: Ledger, d: Dims, program: Program, on_phase=None) -> Step:
+    """The measurement protocol over ``ledger``: inputs, a warm-up step, then the measured
+    forward and backward, each from a reset peak. ``on_phase(name)`` is called at the end
+    of each measured phase (``"forward"``, ``"backward"``), where the caller reads its
+    peak."""
+    grad = not d.forward_only
+    for t in input_tensors(d):
+        ledger.alloc(t.name, t)
     ledger.phase("warm-up")
-    _step(ledger, program, grad)  # warm-up: creates the workspaces, fills the cache
+    _run(ledger, program.forward, "main", grad)  # creates the workspaces, fills the cache
+    if grad:
+        _run(ledger, program.backward, "autograd", grad)
+    _release(ledger, Role.output, Role.gradient)  # del out; q.grad = k.grad = v.grad = None
     ledger.reset_peak()
     before = set(ledger.live)
     ledger.phase("forward")
     _run(ledger, program.forward, "main", grad)
-    forward_live = ledger.peak_live
+    (on_phase or _ignore)("forward")
     reserved = ledger.allocator.peak_reserved
-    saved = tuple(v.component for k, v in ledger.live.items()
-                  if k not in before and v.component.role is not Role.output)
+    saved = [v for k, v in ledger.live.items() if k not in before and v.role is not Role.output]
     ledger.reset_peak()
-    backward_live = ()
     if grad:
         ledger.phase("backward")
         _run(ledger, program.backward, "autograd", grad)
-        backward_live = ledger.peak_live
-    reserved = max(reserved, ledger.allocator.peak_reserved)
+        (on_phase or _ignore)("backward")
+    reserved = ledger.allocator.sizes.top(reserved, ledger.allocator.peak_reserved)
     ledger.phase("end")
     _release(ledger, Role.output)  # protocol: del out
-    return Breakdown(config=config, forward_live=forward_live, backward_live=backward_live,
-                     saved=saved, reserved_peak_bytes=reserved)
+    return Step(saved, reserved)
 
 
-def _inputs(ledger: Ledger, config: Config) -> None:
-    """``q, k, v`` and ``grad_out``, allocated in that order (protocol step 1)."""
-    d = Dims.of(config)
-    names = ["q", "k", "v"]
-    if config.protocol.loss == "grad" and not config.protocol.forward_only:
-        names.append("grad_out")
-    for name in names:
-        heads, rows = (d.H, d.N) if name in ("q", "grad_out") else (d.Hk, d.M)
-        t = Tensor(name, (d.B, heads, rows, d.D), d.dtype, Role.input, "randn")
-        ledger.alloc(name, _component(t))
+def _ignore(phase: str) -> None:
+    return None
 
 
-def _step(ledger: Ledger, program: Program, grad: bool) -> None:
-    """The warm-up step, then release its output and the leaf grads (protocol step 2)."""
-    _run(ledger, program.forward, "main", grad)
-    if grad:
-        _run(ledger, program.backward, "autograd", grad)
-    _release(ledger, Role.output, Role.gradient)
+def predict(config: Config, capacity: int | None = None, ledger: Ledger | None = None) -> Breakdown:
+    """The breakdown of one step of ``config``, by replaying its program.
+
+    With ``capacity``, raises ``OutOfMemory`` where the device would; pass a recording
+    ``ledger`` to keep the event history."""
+    program = get_impl(config.impl).build(config.dims)
+    ledger = ledger or Ledger(config.workspace_bytes, capacity)
+    peaks: dict[str, tuple[Component, ...]] = {}
+    step = replay(ledger, config.dims, program, lambda phase: peaks.update({phase: ledger.peak_live}))
+    return Breakdown(config=config, forward_live=peaks["forward"],
+                     backward_live=peaks.get("backward", ()),
+                     saved=tuple(v.component for v in step.saved),
+                     reserved_peak_bytes=step.reserved_peak)
+
+
+def input_tensors(d: Dims) -> list[Tensor]:
+    """``q, k, v`` and ``grad_out`` (protocol step 1), in the order they are allocated:
+    ``q`` and ``grad_out`` are ``(B, H, N, D)``, ``k`` and ``v`` ``(B, Hk, M, D)``."""
+    names = ["q", "k", "v"] + (["grad_out"] if d.loss == "grad" and not d.forward_only else [])
+    return [Tensor(n, (d.B, d.H, d.N, d.D) if n in ("q", "grad_out") else (d.B, d.Hk, d.M, d.D),
+                   d.dtype, Role.input, "randn") for n in names]
+
+
+def tensor_sizes(config: Config) -> dict[str, int]:
+    """The requested bytes of every tensor the step declares, by name (inputs included;
+    the first declaration of a name wins)."""
+    d = config.dims
+    program = get_impl(config.impl).build(d)
+    sizes: dict[str, int] = {}
+    for t in (*input_tensors(d), *program.forward, *program.backward):
+        if isinstance(t, Tensor):
+            sizes.setdefault(t.name, t.nbytes)
+    return sizes
 
 
 def _release(ledger: Ledger, *roles: Role) -> None:
     """Free every live tensor of these roles (``del out``; ``q.grad = None``)."""
-    for key, live in list(ledger.live.items()):
-        if live.component.role in roles:
-            ledger.free(key)
+    for key in [k for k, v in ledger.live.items() if v.role in roles]:
+        ledger.free(key)
 
 
-def _run(ledger: Ledger, events: tuple[Event, ...], thread: str, grad: bool) -> None:
+def _run(ledger: Ledger, events, thread: str, grad: bool) -> None:
     """Apply events in order. Under no_grad, ``saved`` tensors die with their last reference."""
     for event in events:
         if isinstance(event, Tensor):
-            ledger.alloc(event.name, _component(event))
+            ledger.alloc(event.name, event)
         elif isinstance(event, Cublas):
             ledger.ensure_workspace(thread)
-        elif isinstance(event, Release) and grad:
-            for name in event.names:
-                ledger.free(name)
+        elif isinstance(event, Release):
+            if grad:
+                for name in event.names:
+                    ledger.free(name)
         elif isinstance(event, Free):
             for name in event.names:
-                if not (grad and ledger.live[name].component.role is Role.saved):
+                if not (grad and ledger.live[name].role is Role.saved):
                     ledger.free(name)
-
-
-def _component(t: Tensor) -> Component:
-    return Component(name=t.name, role=t.role, op=t.op, shape=t.shape, dtype=t.dtype,
-                     nbytes=t.nbytes, block_bytes=0)
-

@@ -10,7 +10,9 @@ from memcalc.budget import Budget, fits
 from memcalc.cli import main
 from memcalc.config import Config, Device
 from memcalc.impls import IMPLS, impl_names, register
-from memcalc.thresholds import Unsolved, at, bisect_max, live_polynomial, max_fitting, solve
+from memcalc.closed_form import live_polynomial
+from memcalc.solver import Unsolved, bisect_max, max_fitting
+from memcalc.thresholds import solve
 from memcalc.tensors import Program, Role, free, new
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
@@ -25,8 +27,8 @@ def run(capsys, *argv):
 def test_naive_threshold_at_80_gib():
     s = max_fitting(Config(impl="naive"), GIB80)
     n = s.max_value
-    assert fits(at(Config(impl="naive"), "seq_len", n), GIB80)
-    assert not fits(at(Config(impl="naive"), "seq_len", n + 1), GIB80)
+    assert fits(Config(impl="naive").replace(seq_len=n), GIB80)
+    assert not fits(Config(impl="naive").replace(seq_len=n + 1), GIB80)
     assert s.at_max.fits and not s.at_next.fits
     assert s.first_failing_power_of_two == 32768  # 2^15, the first power above 19,511
     assert n == 19511  # reserved peak 85,354,086,400 <= budget < 85,389,737,984 at 19,512
@@ -36,7 +38,7 @@ def test_fitting_is_not_monotone_near_the_threshold():
     """Why the answer is a threshold searched from the top: at 80 GiB the seeds' step fits
     at 19,509, not at 19,510, again at 19,511, and not at 19,512."""
     naive = Config(impl="naive")
-    assert [fits(at(naive, "seq_len", n), GIB80) for n in range(19509, 19513)] == [
+    assert [fits(naive.replace(seq_len=n), GIB80) for n in range(19509, 19513)] == [
         True, False, True, False]
     assert bisect_max(naive, GIB80).max_value == 19509  # doubling then halving stops early
 
@@ -63,8 +65,8 @@ def test_bisection_finds_a_threshold_too():
 def test_other_fields(field, fixed):
     config = Config(impl="naive-weights", shape=fixed)
     s = max_fitting(config, GIB80, field)
-    assert fits(at(config, field, s.max_value), GIB80)
-    assert not fits(at(config, field, s.max_value + 1), GIB80)
+    assert fits(config.replace(**{field: s.max_value}), GIB80)
+    assert not fits(config.replace(**{field: s.max_value + 1}), GIB80)
 
 
 def test_nothing_fits():
@@ -156,3 +158,20 @@ def test_oom_and_sweep_import_no_torch():
             "('torch', 'matplotlib', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
+    """Every row: the reserved peak at N (replayed under the budget, with release-and-retry)
+    is within the budget and what N+1 needs is over it; closed forms print no fractions."""
+    import memcalc
+    from memcalc.render import text
+
+    report = memcalc.oom(gpu_gb=80, impls=["naive", "linear", "sdpa-efficient"])
+    budget = report.budget.budget_bytes  # 80 x 2^30 - 512 x 2^20 = 85,362,475,008
+    assert budget == 85_362_475_008
+    for r in report.to_dict()["results"]:
+        assert r["reserved_bytes_at_max"] <= budget < r["needed_bytes_at_next"], r["impl"]
+    out = text(report, 140)
+    why = out[out.index("why"):]
+    assert "/" not in why.split("caveat")[0]
+    assert "naive: 192*N^2 + 3,168*N + 67,108,864" in why  # 6 N x N tensors x 8 x 4 B = 192

@@ -1,31 +1,64 @@
-"""``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code."""
+"""``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code, traced as
+the configured GPU would run it, with its fit in the device's budget."""
 
-from memcalc.cli import config_from, emit, format_options, shape_options
+from memcalc.cli import (budget_from, budget_options, check_output, config_from, emit,
+                         format_options, naming, shape_options)
 
-HELP = ("breakdown of your own attention function, traced on the meta device "
-        "(imports and runs the named file or module as Python code)")
+HELP = ("breakdown of your own attention function or nn.Module, traced on the meta device "
+        "along the GPU's code paths (imports and runs the named file or module as Python code)")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("target", metavar="FILE.py:FUNCTION",
-                        help="fn(q, k, v) returning out; also MODULE:FUNCTION. The file is "
-                             "imported (its code runs); nothing else is imported")
+                        help="fn(q, k, v) returning out, or an nn.Module class (built with no "
+                             "arguments on the meta device) or instance; also "
+                             "MODULE:FUNCTION. The file is imported (its code runs)")
     shape_options(parser)
+    budget_options(parser)
     format_options(parser)
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also draw the step's memory timeline (needs matplotlib)")
+    parser.add_argument("--cudnn-workspace", metavar="SIZE", default=None,
+                        help="cuDNN attention's workspace, forward and backward (default: "
+                             "0 forward, (B*H*N*d + B*H*N) x 4 B backward, an estimate)")
+    parser.add_argument("--meta-paths", action="store_true",
+                        help="follow the meta device's code paths instead of the GPU's")
 
 
 def run(args) -> int:
-    """Load, trace and print; a failure of the target is one line naming it as given."""
+    """Load, trace, check the budget, draw if asked, print; a failure of the target is one
+    line naming it as given."""
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.tracing import TraceError, load_function, register_function, trace
+    from memcalc.tracing import TraceError, TraceOptions, load_function, register_function, traced
 
+    check_output(args.plot, "--plot")
+    budget = budget_from(args)
+    options = TraceOptions(cuda=not args.meta_paths, workspace=_workspace(args.cudnn_workspace))
+    history = []
     try:
         fn = load_function(args.target)
-        name = register_function(fn, args.target)
-        result = trace(fn, config_from(args, impl=name))
+        config = config_from(args, impl=register_function(fn, args.target))
+        result = traced(fn, config, options, budget, history)
     except TraceError as error:
         text = str(error).removeprefix(f"--trace {args.target}: ")
         raise ValueError(f"target {args.target}: {text.splitlines()[0]}") from None
+    if args.plot:
+        from memcalc.plots import plot_timeline
+
+        with naming("--plot"):
+            plot_timeline(config, args.plot, (history, result.breakdown))
     emit(result, args.format)
     return 0
+
+
+def _workspace(text):
+    """``--cudnn-workspace SIZE``: both workspaces, in bytes."""
+    from memcalc.tracing.cudnn import Workspace
+
+    if text is None:
+        return Workspace()
+    from memcalc.budget import parse_size
+
+    size = parse_size(text, "--cudnn-workspace")
+    return Workspace(size, size)

@@ -29,11 +29,8 @@ later (``memcalc trace``) are not. Implementations without marks: the recomputat
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 
-from memcalc import impls
-from memcalc.impls import IMPLS, Impl, register
+from memcalc.registry import IMPLS, Impl, register
 from memcalc.tensors import (
     FIRST_UNPACK,
     LAST_SAVE,
@@ -155,12 +152,8 @@ def wrappable(impl: Impl) -> bool:
 
 
 def _register_all() -> None:
-    """Import every other implementation module first (this one sorts before them), then
-    register one wrapper per wrappable implementation."""
-    for module in pkgutil.iter_modules(impls.__path__):
-        own = __name__.rsplit(".", 1)[1]
-        if not module.name.startswith("_") and module.name not in ("common", own):
-            importlib.import_module(f"{impls.__name__}.{module.name}")
+    """Register one wrapper per wrappable implementation registered so far
+    (``memcalc/impls/__init__.py`` loads this module last)."""
     for impl in [i for i in IMPLS.values() if wrappable(i)]:
         register(f"{PREFIX}{impl.name}",
                  f"{impl.name} in torch.utils.checkpoint: nothing saved, recomputed in backward",

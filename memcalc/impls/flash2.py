@@ -11,7 +11,7 @@ No op of the step calls cuBLAS: the step holds no cuBLAS workspace (DESIGN.md s.
 
 from __future__ import annotations
 
-from memcalc.impls import register
+from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.tensors import Dims, Program, Role, free, new, release
 

@@ -24,7 +24,7 @@ of place in every trace here).
 
 from __future__ import annotations
 
-from memcalc.impls import register
+from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.tensors import (
     Dims,

@@ -8,7 +8,7 @@ Reference code: ``memcalc/validation/reference.py`` (``naive``, ``naive-softmax`
 
 from __future__ import annotations
 
-from memcalc.impls import register
+from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.tensors import Dims, Program, Role, cublas, free, last_save, new, release
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
-from memcalc.impls import register
+from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.impls.sdpa_flash import Gpu, gpu_of, round_up
 from memcalc.tensors import Dims, Program, Role, free, new, release
@@ -136,11 +136,14 @@ def delta(d: Dims) -> tuple[list, list]:
     return events + [free("do*o")], ["rowsum"]
 
 
-def kernel_internals(d: Dims) -> tuple[list, list]:
+def kernel_internals(d: Dims, grad_copy: bool | None = None) -> tuple[list, list]:
     """What ``_efficient_attention_backward`` allocates besides the grads (CUDA only): the
     grad copy before them; delta and the workspace after them, with their frees (delta
-    dies with the launch lambda, the workspace and the copy when the function returns)."""
-    grad_copy = (d.H > 1 and d.N > 1) or d.loss == "sum"  # stride-0 expand under sum
+    dies with the launch lambda, the workspace and the copy when the function returns).
+    ``grad_copy``: the decision read off the real grad's strides (the tracer's); None: the
+    protocol's layout."""
+    if grad_copy is None:
+        grad_copy = (d.H > 1 and d.N > 1) or d.loss == "sum"  # stride-0 expand under sum
     copy = [new("dout_t", (d.B, d.N, d.H, d.D), d.dtype, T, "contiguous")] if grad_copy else []
     delta_events, delta_names = delta(d)
     size = workspace_bytes(d)
@@ -160,9 +163,10 @@ def accumulate(d: Dims) -> list:
     return events
 
 
-def backward(d: Dims, on: str) -> list:
-    """The efficient backward node, then AccumulateGrad."""
-    before, after = kernel_internals(d) if on == "cuda" else ([], [])
+def backward(d: Dims, on: str, grad_copy: bool | None = None, leaves: bool = True) -> list:
+    """The efficient backward node, then AccumulateGrad into the protocol's leaves
+    (``leaves=False``: the node alone, for the tracer, whose autograd runs what follows)."""
+    before, after = kernel_internals(d, grad_copy) if on == "cuda" else ([], [])
     role = T if d.H > 1 else G
     rng = ["seed", "offset"] if on == "meta" else []
     return before + [
@@ -171,7 +175,7 @@ def backward(d: Dims, on: str) -> list:
         new("dv", (d.B, d.M, d.H, d.D), d.dtype, role if d.M > 1 else G, "empty"),  # (B, M, H, D)
         *after,
         release("lse", *rng),
-        *accumulate(d),
+        *(accumulate(d) if leaves else []),
     ]
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from math import ceil
 
 
-from memcalc.impls import register
+from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.tensors import Dims, Program, Role, free, new, release
 
@@ -165,16 +165,21 @@ def forward(d: Dims, gpu: Gpu, on: str) -> list:
     ]
 
 
-def copies(d: Dims) -> list:
+def copies(d: Dims, grad_copy: bool | None = None, out_copy: bool | None = None) -> list:
     """``_flash_attention_backward``: ``.contiguous()`` of the ``(B, N, H, dp)`` views of
     grad and out. A (B, H, N, dp)-contiguous tensor transposed is contiguous only when
-    H == 1 or N == 1; out.sum()'s grad (unpadded) is a stride-0 expand: always a copy."""
+    H == 1 or N == 1; out.sum()'s grad (unpadded) is a stride-0 expand: always a copy.
+    ``grad_copy`` / ``out_copy``: the decision read off real tensors' strides (the tracer
+    passes them for layouts other than the protocol's); None: the protocol's layout."""
     padded, _ = head_dims(d)
     transposed = d.H > 1 and d.N > 1
-    grad_copy = transposed or (d.loss == "sum" and padded == d.D)
+    if grad_copy is None:
+        grad_copy = transposed or (d.loss == "sum" and padded == d.D)
+    if out_copy is None:
+        out_copy = transposed
     shape = (d.B, d.N, d.H, padded)
     return ([new("dout_t", shape, d.dtype, T, "contiguous")] if grad_copy else []) + (
-        [new("out_t", shape, d.dtype, T, "contiguous")] if transposed else [])
+        [new("out_t", shape, d.dtype, T, "contiguous")] if out_copy else [])
 
 
 def mha_bwd_buffers(d: Dims) -> list:
@@ -213,11 +218,13 @@ def unpad_grads(d: Dims) -> list:
     return events
 
 
-def backward(d: Dims, on: str) -> list:
-    """SliceBackward0 when padded, the flash backward node, the pads' backward."""
+def backward(d: Dims, on: str, grad_copy: bool | None = None,
+             out_copy: bool | None = None) -> list:
+    """SliceBackward0 when padded, the flash backward node, the pads' backward
+    (``grad_copy``, ``out_copy``: see ``copies``)."""
     padded, _ = head_dims(d)
     pad = padded != d.D
-    layout = copies(d) if on == "cuda" else []
+    layout = copies(d, grad_copy, out_copy) if on == "cuda" else []
     buffers = mha_bwd_buffers(d) if on == "cuda" else []
     events = [new("dout_pad", (d.B, d.H, d.N, padded), d.dtype, T, "slice_backward")] if pad else []
     events += layout + grads(d, T if pad else G) + buffers  # (B, H, N, dp) zeros + grad

@@ -23,7 +23,7 @@ forward, both modelled here as the trace sees them (see ``mask_scores`` and ``we
 
 from __future__ import annotations
 
-from memcalc.impls import register
+from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.tensors import (
     Dims,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from memcalc.config import Config
 from memcalc.timeline import predict
-from memcalc.validation.compare import FIGURES, Check, Report
+from memcalc.validation.compare import FIGURES, Check, Report, figures_of
 from memcalc.validation.grid import default_grid, load_grid
 
 
@@ -32,11 +32,6 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
         configs = progress(configs, len(configs), f"validate ({backend})")
     checks = tuple(runner.check(c) for c in configs)
     return Report(backend=backend, environment=runner.environment(), checks=checks)
-
-
-def figures_of(result) -> dict[str, int]:
-    """The compared figures of a ``Breakdown`` (or anything with those attributes)."""
-    return {k: getattr(result, k) for k in FIGURES}
 
 
 __all__ = ["Check", "Report", "figures_of", "predict", "validate"]

@@ -9,6 +9,11 @@ from memcalc.config import Config
 from memcalc.render import Column, Table
 
 
+
+def figures_of(result) -> dict[str, int]:
+    """The compared figures of a ``Breakdown`` (or anything with those attributes)."""
+    return {k: getattr(result, k) for k in FIGURES}
+
 class Check(Result):
     """One configuration: the model's figures and the backend's, or why there are none."""
     config: Config
@@ -92,7 +97,7 @@ class Report(Result):
     def csv_table(self) -> Table:
         return Table(None, REPORT_COLUMNS, self.checks)
 
-    def notes(self) -> list[str]:
+    def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats
 
         shown = len(self._shown())

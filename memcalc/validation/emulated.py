@@ -19,6 +19,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -72,19 +73,32 @@ CUDA_COMPOSITES = {torch.ops.aten._safe_softmax.default: _safe_softmax}
 class Tracer(TorchDispatchMode):
     """Dispatch mode that replays a meta-device run through the allocator model."""
 
-    def __init__(self, workspace_bytes: int, capacity: int | None = None):
+    def __init__(self, workspace_bytes: int, capacity: int | None = None, paths=None):
         super().__init__()
         self.ledger = Ledger(workspace_bytes, capacity, record=True)
         self.refs: dict[int, StorageWeakRef] = {}
+        # ``memcalc.tracing.cuda_paths.CudaPaths`` for ``memcalc trace`` (the GPU's code
+        # paths); None for validation, which checks the models of what meta runs
+        self.paths = paths
+        self._quiet = 0
         # ("alloc", key, component) | ("free", key) | ("cublas",) | ("mark", what):
         # the run as a program, for memcalc/trace.py
         self.events: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._quiet:
+            return func(*args, **(kwargs or {}))
         self.collect_frees()
         if func in CUDA_COMPOSITES:
             with self:
                 return CUDA_COMPOSITES[func](*args, **(kwargs or {}))
+        if self.paths is not None:
+            from memcalc.tracing import cuda_paths
+
+            cuda_paths.observe(self.paths, func)
+            rule = cuda_paths.dispatch_rule(self.paths, func, args)
+            if rule is not None:
+                return rule(self.paths, func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         op = func.overloadpacket.__name__
         for t in tree_leaves(out):
@@ -108,25 +122,49 @@ class Tracer(TorchDispatchMode):
                 self.events.append(("free", key))
 
     def _track(self, t: torch.Tensor, op: str) -> None:
+        role = Role.input if op == "randn" else (
+            Role.temporary if _thread() == "autograd" else Role.activation)
+        self.adopt(t, component(op, role, op, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                t.untyped_storage().nbytes()))
+
+    def adopt(self, t: torch.Tensor, part: Component, located: bool = True) -> None:
+        """Track ``t``'s storage as ``part`` (named after the calling line unless not
+        ``located``) until it dies; a storage already tracked, or of 0 bytes, is left alone."""
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.refs or storage.nbytes() == 0:
             return
-        thread = _thread()
-        role = Role.input if op == "randn" else (
-            Role.temporary if thread == "autograd" else Role.activation)
-        where, code = _where()
-        component = Component(name=f"{op} ({where})", role=role, op=op, shape=tuple(t.shape),
-                              dtype=str(t.dtype).removeprefix("torch."),
-                              nbytes=storage.nbytes(), block_bytes=0, source=code)
+        where, code = _where() if located else ("", "")
+        name = f"{part.name} ({where})" if located else part.name
+        named = part.model_copy(update={"name": name, "source": code, "nbytes": storage.nbytes()})
         self.refs[key] = StorageWeakRef(storage)
-        self.ledger.alloc(key, component)
+        self.ledger.alloc(key, named)
         self.events.append(("alloc", key, self.ledger.live[key].component))
+
+    def role_of(self, t: torch.Tensor) -> Role:
+        """The role ``t``'s storage was tracked with."""
+        return self.ledger.live[t.untyped_storage()._cdata].component.role
+
+    @contextmanager
+    def quiet(self):
+        """Ops run here allocate nothing the tracer sees (stand-ins for kernel tensors
+        that ``adopt`` then tracks under the model's names)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
 
     def mark(self, what: str) -> None:
         """Note a protocol point (a counter read) in the event log, after pending frees."""
         self.collect_frees()
         self.events.append(("mark", what))
+
+
+def component(name: str, role: Role, op: str, shape: tuple, dtype: str, nbytes: int) -> Component:
+    """A traced allocation (its block is set by the ledger)."""
+    return Component(name=name, role=role, op=op, shape=tuple(shape), dtype=dtype,
+                     nbytes=nbytes, block_bytes=0)
 
 
 class TracerProbe:
@@ -139,6 +177,7 @@ class TracerProbe:
         self.marks: list[set] = []  # live keys at each ``allocated()`` read
         self.peaks: list[tuple[Component, ...]] = []  # live set at each ``max_allocated()``
         self.output_key = None
+        self.resets = 0
 
     def allocated(self) -> int:
         self.tracer.mark("allocated")
@@ -154,7 +193,11 @@ class TracerProbe:
         return self.allocator.peak_reserved
 
     def reset_peak(self) -> None:
+        """Reset the peak; the protocol resets it where the measured forward and the
+        backward start, which the ledger's history marks as phases (for plots)."""
         self.tracer.mark("reset_peak")
+        self.tracer.ledger.phase(("forward", "backward")[min(self.resets, 1)])
+        self.resets += 1
         self.tracer.ledger.reset_peak()
 
     def block_bytes(self, tensor) -> int:
@@ -189,17 +232,34 @@ def _where() -> tuple[str, str]:
     return "?", ""
 
 
-def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe) -> Measured:
-    """The protocol for ``fn`` on the meta device, under ``tracer``."""
+def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe,
+               state: tuple = (), out_like: tuple | None = None) -> Measured:
+    """The protocol for ``fn`` on the meta device, under ``tracer`` (and, when the tracer
+    has CUDA paths, their torch-function rules). ``state``: ``(name, tensor, role)`` the
+    function keeps resident (a module's parameters and buffers), counted from the start;
+    ``out_like``: ``grad_out``'s ``(shape, dtype)`` when not q's."""
     proto = config.protocol
-    with tracer:
+    paths = tracer.paths
+    if paths is not None:
+        paths.tracer = tracer
+    with tracer, (paths.mode() if paths is not None else _nothing()):
+        for name, t, role in state:
+            tracer.adopt(t, component(name, role, "resident", tuple(t.shape),
+                                      str(t.dtype).removeprefix("torch."), 0), located=False)
         inputs = make_inputs(torch, *_shapes(config), getattr(torch, config.dtype.torch_name),
                              "meta", need_grad=not proto.forward_only,
-                             grad_out=proto.loss == "grad" and not proto.forward_only)
+                             grad_out=proto.loss == "grad" and not proto.forward_only,
+                             out_like=out_like)
         _name_inputs(tracer, inputs)
-        measured = run_protocol(torch, fn, probe, inputs, proto.forward_only)
+        parameters = tuple(t for _, t, role in state if role is Role.parameter and t.requires_grad)
+        measured = run_protocol(torch, fn, probe, inputs, proto.forward_only, parameters)
         del inputs
     return measured
+
+
+@contextmanager
+def _nothing():
+    yield
 
 
 def _name_inputs(tracer: Tracer, inputs) -> None:
@@ -210,13 +270,18 @@ def _name_inputs(tracer: Tracer, inputs) -> None:
             live.component = live.component.model_copy(update={"name": name, "source": ""})
 
 
-def measure(config: Config, fn: Callable | None = None, capacity: int | None = None) -> Breakdown:
+def measure(config: Config, fn: Callable | None = None, capacity: int | None = None,
+            paths=None, state: tuple = (), out_like: tuple | None = None,
+            tracer: Tracer | None = None) -> Breakdown:
     """Run the protocol for ``config`` on the meta device and read the breakdown off the
     trace; ``fn(q, k, v)`` defaults to the reference code of ``config.impl``. With
-    ``capacity``, the allocator model raises ``OutOfMemory`` where the device would."""
-    tracer = Tracer(config.workspace_bytes, capacity)
+    ``capacity``, the allocator model raises ``OutOfMemory`` where the device would.
+    ``paths`` (``memcalc.tracing.cuda_paths.CudaPaths``): follow a GPU's code paths;
+    ``state``, ``out_like``: see ``run_traced``; ``tracer``: a tracer to run under (to
+    read its history afterwards)."""
+    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths)
     probe = TracerProbe(tracer)
-    measured = run_traced(config, fn or reference_fn(config), tracer, probe)
+    measured = run_traced(config, fn or reference_fn(config), tracer, probe, state, out_like)
     relabel = _roles(tracer, probe)
     backward_live = probe.peaks[1] if len(probe.peaks) > 1 else ()
     result = Breakdown(config=config, forward_live=relabel(probe.peaks[0]),
@@ -257,7 +322,7 @@ def _check_consistent(result: Breakdown, measured: Measured) -> None:
 def check(config: Config) -> Check:
     """The model against the trace for one configuration; tolerance 0."""
     from memcalc.timeline import predict
-    from memcalc.validation import figures_of
+    from memcalc.validation.compare import figures_of
 
     predicted = figures_of(predict(config))
     return Check(config=config, predicted=predicted, measured=figures_of(measure(config)))

@@ -35,12 +35,16 @@ class Measured:
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
 
 
-def make_inputs(torch, shape, kv_shape, dtype, device, need_grad: bool, grad_out: bool):
-    """Allocate ``q, k, v`` (leaves) and, for ``loss="grad"``, ``grad_out``, in that order."""
+def make_inputs(torch, shape, kv_shape, dtype, device, need_grad: bool, grad_out: bool,
+                out_like: tuple | None = None):
+    """Allocate ``q, k, v`` (leaves) and, for ``loss="grad"``, ``grad_out``, in that order.
+    ``grad_out`` is shaped like q unless ``out_like = (shape, dtype)`` gives the function's
+    output (a traced function may return another layout, e.g. ``(B, N, H, d)``)."""
     q = torch.randn(shape, dtype=dtype, device=device, requires_grad=need_grad)
     k = torch.randn(kv_shape, dtype=dtype, device=device, requires_grad=need_grad)
     v = torch.randn(kv_shape, dtype=dtype, device=device, requires_grad=need_grad)
-    dout = torch.randn(shape, dtype=dtype, device=device) if grad_out else None
+    out_shape, out_dtype = out_like or (shape, dtype)
+    dout = torch.randn(out_shape, dtype=out_dtype, device=device) if grad_out else None
     return q, k, v, dout
 
 
@@ -69,17 +73,20 @@ def _backward(out, dout) -> None:
         out.backward(dout)
 
 
-def run_protocol(torch, attn: Callable, probe: Probe, inputs, forward_only: bool) -> Measured:
+def run_protocol(torch, attn: Callable, probe: Probe, inputs, forward_only: bool,
+                 parameters: tuple = ()) -> Measured:
     """Warm-up step, reset, then the measured step (DESIGN.md section 1).
 
     ``inputs`` are ``(q, k, v, grad_out)`` from ``make_inputs``; the warm-up output and
-    the leaf grads are released before the measured step.
+    the leaf grads are released before the measured step, the grads of ``parameters``
+    (a traced module's) too, as ``zero_grad(set_to_none=True)`` does.
     """
     q, k, v, dout = inputs
     if forward_only:
         return _forward_only(torch, attn, probe, q, k, v)
     _step(attn, q, k, v, dout, None)
-    q.grad = k.grad = v.grad = None
+    for leaf in (q, k, v, *parameters):
+        leaf.grad = None
     return _step(attn, q, k, v, dout, probe)
 
 

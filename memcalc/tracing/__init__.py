@@ -3,7 +3,13 @@ a built-in implementation.
 
 ``trace(fn, config)`` runs the protocol (DESIGN.md section 1) for ``fn(q, k, v)`` on the
 emulated backend and returns the same ``Breakdown`` as ``predict``, its components named by
-the op that allocated them and the user's source line.
+the op that allocated them and the user's source line. It follows the code paths of the
+configured GPU, not the meta device's, where they allocate differently
+(``cuda_paths.py``: SDPA backend choice and fused kernels, half-to-float softmax, fused
+dropout, the math backend's in-place mask add); ``grad_out`` is shaped like the function's
+output (learnt from a shape-only run first); a module's parameters and buffers, and a
+function's module-level tensors, are resident (``state.py``). ``traced`` adds what the trace
+took or could not see (``report.Traced``).
 
 ``traced_program(fn, config)`` turns the function into a program of the kind built-in
 implementations declare: it traces at a few sequence lengths, checks that the op sequence
@@ -29,6 +35,8 @@ from typing import Callable
 from memcalc.breakdown import Breakdown
 from memcalc.config import Config
 from memcalc.tensors import Cublas, Dims, Free, Program, Release, Role, Tensor
+from memcalc.tracing.cudnn import Workspace
+from memcalc.tracing.sdpa_select import Release as TorchRelease
 
 # odd lengths sharing no padding multiple: the first four fit, the last two verify
 SAMPLE_LENGTHS = (61, 97, 131, 173, 211, 257)
@@ -47,8 +55,20 @@ def load_function(spec: str) -> Callable:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise TraceError(f"--trace {spec}: {target} has no function {name!r}")
+    if _is_module_class(fn):
+        from memcalc.tracing.state import instantiate
+
+        fn = instantiate(fn, spec)
     _check_signature(fn, spec)
     return fn
+
+
+def _is_module_class(obj) -> bool:
+    """An ``nn.Module`` subclass (checked without importing torch for plain functions)."""
+    import sys
+
+    nn = getattr(sys.modules.get("torch"), "nn", None)
+    return isinstance(obj, type) and nn is not None and issubclass(obj, nn.Module)
 
 
 def _import(target: str, spec: str):
@@ -92,25 +112,106 @@ def _parameters(fn: Callable) -> set[str]:
         return set()
 
 
-def trace(fn: Callable, config: Config) -> Breakdown:
-    """The breakdown of ``fn``'s step under ``config``, traced on the meta device."""
+@dataclass(frozen=True)
+class TraceOptions:
+    """How a trace emulates the GPU: ``cuda=False`` follows the meta device's code paths
+    (what validation checks); ``release``: the torch build's cuDNN/CUDA versions, which the
+    SDPA backend choice reads; ``workspace``: cuDNN's workspace sizes."""
+
+    cuda: bool = True
+    release: TorchRelease = TorchRelease()
+    workspace: Workspace = Workspace()
+
+
+def trace(fn: Callable, config: Config, options: TraceOptions = TraceOptions()) -> Breakdown:
+    """The breakdown of ``fn``'s step under ``config``, traced on the meta device as it
+    would run on ``config``'s GPU."""
+    return traced(fn, config, options).breakdown
+
+
+def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
+           budget=None, history: list | None = None):
+    """``trace`` with its notes (SDPA backends and why, what is not modelled) and, given a
+    ``memcalc.budget.Budget``, whether the step fits in it (a capped direct trace).
+    ``history``: a list to extend with the allocator ledger's history (for plots)."""
+    from memcalc.budget import fit
+    from memcalc.tracing.report import Traced
+    from memcalc.validation.emulated import Tracer
+
+    paths = _paths(config, options)
+    tracer = Tracer(config.workspace_bytes, None, paths)
+    result = _measure(fn, config, options, paths=paths, tracer=tracer)
+    if history is not None:
+        history.extend(tracer.ledger.history)
+    checked = {}
+    if budget is not None:
+        replay = lambda capacity: _measure(fn, config, options, capacity)  # noqa: E731
+        checked = dict(budget=budget, fit=fit(config, budget.budget_bytes, result, replay))
+    return Traced(breakdown=result, gpu=config.device.spec.label,
+                  notes=tuple(paths.notes) if paths else (), **checked)
+
+
+def _paths(config: Config, options: TraceOptions):
+    """The CUDA dispatch layer for ``config``'s GPU, or None with ``cuda=False``."""
+    if not options.cuda:
+        return None
+    from memcalc.tracing.cuda_paths import CudaPaths
+
+    return CudaPaths(config.device.spec, options.release, options.workspace)
+
+
+def _measure(fn: Callable, config: Config, options: TraceOptions, capacity: int | None = None,
+             paths=None, tracer=None) -> Breakdown:
+    """One direct trace of ``fn``'s step (see ``trace``)."""
+    from memcalc.tracing.state import resident
     from memcalc.validation.emulated import measure
 
-    return _guarded(lambda: measure(config, bind_options(fn, config)), fn)
+    paths = paths or _paths(config, options)
+
+    def run():
+        state = resident(fn)
+        return measure(config, bind_options(fn, config), capacity, paths, state,
+                       output_like(fn, config), tracer)
+
+    return _guarded(run, fn)
+
+
+def output_like(fn: Callable, config: Config) -> tuple | None:
+    """``(shape, dtype)`` of ``fn``'s output when it is not q's, from a shape-only run
+    (meta tensors, no grad, no tracer): what ``grad_out`` must look like."""
+    import torch
+
+    from memcalc.validation.emulated import _shapes
+
+    if config.protocol.forward_only or config.protocol.loss != "grad":
+        return None
+    dtype = getattr(torch, config.dtype.torch_name)
+    q_shape, kv_shape = _shapes(config)
+    with torch.no_grad():
+        q, k, v = (torch.empty(s, dtype=dtype, device="meta") for s in (q_shape, kv_shape, kv_shape))
+        out = bind_options(fn, config)(q, k, v)
+    if not isinstance(out, torch.Tensor):
+        raise TraceError(f"the function must return one tensor, not {type(out).__name__} "
+                         "(return the attention output only)")
+    if tuple(out.shape) == tuple(q_shape) and out.dtype == dtype:
+        return None
+    return tuple(out.shape), out.dtype
 
 
 def _guarded(run: Callable, fn: Callable):
     """Run a trace; a failure becomes a TraceError naming the user's line and a hint."""
+    from memcalc.allocator import OutOfMemory
+
     try:
         return run()
-    except TraceError:
+    except (TraceError, OutOfMemory):  # a capped trace's OOM is an answer, not a failure
         raise
     except Exception as error:  # noqa: BLE001 - anything the user's code raises on meta
         raise TraceError(_explain(error, fn)) from None
 
 
 def _explain(error: Exception, fn: Callable) -> str:
-    source = inspect.getsourcefile(fn) or ""
+    source = _source_file(fn)
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == source]
     where = f"line {frames[-1].lineno} of {Path(source).name} ({frames[-1].line})" if frames \
         else getattr(fn, "__name__", "the function")
@@ -119,6 +220,16 @@ def _explain(error: Exception, fn: Callable) -> str:
             "values) cannot be traced; give a custom CUDA/Triton kernel a fake implementation "
             "(torch.library.register_fake), or pick the built-in model that matches it "
             "(memcalc impls)")
+
+
+def _source_file(fn: Callable) -> str:
+    """The file ``fn`` (or a module's class) is written in, "" when unknown."""
+    for target in (fn, type(fn)):
+        try:
+            return inspect.getsourcefile(target) or ""
+        except TypeError:
+            continue
+    return ""
 
 
 def _first_line(error: BaseException) -> str:
@@ -248,13 +359,15 @@ def traced_program(fn: Callable, config: Config) -> Callable[[int], Program]:
 
 
 def _sample_events(fn: Callable, config: Config, n: int) -> tuple[list, list]:
+    from memcalc.tracing.state import resident
     from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
 
     shape = config.shape.model_copy(update={"seq_len": n})
     sample = config.model_copy(update={"shape": shape})
-    tracer = Tracer(sample.workspace_bytes)
+    tracer = Tracer(sample.workspace_bytes, paths=_paths(sample, TraceOptions()))
     probe = TracerProbe(tracer)
-    _guarded(lambda: run_traced(sample, bind_options(fn, config), tracer, probe), fn)
+    _guarded(lambda: run_traced(sample, bind_options(fn, config), tracer, probe, resident(fn),
+                                output_like(fn, sample)), fn)
     return step_events(tracer, probe)
 
 
@@ -298,7 +411,7 @@ def register_function(fn: Callable, label: str) -> str:
     """Register ``fn`` as implementation ``trace:<label>`` and return that name, for
     ``Config(impl=...)``. Its program is fitted on first use, once per combination of the
     sizes other than seq_len (batch, heads, head_dim, dtype, causal, loss, forward-only)."""
-    from memcalc.impls import IMPLS, Impl
+    from memcalc.registry import Impl, add
 
     name = f"trace:{label}"
     programs: dict[Dims, Callable[[int], Program]] = {}
@@ -311,7 +424,8 @@ def register_function(fn: Callable, label: str) -> str:
             programs[key] = traced_program(fn, _config_of(name, d))
         return programs[key](d.N)
 
-    IMPLS[name] = Impl(name, f"traced from {label}", build, gqa=True, traced=True)
+    # tracing the same function again replaces its earlier registration, on purpose
+    add(Impl(name, f"traced from {label}", build, gqa=True, traced=True), replace=True)
     return name
 
 

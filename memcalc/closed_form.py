@@ -1,0 +1,107 @@
+"""The closed form of a step's memory: the raw bytes alive at the peak as ``a x^2 + b x + c``.
+
+The tensors alive at the peak have sizes that are polynomials in one shape field; the
+quadratic through three programs (checked at a fourth) is what the OOM report shows the
+user ("so the user sees why"), and what the solver's first guesses come from.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from memcalc.config import Config
+from memcalc.tensors import Role
+from memcalc.timeline import predict, tensor_sizes
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+SYMBOL = {"seq_len": "N", "batch": "B", "head_dim": "d"}
+
+
+def _fraction_text(q: Fraction) -> str:
+    return f"{q.numerator:,}" if q.denominator == 1 else f"{q.numerator:,}/{q.denominator:,}"
+
+
+class Quadratic(BaseModel):
+    """``a x^2 + b x + c``: the raw bytes of the tensors alive at the peak (requested sizes,
+    before the allocator rounds them to blocks), as a function of the solved field. Exact
+    (``exact``) when the quadratic through ``x``, ``2x`` and ``4x`` also holds at ``3x``; else
+    that quadratic is a fit (sizes with ``ceil`` in them, such as rows padded to 32)."""
+
+    model_config = _FROZEN
+    symbol: str
+    a: Fraction
+    b: Fraction
+    c: Fraction
+    exact: bool
+    at: int = Field(description="where the live set was taken (x; fitted at x, 2x, 4x)")
+    components: tuple[str, ...]
+
+    def __call__(self, x: int) -> Fraction:
+        return self.a * x * x + self.b * x + self.c
+
+    def root(self, target: Fraction) -> Fraction | None:
+        """The positive ``x`` where the quadratic reaches ``target`` (None if it never does)."""
+        a, b, c = self.a, self.b, self.c - target
+        if a == 0:
+            return -c / b if b > 0 else None
+        disc = b * b - 4 * a * c
+        if disc < 0:
+            return None
+        return (-b + Fraction(math.isqrt(int(disc)))) / (2 * a) if a > 0 else None
+
+    def text(self) -> str:
+        x = self.symbol
+        terms = [(self.a, f"*{x}^2"), (self.b, f"*{x}"), (self.c, "")]
+        parts = [f"{_fraction_text(abs(q))}{s}" for q, s in terms if q]
+        signs = ["-" if q < 0 else "+" for q, _ in terms if q]
+        if not parts:
+            return "0"
+        out = ("-" if signs[0] == "-" else "") + parts[0]
+        for sign, part in zip(signs[1:], parts[1:]):
+            out += f" {sign} {part}"
+        return out + ("" if self.exact else " (fit)")
+
+    def to_dict(self) -> dict:
+        return {"a": str(self.a), "b": str(self.b), "c": str(self.c), "exact": self.exact,
+                "at": self.at, "text": self.text(), "components": list(self.components)}
+
+
+def live_polynomial(config: Config, field: str, breakdown=None) -> Quadratic | None:
+    """The raw bytes of what is alive at ``config``'s peak, as a quadratic in ``field``
+    (None when the program's tensors change names with the field)."""
+    b = breakdown if breakdown is not None else predict(config)
+    x0 = getattr(config.shape, field)
+    live = b.components
+
+    def raw(x: int) -> int | None:
+        sizes = tensor_sizes(config.replace(**{field: x}))
+        total = 0
+        for comp in live:
+            if comp.role is Role.workspace:
+                total += comp.nbytes
+            elif comp.name in sizes:
+                total += sizes[comp.name]
+            else:
+                return None
+        return total
+
+    try:
+        points = [(x, raw(x)) for x in (x0, 2 * x0, 4 * x0)]
+        check_x = 3 * x0
+        check = raw(check_x)
+    except Exception:  # noqa: BLE001 - a size the builder rejects: no closed form
+        return None
+    if any(v is None for _, v in points):
+        return None
+    (x1, y1), (x2, y2), (x3, y3) = points
+    # Newton's divided differences, exact
+    d1, d2 = Fraction(y2 - y1, x2 - x1), Fraction(y3 - y2, x3 - x2)
+    a = (d2 - d1) / (x3 - x1)
+    bb = d1 - a * (x1 + x2)
+    c = y1 - a * x1 * x1 - bb * x1
+    q = Quadratic(symbol=SYMBOL.get(field, field), a=a, b=bb, c=c, exact=False, at=x0,
+                  components=tuple(comp.name for comp in live))
+    return q.model_copy(update={"exact": check is not None and q(check_x) == check})

@@ -1,0 +1,48 @@
+"""The sizes a program is built from, read once from a configuration.
+
+``Config.dims`` is the one way to get them (``Dims.of`` is what it calls); programs,
+the replay, the grid recorder and the tracer all read sizes from here, so a new option
+reaches every path at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Dims:
+    """``B`` batch, ``H`` query heads, ``Hk`` key/value heads, ``N`` query rows, ``M`` key
+    rows, ``D`` head dim, the dtype's torch name, ``chunk`` (chunked implementations), the
+    protocol's loss and forward-only flag, and the device facts fused kernels read.
+
+    The sizes may be integers or any number-like objects with the same arithmetic (the
+    grid path builds programs over symbolic sizes)."""
+
+    B: int
+    H: int
+    N: int
+    M: int
+    D: int
+    dtype: str
+    causal: bool
+    loss: str
+    Hk: int
+    chunk: int
+    forward_only: bool = False
+    sm_count: int | None = None  # the device's, for fused kernels' split heuristics
+    compute_capability: tuple[int, int] = (9, 0)
+
+    @classmethod
+    def of(cls, config) -> "Dims":
+        """The sizes of a ``memcalc.config.Config`` (what ``Config.dims`` returns; this module
+        imports nothing of memcalc's, so every layer can use it)."""
+        s, p, gpu = config.shape, config.protocol, config.device.spec
+        return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim, config.dtype.torch_name,
+                   config.causal, p.loss, s.key_heads, config.chunk, p.forward_only,
+                   gpu.sm_count, gpu.compute_capability)
+
+    def replace(self, **sizes) -> "Dims":
+        """These sizes with some changed (``N``, ``M``, ...), for programs built at other
+        lengths from one configuration's options."""
+        return Dims(**{**self.__dict__, **sizes})

@@ -1,0 +1,50 @@
+"""The registry of attention implementations: one name, one program builder, one source.
+
+Implementation modules (``memcalc/impls/``) register their builders with ``@register``; a
+builder is a small pure function from ``Dims`` to a ``Program`` (its tensors and their
+lifetimes), in the manner of ``torch/utils/flop_counter.py``'s registry of formulas.
+``memcalc.impls`` imports every module of the package once, explicitly, so the registry
+does not depend on who imports what first. A name registered twice is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from memcalc.dims import Dims
+from memcalc.tensors import Program
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A registered implementation: its name, a one-line summary and its program."""
+
+    name: str
+    summary: str
+    build: Callable[[Dims], Program]
+    gqa: bool = False  # supports fewer key/value heads than query heads
+    traced: bool = True  # validated against the emulated trace; False: source-derived only
+
+
+IMPLS: dict[str, Impl] = {}
+
+
+def add(impl: Impl, replace: bool = False) -> Impl:
+    """Register ``impl``; a second implementation of the same name is an error unless
+    ``replace`` says the caller means it (a traced function traced again)."""
+    if impl.name in IMPLS and not replace:
+        raise ValueError(f"implementation {impl.name!r} is already registered")
+    IMPLS[impl.name] = impl
+    return impl
+
+
+def register(name: str, summary: str, gqa: bool = False, traced: bool = True):
+    """Decorator: register ``build`` as implementation ``name``. ``traced=False`` marks a
+    model derived from kernel sources that the meta device cannot check (fused CUDA kernels)."""
+
+    def wrap(build: Callable[[Dims], Program]):
+        add(Impl(name, summary, build, gqa, traced))
+        return build
+
+    return wrap

@@ -1,0 +1,237 @@
+"""The solver: the largest ``seq_len`` (or batch, or head_dim) whose step fits a budget.
+
+"Fits" is ``memcalc.budget.fits``: replaying the step with ``capacity = budget`` raises no
+``OutOfMemory`` (reserved memory, with PyTorch's release-cached-segments-and-retry). For
+each implementation ``max_fitting`` returns ``N`` with ``fits(N)`` and not ``fits(N + 1)``,
+both replayed in full, with the figures at both.
+
+Fitting is *not* monotone near a threshold, because reserved memory is not: between
+neighbouring lengths it moves by a few 2 MiB segments (which tensors end up sharing a
+cached block, whether a remainder is split), and release-and-retry rescues some lengths.
+So several thresholds can lie within a fraction of a percent. For the default naive step
+at 80 GiB, 19,509 fits, 19,510 does not, 19,511 fits and nothing from 19,512 on does (all
+checked); for linear-causal 1,916,928 fails inside a fitting range that goes on to
+1,936,384. A bisection from 1 (``bisect_max``) stops at the first threshold it meets;
+``max_fitting`` starts from the closed-form estimate of the top of the fitting range and
+returns the threshold nearest to it, in practice the largest, without proving that no
+larger value fits.
+
+How it gets there in about ten replays rather than a scan: the tensors alive at the peak
+have sizes that are polynomials in the solved field, so their raw bytes are ``Q(x) = a x^2
++ b x + c`` (interpolated through three programs, checked at a fourth point); the reserved
+memory is ``Q`` times the allocator's overhead ``rho``, which hardly moves near the
+threshold. A few Newton-like steps on ``rho Q(x) = budget`` (``rho`` re-measured at each
+point) give an estimate; a bracket ``fits(lo)``, not ``fits(hi)`` grows around it by
+doubling steps (from the size of the last correction) and is bisected down to adjacent
+values. ``Q`` is also what the report shows, "so the user sees why".
+"""
+
+from __future__ import annotations
+
+import time
+from fractions import Fraction
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field
+
+from memcalc.budget import Fit, fit, replay_within
+from memcalc.closed_form import Quadratic, live_polynomial
+from memcalc.config import Config
+from memcalc.timeline import predict
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+SolveField = Literal["seq_len", "batch", "head_dim"]
+LIMIT = 1 << 62  # no answer above this: the sizes would not be addressable anyway
+
+
+class Solved(BaseModel):
+    """One implementation's threshold: ``max_value`` fits, ``max_value + 1`` does not."""
+
+    model_config = _FROZEN
+    impl: str
+    field: SolveField
+    max_value: int = Field(description="largest value that fits (0: not even 1)")
+    first_failing_power_of_two: int
+    at_max: Fit | None = Field(description="the step at max_value (None when 0)")
+    at_next: Fit
+    approximation: Quadratic | None
+    evaluations: int = Field(description="full predictions the solver made")
+
+    @computed_field
+    @property
+    def peak_bytes_at_max(self) -> int | None:
+        return self.at_max.peak_bytes if self.at_max else None
+
+    @computed_field
+    @property
+    def peak_bytes_at_next(self) -> int:
+        return self.at_next.peak_bytes
+
+    def to_dict(self) -> dict:
+        key = f"max_{self.field}"
+        return {
+            "impl": self.impl, key: self.max_value,
+            "first_failing_power_of_two": self.first_failing_power_of_two,
+            "peak_bytes_at_max": self.peak_bytes_at_max,
+            "peak_bytes_at_next": self.peak_bytes_at_next,
+            "reserved_peak_bytes_at_max": self.at_max.reserved_peak_bytes if self.at_max else None,
+            "reserved_peak_bytes_at_next": self.at_next.reserved_peak_bytes,
+            "fit_at_max": self.at_max.describe() if self.at_max else None,
+            "fit_at_next": self.at_next.describe(),
+            "approximation": self.approximation.to_dict() if self.approximation else None,
+            "evaluations": self.evaluations,
+        }
+
+
+class Unsolved(Exception):
+    """The solver ran out of time; what it knows so far."""
+
+    def __init__(self, lo: int, hi: int | None, seconds: float):
+        self.lo, self.hi = lo, hi
+        bound = f"fits at {lo}" + (f", not at {hi}" if hi else "")
+        super().__init__(f"no exact answer within {seconds:g} s ({bound})")
+
+
+class _Probe:
+    """``fits`` at values of one field, cached, counting full predictions (replays)."""
+
+    def __init__(self, config: Config, field: str, budget_bytes: int,
+                 time_limit: float | None = None):
+        self.config, self.field, self.budget = config, field, budget_bytes
+        self.known: dict[int, tuple[bool, int]] = {}
+        self.full: dict[int, Fit] = {}
+        self.breakdowns: dict = {}
+        self.evaluations = 0
+        self.deadline = None if time_limit is None else time.perf_counter() + time_limit
+        self.time_limit = time_limit
+
+    def __call__(self, x: int) -> bool:
+        """``fits`` at ``x``: one replay under the capacity."""
+        if x not in self.known:
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                lo = max((k for k, (f, _) in self.known.items() if f), default=0)
+                hi = min((k for k, (f, _) in self.known.items() if not f), default=None)
+                raise Unsolved(lo, hi, self.time_limit)
+            self.known[x] = replay_within(self.config.replace(**{self.field: x}), self.budget)
+            self.evaluations += 1
+        return self.known[x][0]
+
+    def size(self, x: int) -> int:
+        """What steers the search: the reserved peak (fits) or reserved + the failed
+        segment (does not)."""
+        self(x)
+        return self.known[x][1]
+
+    def fit(self, x: int) -> Fit:
+        """``fit`` with its figures (an unbounded prediction, plus the capped one if needed)."""
+        if x not in self.full:
+            c = self.config.replace(**{self.field: x})
+            b = predict(c)
+            self.evaluations += 1
+            self.full[x] = fit(c, self.budget, b)
+            self.breakdowns[x] = b
+        return self.full[x]
+
+
+def _guess(probe: _Probe, x: int, q: Quadratic | None) -> int | None:
+    """The root of ``rho Q(x) = budget``, ``rho`` = measured size / raw bytes at ``x``."""
+    if q is None:
+        return None
+    raw = q(x)
+    if raw <= 0:
+        return None
+    rho = Fraction(probe.size(x)) / raw
+    root = q.root(Fraction(probe.budget) / rho)
+    return None if root is None or root < 1 else min(int(root), LIMIT)
+
+
+def _gallop(probe: _Probe, x: int, step: int) -> tuple[int, int]:
+    """A bracket ``(lo, hi)`` around ``x``: ``fits(lo)`` (or ``lo == 0``), not ``fits(hi)``,
+    with steps doubling away from ``x``."""
+    if probe(x):
+        lo = x
+        while True:
+            hi = lo + step
+            if hi >= LIMIT:
+                raise ValueError(f"{probe.config.impl}: still fits at {probe.field} = {lo}")
+            if not probe(hi):
+                return lo, hi
+            lo, step = hi, step * 2
+    hi = x
+    while True:
+        lo = max(0, hi - step)
+        if lo == 0 or probe(lo):
+            return lo, hi
+        hi, step = lo, step * 2
+
+
+def _narrow(probe: _Probe, lo: int, hi: int) -> int:
+    """Bisect ``(lo, hi)`` down to adjacent values (the steering sizes are step functions
+    of the field near a threshold: interpolating on them does not beat halving)."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len",
+                start: int | None = None, time_limit: float | None = None) -> Solved:
+    """A value ``N`` of ``field`` with ``fits(N)`` and not ``fits(N + 1)`` for
+    ``budget_bytes``, searched from the closed-form estimate of the top of the fitting range
+    (so in practice the largest: see the module docstring), with the figures at ``N`` and
+    ``N + 1``. ``Unsolved`` after ``time_limit`` seconds."""
+    probe = _Probe(config, field, budget_bytes, time_limit)
+    x = start or getattr(config.shape, field)
+    probe.fit(x)
+    q = live_polynomial(config.replace(**{field: x}), field, probe.breakdowns[x])
+    previous, step = x, max(1, x // 64)  # no model: 1/64 of the start
+    for _ in range(3):  # Newton-like steps on rho Q(x) = budget
+        guess = _guess(probe, x, q)
+        if guess is None:
+            break
+        if guess == x:  # converged: the model is good to a few segments of rounding
+            step = max(1, x >> 14)
+            break
+        previous, x = x, guess
+        step = max(1, abs(x - previous) // 8)
+    lo, hi = _gallop(probe, x, step)
+    return _solved(probe, _narrow(probe, lo, hi), field)
+
+
+def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",
+               time_limit: float | None = None) -> Solved:
+    """The reference solver: double from 1 until a step does not fit, then bisect, every
+    step a full prediction (what ``benchmarks/`` compares ``max_fitting`` with)."""
+    probe = _Probe(config, field, budget_bytes, time_limit)
+    lo, hi = 0, 1
+    while probe.fit(hi).fits:
+        lo, hi = hi, hi * 2
+        if hi >= LIMIT:
+            raise ValueError(f"{config.impl}: still fits at {field} = {lo}")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe.fit(mid).fits:
+            lo = mid
+        else:
+            hi = mid
+    return _solved(probe, lo, field, approximate=False)
+
+
+def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solved:
+    config = probe.config
+    at_next = probe.fit(n + 1)
+    at_max = probe.fit(n) if n >= 1 else None
+    if at_next.fits or (at_max is not None and not at_max.fits):
+        raise AssertionError(f"{config.impl}: the bracket at {n} is not a threshold")
+    power = 1 << max(0, n).bit_length()  # the smallest power of two above n
+    while probe(power):  # only if fitting is not monotone
+        power *= 2
+    q = None
+    if approximate and n >= 1:
+        q = live_polynomial(config.replace(**{field: n}), field, probe.breakdowns.get(n))
+    return Solved(impl=config.impl, field=field, max_value=n,
+                  first_failing_power_of_two=power, at_max=at_max, at_next=at_next,
+                  approximation=q, evaluations=probe.evaluations)

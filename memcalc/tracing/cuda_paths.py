@@ -1,0 +1,248 @@
+"""The CUDA dispatch layer of ``memcalc trace``: run what a GPU runs, not what the meta
+device runs, wherever their kernels allocate differently.
+
+Each rule is a small registered function citing the PyTorch source it follows. Two levels:
+
+* torch-function rules (a ``TorchFunctionMode``) see the Python call before ATen's
+  composite kernels split it, where CUDA and meta take different branches:
+  ``scaled_dot_product_attention`` (backend choice), ``softmax``/``log_softmax`` with
+  ``dtype=float32`` on fp16 (``half_to_float``), training ``dropout`` (fused);
+* dispatch rules (consulted by the tracer's ``TorchDispatchMode``) see aten ops: the math
+  backend's in-place mask add. ``_safe_softmax``'s CUDA composite is in
+  ``memcalc/validation/emulated.py`` (shared with validation, always on).
+
+A fused SDPA kernel's allocations are not written here: they are the programs of
+``memcalc/impls/sdpa_flash.py`` and ``sdpa_efficient.py`` (and ``cudnn.py``), built from the
+call's ``Dims`` and replayed into the tracer's ledger by ``kernels.py``. Whatever cannot be
+known on meta is collected in ``notes`` and shown with the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from memcalc.gpus import GPU
+from memcalc.tracing import cudnn, sdpa_select
+from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, MATH, Call, Flags, Release
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered CUDA-path rule: what it emulates and the PyTorch file it follows."""
+
+    name: str
+    source: str
+    summary: str
+
+
+RULES: dict[str, Rule] = {}
+_FUNCTION_RULES: dict[Callable, Callable] = {}
+
+
+def rule(name: str, source: str, summary: str, funcs: tuple = ()):
+    """Register a rule; ``funcs``: the torch functions whose calls it handles."""
+
+    def wrap(handler: Callable) -> Callable:
+        RULES[name] = Rule(name, source, summary)
+        for f in funcs:
+            _FUNCTION_RULES[f] = handler
+        return handler
+
+    return wrap
+
+
+@dataclass
+class CudaPaths:
+    """The device a trace emulates and what the trace learnt on the way (``notes``)."""
+
+    gpu: GPU
+    release: Release = Release()
+    workspace: cudnn.Workspace = cudnn.Workspace()
+    tracer: object = None  # the emulated backend's Tracer, set when tracing starts
+    notes: dict[str, None] = field(default_factory=dict)  # ordered set of lines
+    mask_adds: int = 0  # math backend calls whose mask add is still to come
+
+    @property
+    def cc(self) -> tuple[int, int]:
+        return tuple(self.gpu.compute_capability)
+
+    def note(self, line: str) -> None:
+        self.notes[line] = None
+
+    def mode(self) -> "Mode":
+        return Mode(self)
+
+
+class Mode(TorchFunctionMode):
+    """Hands the calls a rule handles to the rule; every other call runs as is."""
+
+    def __init__(self, paths: CudaPaths):
+        super().__init__()
+        self.paths = paths
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _FUNCTION_RULES.get(func)
+        if handler is not None and self.paths.tracer is not None:
+            return handler(self.paths, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _arg(args, kwargs, index: int, name: str, default=None):
+    """Argument ``name`` given at position ``index`` or by keyword."""
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+# --- scaled_dot_product_attention --------------------------------------------------------
+
+def call_of(q, k, v, mask, dropout: float, is_causal: bool, enable_gqa: bool) -> Call:
+    """``sdp_params`` read off the call's tensors."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return Call(tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype).removeprefix("torch."),
+                tuple(mask.shape) if mask is not None else None,
+                bool(mask is not None and mask.requires_grad), float(dropout), bool(is_causal),
+                bool(enable_gqa), needs_grad,
+                tuple(t.stride(-1) if t.dim() else 1 for t in (q, k, v)),
+                tuple(t.storage_offset() for t in (q, k, v)), q.element_size())
+
+
+def flags() -> Flags:
+    """``torch.backends.cuda.*_sdp_enabled()``: what ``sdpa_kernel`` in the user's code set."""
+    b = torch.backends.cuda
+    deterministic = (torch.are_deterministic_algorithms_enabled()
+                     and not torch.is_deterministic_algorithms_warn_only_enabled())
+    return Flags(b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
+                 b.cudnn_sdp_enabled(), deterministic)
+
+
+@rule("sdpa", "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (select_sdp_backend), "
+      "attention.cpp", "F.scaled_dot_product_attention takes the backend a GPU would take; "
+      "fused backends allocate what memcalc's sdpa-flash / sdpa-efficient models declare",
+      funcs=(F.scaled_dot_product_attention,))
+def sdpa(paths: CudaPaths, func, args, kwargs):
+    """Select the backend as ``sdp_utils.cpp`` does, note it, run it."""
+    from memcalc.tracing import kernels
+    from memcalc.validation.emulated import _where
+
+    q, k, v = args[:3]
+    mask = _arg(args, kwargs, 3, "attn_mask")
+    dropout = _arg(args, kwargs, 4, "dropout_p", 0.0)
+    causal = _arg(args, kwargs, 5, "is_causal", False)
+    gqa = kwargs.get("enable_gqa", False)
+    call = call_of(q, k, v, mask, dropout, causal, gqa)
+    choice = sdpa_select.select(call, paths.cc, flags(), paths.release)
+    paths.note(f"scaled_dot_product_attention at {_where()[0]} {tuple(q.shape)} {call.dtype}"
+               f"{' causal' if causal else ''}: {choice.reason()}")
+    if choice.backend == MATH:
+        paths.mask_adds += bool(mask is not None or causal)
+        if dropout > 0 and call.requires_grad:
+            paths.note("dropout inside the math backend: fused on a GPU (native_dropout, bool "
+                       "mask), traced unfused on meta (a noise tensor of the scores' dtype): "
+                       "overstated by the difference, not modelled")
+        return func(*args, **kwargs)
+    if mask is not None:
+        raise ValueError("scaled_dot_product_attention with attn_mask on the "
+                         f"{choice.backend} backend is not modelled")
+    return kernels.run(paths, choice.backend, q, k, v, call)
+
+
+@rule("math-mask-add", "aten/src/ATen/native/transformers/attention.cpp "
+      "(_scaled_dot_product_attention_math: attn.add_(*attn_mask))",
+      "the math backend adds its mask in place on a GPU (out of place under a dispatch mode)")
+def mask_add(paths: CudaPaths, func, args, kwargs):
+    """The first ``add.Tensor`` of a math SDPA call with a mask: in place, so the result is
+    the scores' own storage (an alias, no new allocation)."""
+    paths.mask_adds -= 1
+    paths.note("math backend mask add: in place, as on a GPU (attention.cpp attn.add_)")
+    return args[0].view(args[0].shape)
+
+
+def dispatch_rule(paths: CudaPaths, func, args) -> Callable | None:
+    """The aten-level rule for ``func`` now, or None."""
+    if (paths.mask_adds > 0 and func is torch.ops.aten.add.Tensor
+            and isinstance(args[1], torch.Tensor) and isinstance(args[0], torch.Tensor)
+            and torch.broadcast_shapes(args[0].shape, args[1].shape) == args[0].shape
+            and torch.result_type(args[0], args[1]) == args[0].dtype):
+        return mask_add
+    return None
+
+
+# --- softmax with dtype=float32 on fp16 --------------------------------------------------
+
+def _softmax_call(func, args, kwargs) -> tuple:
+    """(input, dim, dtype) of any spelling of softmax / log_softmax."""
+    python_api = func in (F.softmax, F.log_softmax)
+    dtype = _arg(args, kwargs, 3 if python_api else 2, "dtype")
+    return args[0], _arg(args, kwargs, 1, "dim"), dtype
+
+
+@rule("half-to-float-softmax", "aten/src/ATen/native/SoftMax.cpp (softmax / log_softmax: "
+      "_softmax(input, dim, half_to_float=true) for Half input and dtype=Float on CUDA)",
+      "softmax(x, dim, dtype=torch.float32) on fp16 runs one fused kernel: no float32 copy "
+      "of the input (bf16 is converted first, as on meta)",
+      funcs=(F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax,
+             F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+             torch.special.log_softmax))
+def half_to_float(paths: CudaPaths, func, args, kwargs):
+    x, dim, dtype = _softmax_call(func, args, kwargs)
+    if dim is None or x.dtype != torch.float16 or dtype != torch.float32:
+        return func(*args, **kwargs)
+    log = func in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+                   torch.special.log_softmax)
+    op = torch.ops.aten._log_softmax if log else torch.ops.aten._softmax
+    _noted(paths, f"{'log_softmax' if log else 'softmax'}(dtype=float32) on fp16", "fused "
+           f"{'_log_softmax' if log else '_softmax'}(half_to_float=True): no float32 copy")
+    return op(x, dim, True)
+
+
+# --- dropout -----------------------------------------------------------------------------
+
+@rule("fused-dropout", "aten/src/ATen/native/Dropout.cpp (dropout: native_dropout when "
+      "is_fused_kernel_acceptable), aten/src/ATen/native/cuda/Dropout.cu (bool mask)",
+      "training dropout (0 < p < 1) runs native_dropout and saves a bool mask instead of a "
+      "noise tensor of the input's dtype",
+      funcs=(F.dropout, torch.dropout))
+def fused_dropout(paths: CudaPaths, func, args, kwargs):
+    x = args[0]
+    p = _arg(args, kwargs, 1, "p", 0.5)
+    train = _arg(args, kwargs, 2, "training" if func is F.dropout else "train", True)
+    inplace = func is F.dropout and _arg(args, kwargs, 3, "inplace", False)
+    if not train or inplace or not 0 < p < 1 or x.numel() == 0:
+        return func(*args, **kwargs)  # identity, or dropout_ (never fused: Dropout.cpp)
+    _noted(paths, f"dropout(p={p})", "fused native_dropout: a bool mask is saved")
+    return torch.ops.aten.native_dropout(x, p, True)[0]
+
+
+def _noted(paths: CudaPaths, what: str, how: str) -> None:
+    """Say which rule ran where."""
+    from memcalc.validation.emulated import _where
+
+    paths.note(f"{what} at {_where()[0]}: {how}")
+
+
+UNMODELLED = {
+    "custom": "custom op {op}: its CUDA/Triton kernel's own allocations (workspace, "
+              "temporaries) are not visible on the meta device; only its outputs are counted",
+    "reduction": "{op}: a large CUDA reduction may allocate a staging buffer and semaphores "
+                 "(aten/src/ATen/native/cuda/Reduce.cuh, global reduce); not modelled",
+}
+REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "norm",
+                        "linalg_vector_norm", "var", "std", "var_mean", "std_mean", "prod",
+                        "logsumexp", "all", "any"})
+
+
+def observe(paths: CudaPaths, func) -> None:
+    """Name what the trace cannot see inside ``func`` on a GPU."""
+    namespace = func.namespace
+    op = func.overloadpacket.__name__
+    if namespace not in ("aten", "prim", "prims"):
+        paths.note(UNMODELLED["custom"].format(op=f"{namespace}::{op}"))
+    elif op in REDUCTIONS:
+        paths.note(UNMODELLED["reduction"].format(op=f"aten::{op}"))

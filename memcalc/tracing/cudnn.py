@@ -1,0 +1,79 @@
+"""What PyTorch allocates around a cuDNN attention call (``SDPBackend.CUDNN_ATTENTION``).
+
+The tensors PyTorch makes itself are modelled from ``aten/src/ATen/native/transformers/
+cuda/attention.cu`` / ``attention_backward.cu`` and ``aten/src/ATen/native/cudnn/MHA.cpp``
+(shapes agree with the meta registration, ``torch/_meta_registrations.py``):
+
+* forward: ``o`` allocated with q's layout (``alloc_with_matching_layout``), the softmax
+  statistics ``(B, H, N, 1)`` float32 when a grad is needed, the philox seed and offset
+  (one int64 each, on the device) only with dropout;
+* backward: ``dq, dk, dv`` with q's, k's, v's layouts, and ``grad_out`` permuted to o's
+  layout when its strides differ (a copy).
+
+cuDNN sizes its own workspace at run time (``mha_graph->get_workspace_size()``, allocated
+through the caching allocator, so it counts). It cannot be read from a source file: it is a
+parameter, ``Workspace``, whose default is an estimate, not a measurement: none in the
+forward, and in the backward a float32 dQ accumulator (B, H, N, d) plus float32 row
+statistics (B, H, N), what cuDNN's non-deterministic SDPA backward keeps in its workspace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.tensors import Dims, Role, free, new, release
+
+S, O, T = Role.saved, Role.output, Role.temporary
+F32 = "float32"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """cuDNN workspace sizes in bytes; None: the stated default estimate."""
+
+    forward: int | None = None
+    backward: int | None = None
+
+    def forward_bytes(self, d: Dims) -> int:
+        return 0 if self.forward is None else self.forward
+
+    def backward_bytes(self, d: Dims) -> int:
+        if self.backward is not None:
+            return self.backward
+        return d.B * d.H * d.N * d.D * 4 + d.B * d.H * d.N * 4  # dQ accum + row stats, fp32
+
+
+DEFAULT_NOTE = ("cuDNN workspace: not knowable from source (cuDNN sizes it at run time); "
+                "assumed 0 B forward and (B*H*N*d + B*H*N) x 4 B backward "
+                "(--cudnn-workspace sets it)")
+
+
+def forward(d: Dims, grad: bool, dropout: bool, ws: Workspace) -> list:
+    """o, the softmax statistics, seed/offset with dropout, the forward workspace."""
+    rng = ["seed", "offset"] if dropout else []
+    work = ws.forward_bytes(d)
+    saved = (["lse"] if grad else []) + rng
+    return [
+        new("out", (d.B, d.H, d.N, d.D), d.dtype, O, "empty"),  # (B, H, N, d), q's layout
+        *([new("lse", (d.B, d.H, d.N, 1), F32, S, "empty")] if grad else []),  # (B, H, N, 1)
+        *(new(name, (1,), "int64", S, "empty") for name in rng),  # (1,) philox seed, offset
+        *([new("cudnn_workspace", (work,), "uint8", T, "allocate"), free("cudnn_workspace")]
+          if work else []),
+        *([free(*saved)] if saved else []),
+    ]
+
+
+def backward(d: Dims, grad_copy: bool, dropout: bool, ws: Workspace) -> list:
+    """``_cudnn_attention_backward``: the grad permuted to o's layout, dq, dk, dv, the
+    workspace; then autograd releases the statistics (and seed, offset)."""
+    work = ws.backward_bytes(d)
+    copy = [new("dout_t", (d.B, d.H, d.N, d.D), d.dtype, T, "permute")] if grad_copy else []
+    ends = ([t.name for t in copy] + (["cudnn_workspace"] if work else []))
+    return copy + [
+        new("dq", (d.B, d.H, d.N, d.D), d.dtype, T, "empty_like"),  # (B, H, N, d)
+        new("dk", (d.B, d.Hk, d.M, d.D), d.dtype, T, "empty_like"),  # (B, Hk, M, d)
+        new("dv", (d.B, d.Hk, d.M, d.D), d.dtype, T, "empty_like"),  # (B, Hk, M, d)
+        *([new("cudnn_workspace", (work,), "uint8", T, "allocate")] if work else []),
+        *([free(*ends)] if ends else []),
+        release("lse", *(["seed", "offset"] if dropout else [])),
+    ]

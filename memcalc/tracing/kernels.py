@@ -1,0 +1,189 @@
+"""A fused SDPA kernel, traced as memcalc's own model of it.
+
+The kernel's forward and backward are an ``autograd.Function`` whose bodies replay the
+model's events (``memcalc/impls/sdpa_flash.py``, ``sdpa_efficient.py``,
+``memcalc/tracing/cudnn.py``), built from the call's ``Dims``: every declared tensor becomes
+a meta tensor handed to the tracer with the model's name, shape and role, and dies where the
+model frees or releases it. The output and the gradients the node returns are real tensors
+with the strides the CUDA kernel gives them (so what autograd does next, an
+``AccumulateGrad`` copy or none, is traced as it runs); layout copies inside the kernel are
+decided from the strides of the tensors actually passed. One source of truth: no size is
+written here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from memcalc.impls import sdpa_efficient, sdpa_flash
+from memcalc.tensors import Dims, Free, Release, Role, Tensor
+from memcalc.tracing import cudnn
+from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
+
+
+def dims_of(call: Call, gpu) -> Dims:
+    """The model's sizes for this call, on the emulated GPU."""
+    (B, H, N, D), (_, Hk, M, _) = call.q, call.k
+    return Dims(B, H, N, M, D, call.dtype, call.is_causal, "grad", Hk, 64,
+                not call.requires_grad, gpu.sm_count, tuple(gpu.compute_capability))
+
+
+@dataclass
+class Kernel:
+    """One fused call: its backend, sizes, model events and the real tensors it hands out."""
+
+    backend: str
+    d: Dims
+    call: Call
+    paths: object
+    q: torch.Tensor  # untracked meta stand-ins with the strides of the call's q, k, v:
+    k: torch.Tensor  # the kernel reads layouts only, and must not keep the user's
+    v: torch.Tensor  # tensors alive (a padded flash node saves the padded copies)
+    live: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)  # saved for backward (autograd holds them)
+    padded: bool = False
+    out_copy: bool = False
+    out_stride: tuple = ()
+
+    @property
+    def tracer(self):
+        return self.paths.tracer
+
+    def replay(self, events, real: dict[str, Callable], grad: bool) -> None:
+        """Apply model events: allocate (real or plain meta tensors), free, release."""
+        for event in events:
+            if isinstance(event, Tensor):
+                with self.tracer.quiet():
+                    self.live[event.name] = real[event.name]() if event.name in real else \
+                        torch.empty(event.shape, dtype=getattr(torch, event.dtype), device="meta")
+                self.tracer.adopt(self.live[event.name], self._component(event))
+            elif isinstance(event, Free):
+                for name in event.names:
+                    if name in self.live:
+                        if grad and self.tracer.role_of(self.live[name]) is Role.saved:
+                            self.kept[name] = self.live.pop(name)
+                        else:
+                            del self.live[name]
+            elif isinstance(event, Release):
+                for name in event.names:
+                    self.kept.pop(name, None)
+            self.tracer.collect_frees()
+
+    def _component(self, event: Tensor):
+        from memcalc.validation.emulated import component
+
+        return component(f"{self.backend} {event.name}", event.role, event.op, event.shape,
+                         event.dtype, event.nbytes)
+
+    # forward ---------------------------------------------------------------------------
+
+    def forward(self) -> torch.Tensor:
+        d, grad = self.d, self.call.requires_grad
+        if self.backend == FLASH:
+            padded, _ = sdpa_flash.head_dims(d)
+            self.padded = padded != d.D
+            shape = (d.B, d.H, d.N, padded)  # q_pad is contiguous (B, H, N, dp)
+            make = (lambda: torch.empty(shape, dtype=self.q.dtype, device="meta")) \
+                if self.padded else (lambda: torch.empty_like(self.q))  # empty_like(q_t)
+            events = sdpa_flash.forward(d, sdpa_flash.gpu_of(d), "cuda")
+        elif self.backend == EFFICIENT:
+            make = lambda: torch.empty((d.B, d.N, d.H, d.D), dtype=self.q.dtype,  # noqa: E731
+                                       device="meta").transpose(1, 2)
+            events = sdpa_efficient.forward(d, "cuda", grad)
+        else:
+            make = lambda: torch.empty_like(self.q)  # noqa: E731 alloc_with_matching_layout
+            events = cudnn.forward(d, grad, self.call.dropout > 0, self.paths.workspace)
+        self.replay(events, {"out": make}, grad)
+        out = self.live.pop("out")
+        self.out_copy = not out.transpose(1, 2).is_contiguous()
+        self.out_stride = out.stride()
+        if self.padded:
+            self.kept["out"] = out  # the node saves the padded output
+            return out[..., : d.D]
+        return out
+
+    # backward --------------------------------------------------------------------------
+
+    def backward(self, grad_out: torch.Tensor) -> tuple:
+        d = self.d
+        transposed = not grad_out.transpose(1, 2).is_contiguous()
+        if self.backend == FLASH:
+            # padded: SliceBackward0 makes a (B, H, N, dp)-contiguous grad first
+            grad_copy = (d.H > 1 and d.N > 1) if self.padded else transposed
+            events = sdpa_flash.backward(d, "cuda", grad_copy, self.out_copy)
+            names = ("q.grad", "k.grad", "v.grad") if self.padded else ("dq", "dk", "dv")
+            like = (self.q, self.k, self.v)
+            real = {n: (lambda t=t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+                    if self.padded else (lambda t=t: torch.empty_like(t))
+                    for n, t in zip(names, like)}
+        elif self.backend == EFFICIENT:
+            events = sdpa_efficient.backward(d, "cuda", transposed, leaves=False)
+            names = ("dq", "dk", "dv")
+            real = {n: (lambda t=t: torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]),
+                                                dtype=t.dtype, device="meta").transpose(1, 2))
+                    for n, t in zip(names, (self.q, self.k, self.v))}
+        else:
+            grad_copy = grad_out.stride() != self.out_stride
+            events = cudnn.backward(d, grad_copy, self.call.dropout > 0, self.paths.workspace)
+            names = ("dq", "dk", "dv")
+            real = {n: (lambda t=t: torch.empty_like(t)) for n, t in zip(names, (self.q, self.k, self.v))}
+        self.replay(events, real, True)
+        self.kept.clear()
+        return tuple(self.live.pop(n) for n in names)
+
+
+class _Node(torch.autograd.Function):
+    """The fused kernel as autograd sees it: saves q, k, v and the output (as
+    ``derivatives.yaml`` has the flash / efficient / cuDNN nodes do), plus the model's
+    saved tensors in ``kernel.kept``."""
+
+    @staticmethod
+    def forward(ctx, kernel: Kernel, q, k, v):
+        out = kernel.forward()
+        ctx.kernel = kernel
+        if kernel.padded:
+            ctx.save_for_backward(out)
+        else:
+            ctx.save_for_backward(q, k, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        kernel = ctx.kernel
+        del ctx.kernel
+        grads = kernel.backward(grad_out)
+        kernel.q = kernel.k = kernel.v = None
+        return (None, *grads)
+
+
+def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
+    """Run the fused ``backend`` on ``(q, k, v)`` as memcalc models it."""
+    d = dims_of(call, paths.gpu)
+    if backend == EFFICIENT:
+        sdpa_efficient.check(d, sdpa_flash.gpu_of(d))
+        if d.Hk != d.H:
+            raise ValueError("scaled_dot_product_attention: the efficient backend with "
+                             "grouped key/value heads is not modelled (memcalc's sdpa-efficient)")
+        if call.dropout > 0:
+            paths.note("efficient backend with dropout: its backward kernel's workspace is "
+                       "modelled for the no-dropout kernels (kernels/cutlassB.h)")
+    elif backend == FLASH:
+        sdpa_flash.check(d, sdpa_flash.gpu_of(d))
+    else:
+        paths.note(cudnn.DEFAULT_NOTE if paths.workspace == cudnn.Workspace() else
+                   f"cuDNN workspace: {paths.workspace.forward or 0} B forward, "
+                   f"{paths.workspace.backward} B backward (as given)")
+    tracer = paths.tracer
+    with tracer.quiet():
+        stand_ins = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                     for t in (q, k, v)]
+    kernel = Kernel(backend, d, call, paths, *stand_ins)
+    if not call.requires_grad:
+        with torch.no_grad():
+            out = kernel.forward()
+        kernel.kept.clear()
+        return out
+    return _Node.apply(kernel, q, k, v)

@@ -1,0 +1,48 @@
+"""What ``memcalc trace`` prints: the breakdown, its fit in a budget, and the CUDA paths the
+trace took (which SDPA backend each call took and why) or could not see."""
+
+from __future__ import annotations
+
+from memcalc.breakdown import Breakdown, Result
+from memcalc.budget import Budget, Fit
+
+
+class Traced(Result):
+    """A traced step: its breakdown, the budget check, and the trace's notes."""
+
+    breakdown: Breakdown
+    budget: Budget | None = None
+    fit: Fit | None = None
+    gpu: str = ""
+    notes: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        lines = [f"traced as on {self.gpu}: "
+                 "CUDA code paths emulated (memcalc README, 'Your own attention code')"]
+        lines += [f"- {n}" for n in self.notes]
+        if self.budget is not None:
+            lines += [self.budget.describe(), self.fit.describe()]
+        return "\n".join(lines)
+
+    def __rich__(self):
+        from rich.console import Group
+        from rich.text import Text
+
+        return Group(self.breakdown.__rich__(), Text(self.summary()))
+
+    def to_markdown(self) -> str:
+        return self.breakdown.to_markdown() + f"\n{self.summary()}\n"
+
+    def to_csv(self) -> str:
+        return self.breakdown.to_csv()
+
+    def records(self) -> list[dict]:
+        return self.breakdown.records()
+
+    def to_dict(self) -> dict:
+        """The breakdown's JSON, the notes, and the budget and fit when checked."""
+        extra = {}
+        if self.budget is not None:
+            extra = {"budget_bytes": self.budget.budget_bytes, "fits": self.fit.fits,
+                     "budget": self.budget.model_dump(mode="json"), "fit": self.fit.to_dict()}
+        return {**self.breakdown.to_dict(), "gpu": self.gpu, "notes": list(self.notes), **extra}

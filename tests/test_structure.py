@@ -1,0 +1,79 @@
+"""The package's layout: no import circle, one registry loaded once."""
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "memcalc"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """memcalc modules ``path`` imports, at any depth of the file (``from pkg import sub``
+    counts as ``pkg.sub`` when ``sub`` is a module)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memcalc"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if importlib.util.find_spec(node.module) and _is_module(sub) else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("memcalc"))
+    return out
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (PACKAGE.parent / rel).with_suffix(".py").exists() or (PACKAGE.parent / rel).is_dir()
+
+
+def graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``g`` (a module reaching itself), or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]):
+        state[node] = 1
+        for dep in sorted(g.get(node, ())):
+            if dep == node:
+                continue
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep in g and dep not in state:
+                found = visit(dep, stack + [dep])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for start in sorted(g):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
+
+
+def test_the_checker_finds_a_circle():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circle():
+    assert cycle(graph()) is None
+
+
+def test_a_name_registered_twice_is_refused():
+    from memcalc.registry import register
+
+    with pytest.raises(ValueError, match="already registered"):
+        register("naive", "a second naive")(lambda d: None)
