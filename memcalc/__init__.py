@@ -22,6 +22,7 @@ from typing import Callable
 # it first, then defining the function, leaves the name bound to the function (a later
 # import of a loaded submodule does not rebind it).
 import memcalc.breakdown  # noqa: E402,F401  (light: pydantic models only)
+import memcalc.budget  # noqa: E402,F401  (registers how a Breakdown judges its fit)
 
 __version__ = "0.1.0"
 

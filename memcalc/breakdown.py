@@ -22,6 +22,17 @@ FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_byt
            "reserved_peak_bytes")
 
 
+# How a step is judged against a budget: ``memcalc.budget`` (which builds on this module)
+# registers its ``judge(breakdown, budget) -> (Budget, Fit)`` here when it is imported, and
+# ``import memcalc`` imports it; so this module never imports the replay that makes it.
+_JUDGE: list = []
+
+
+def register_judge(judge) -> None:
+    """``memcalc.budget``'s judge of a step in a budget (``Breakdown.fit``)."""
+    _JUDGE[:] = [judge]
+
+
 class Result(BaseModel):
     """Base of result models: frozen, and their JSON reads back although it carries the
     computed totals (they are recomputed, never taken from the input)."""
@@ -209,20 +220,12 @@ class Breakdown(Result):
     def fit(self, budget=None):
         """The ``Fit`` of this step in ``budget`` (a ``Budget``, or bytes; default: the one
         it was computed for, or its device's default budget)."""
-        from memcalc.budget import Budget, fit
-
-        budget = budget if budget is not None else self._budget
-        if budget is None:
-            budget = Budget.of(self.config.device)
-        nbytes = budget if isinstance(budget, int) else budget.budget_bytes
-        return fit(self.config, nbytes, self)
+        return _JUDGE[0](self, budget if budget is not None else self._budget)[1]
 
     @property
     def budget(self):
         """The ``Budget`` ``fits`` is judged against."""
-        from memcalc.budget import Budget
-
-        return self._budget or Budget.of(self.config.device)
+        return _JUDGE[0](self, self._budget)[0]
 
     def with_budget(self, budget) -> "Breakdown":
         """This breakdown, judged against ``budget`` by ``fits`` (a copy)."""

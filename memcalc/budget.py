@@ -32,7 +32,7 @@ from fractions import Fraction
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from memcalc.allocator import MiB, OutOfMemory
-from memcalc.breakdown import Breakdown, Result
+from memcalc.breakdown import Breakdown, Result, register_judge
 from memcalc.config import Config, Device
 from memcalc.units import GiB, human
 
@@ -273,3 +273,16 @@ def check(config: Config, budget: Budget) -> Checked:
 
     b = predict(config)
     return Checked(breakdown=b, budget=budget, fit=fit(config, budget.budget_bytes, b))
+
+
+def judge(breakdown: Breakdown, budget: "Budget | int | None" = None) -> tuple[Budget, Fit]:
+    """``breakdown``'s fit in ``budget`` (a ``Budget``, bytes, or None for its device's
+    default budget), with the budget: what ``Breakdown.fit`` and ``.fits`` return."""
+    if budget is None:
+        budget = Budget.of(breakdown.config.device)
+    elif isinstance(budget, int):
+        budget = Budget(device="given", memory_bytes=budget, reserve_bytes=0)
+    return budget, fit(breakdown.config, budget.budget_bytes, breakdown)
+
+
+register_judge(judge)
