@@ -12,17 +12,9 @@ from pydantic import computed_field
 from memcalc.breakdown import Breakdown, Result
 from memcalc.budget import Budget
 from memcalc.config import Config
+from memcalc.quadratic import quadratic_saved
 from memcalc.render import Column, Table
 from memcalc.units import human
-
-
-def quadratic_saved(b: Breakdown) -> int:
-    """How many saved tensors are ``N x M`` (have a dim of N and one of M, e.g. the
-    weights ``(B, H, N, M)`` or ``(B*H, N, M)``)."""
-    n, m = b.config.shape.seq_len, b.config.shape.keys
-    def quadratic(shape):
-        return shape.count(n) >= 2 if n == m else (n in shape and m in shape)
-    return sum(quadratic(c.shape) for c in b.saved)
 
 
 def ratio(a: int, b: int) -> str:

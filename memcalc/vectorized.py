@@ -69,12 +69,14 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from memcalc.allocator import (LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE,
-                               SMALL_BUFFER, SMALL_SIZE, round_size)
+from memcalc.allocator import (MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_SIZE,
+                               CachingAllocator, Sizes, round_segment, round_size)
 from memcalc.breakdown import FIGURES as BREAKDOWN_FIGURES
 from memcalc.config import Config
 from memcalc.impls import get_impl
-from memcalc.tensors import ITEMSIZE, Cublas, Dims, Free, Release, Role, Tensor
+from memcalc.quadratic import quadratic_names
+from memcalc.tensors import Tensor
+from memcalc.timeline import Ledger, Live, input_tensors, replay
 
 AXES = ("batch", "heads", "seq_len", "head_dim", "kv_len", "kv_heads")
 """The shape fields a grid can vary (``Shape``'s fields)."""
@@ -337,11 +339,16 @@ class Form:
     def __init__(self, terms: dict, const: int, value: int):
         self.terms, self.const, self.value = terms, const, value
 
-    def __add__(self, other: "Form") -> "Form":
-        return _combine(self, other, 1)
+    def __add__(self, other) -> "Form":
+        return self.shifted(other) if isinstance(other, int) else _combine(self, other, 1)
 
-    def __sub__(self, other: "Form") -> "Form":
-        return _combine(self, other, -1)
+    __radd__ = __add__
+
+    def __sub__(self, other) -> "Form":
+        return self.shifted(-other) if isinstance(other, int) else _combine(self, other, -1)
+
+    def __rsub__(self, other: int) -> "Form":
+        return self.negated().shifted(other)
 
     def shifted(self, const: int) -> "Form":
         return Form(self.terms, self.const + const, self.value + const)
@@ -374,11 +381,6 @@ def _combine(a: Form, b: Form, sign: int) -> Form:
     return Form(terms, a.const + sign * b.const, a.value + sign * b.value)
 
 
-def _segment_of(r: int) -> int:
-    """``ceil(r / 2 MiB) * 2 MiB``: the segment of a request of 10 MiB or more."""
-    return -(-r // ROUND_LARGE) * ROUND_LARGE
-
-
 # --- size classes: the decisions that depend on one size alone ---------------------------
 
 # class of a rounded size r: 0 none (0 B); 1 small pool; 2 large pool, below 10 MiB (a 20 MiB
@@ -397,7 +399,7 @@ def size_class(r: int) -> int:
         return 1
     if r < MIN_LARGE_ALLOC:
         return 2
-    return 3 if _segment_of(r) - r > SMALL_SIZE else 4
+    return 3 if round_segment(r) - r > SMALL_SIZE else 4
 
 
 def _size_classes(r: np.ndarray, g: np.ndarray) -> np.ndarray:
@@ -459,195 +461,119 @@ def _simplify(guards: list[Form], classes: list[int]) -> list[Form]:
     return out
 
 
-# --- the recorded replay -----------------------------------------------------------------
+# --- the recorded replay ---------------------------------------------------------------
 
-@dataclass(eq=False)
-class _Block:
-    size: Form
-    segment: "_Segment"
-    free: bool = True
+class FormSizes(Sizes):
+    """The allocator's arithmetic over ``Form``s: every decision is recorded as a guard.
+    A request's block is the atom of its size (kind 0), its large segment the atom of its
+    size rounded to 2 MiB (kind 1)."""
 
-
-@dataclass(eq=False)
-class _Segment:
-    small: bool
-    size: Form
-    blocks: list = field(default_factory=list)
-
-
-@dataclass
-class _Live:
-    block: _Block | None
-    role: Role
-    rounded: Form  # round_size(nbytes): the block if nothing else mattered
-    quadratic: bool
-
-
-class _Recorder:
-    """Replays a program like ``memcalc.timeline.predict`` through a model of
-    ``memcalc.allocator.CachingAllocator`` whose sizes are ``Form``s, recording every
-    decision as a guard. It mirrors both modules rule by rule; every new path is checked
-    against ``predict`` on the configuration that recorded it."""
-
-    def __init__(self, group: "_Group", env: dict, workspace_bytes: int,
-                 quadratic: frozenset[str]):
+    def __init__(self, group: "_Group", env: dict):
         self.group, self.env = group, env
-        self.workspace_bytes = workspace_bytes
-        self.quadratic = quadratic
         self.values: dict[int, int] = {}  # atom id -> value for this configuration
         self.guards: dict[tuple, Form] = {}
-        self.segments: list[_Segment] = []
-        self.live: dict[Any, _Live] = {}
-        self.allocated = ZERO
-        self.floor = ZERO  # round_size summed over the live tensors
-        self.quad = ZERO  # blocks of the live N x M tensors
-        self.reserved = ZERO
-        self.phase: list | None = None  # the moments of the phase being measured
-        self.pending = None
 
     def _atom(self, kind: int, nbytes) -> Form:
         if not isinstance(nbytes, Sym):
             r = round_size(nbytes)
-            return constant(r if kind == 0 else _segment_of(r))
+            return constant(r if kind == 0 else round_segment(r))
         atom = 2 * self.group.index[nbytes.key] + kind
         if atom not in self.values:
             r = round_size(evaluate_sym(nbytes, self.env))
-            self.values[atom] = r if kind == 0 else _segment_of(r)
+            self.values[atom] = r if kind == 0 else round_segment(r)
         return Form({atom: 1}, 0, self.values[atom])
 
-    def ge0(self, form: Form) -> bool:
+    def block(self, nbytes) -> Form:
+        return self._atom(0, nbytes)
+
+    def large_segment(self, nbytes, block) -> Form:
+        return self._atom(1, nbytes)
+
+    def ge0(self, form) -> bool:
         """``form >= 0`` for this configuration; records the outcome as a guard."""
+        if isinstance(form, int):
+            return form >= 0
         holds = form.value >= 0
         if form.terms:
             guard = form if holds else form.negated().shifted(-1)  # f < 0 <=> -f - 1 >= 0
             self.guards.setdefault(guard.signature, guard)
         return holds
 
-    # CachingAllocator
-    def malloc(self, nbytes) -> tuple[_Block | None, Form]:
-        r = self._atom(0, nbytes)
-        if not self.ge0(r.shifted(-1)):  # round_size(n) == 0: nothing is allocated
-            return None, r
-        small = self.ge0(constant(SMALL_SIZE) - r)
-        block = self._best_fit(r, small) or self._new_segment(nbytes, r, small)
-        rest = block.size - r
-        if self.ge0(rest.shifted(-MIN_BLOCK) if small else rest.shifted(-SMALL_SIZE - 1)):
-            blocks = block.segment.blocks
-            blocks.insert(blocks.index(block) + 1, _Block(rest, block.segment))
-            block.size = r
-        block.free = False
-        self.allocated = self.allocated + block.size
-        return block, r
+    def key(self, size, addr) -> "_Key":
+        return _Key(self, size, addr)
 
-    def _best_fit(self, r: Form, small: bool) -> _Block | None:
-        """The smallest free block that fits, the lowest address among equals: segments in
-        creation order (increasing addresses), blocks in address order."""
-        best = None
-        for s in self.segments:
-            if s.small != small:
-                continue
-            for b in s.blocks:
-                if b.free and self.ge0(b.size - r):
-                    if best is None or self.ge0((best.size - b.size).shifted(-1)):
-                        best = b
-        return best
+    def top(self, peak, value):
+        return value  # peaks are taken from the recorder's moments, as forms
 
-    def _new_segment(self, nbytes, r: Form, small: bool) -> _Block:
-        if small:
-            size = constant(SMALL_BUFFER)
-        elif self.ge0(constant(MIN_LARGE_ALLOC - 1) - r):
-            size = constant(LARGE_BUFFER)
-        else:
-            size = self._atom(1, nbytes)
-        segment = _Segment(small, size)
-        segment.blocks.append(_Block(size, segment))
-        self.segments.append(segment)
-        self.reserved = self.reserved + size
-        return segment.blocks[0]
 
-    def free_block(self, block: _Block | None) -> None:
-        if block is None:
-            return
-        block.free = True
-        self.allocated = self.allocated - block.size
-        blocks = block.segment.blocks
-        i = blocks.index(block)
-        if i + 1 < len(blocks) and blocks[i + 1].free:
-            block.size = block.size + blocks.pop(i + 1).size
-        if i > 0 and blocks[i - 1].free:
-            blocks[i - 1].size = blocks[i - 1].size + blocks.pop(i).size
+class _Key:
+    """A free block's place in its pool: by size (a recorded decision), then address.
+    Within one path the blocks' addresses keep their order, so comparing their values
+    decides nothing new."""
 
-    # Ledger
-    def alloc(self, key, nbytes, role: Role, name: str) -> None:
-        block, r = self.malloc(nbytes)
-        quadratic = name in self.quadratic
-        self.live[key] = _Live(block, role, r, quadratic)
+    __slots__ = ("sizes", "size", "addr")
+
+    def __init__(self, sizes: FormSizes, size, addr):
+        self.sizes, self.size = sizes, size
+        self.addr = addr.value if isinstance(addr, Form) else addr
+
+    def __lt__(self, other: "_Key") -> bool:
+        gap = other.size - self.size
+        if not self.sizes.ge0(gap):
+            return False
+        return self.sizes.ge0(gap - 1) or self.addr < other.addr
+
+
+class Recorder(Ledger):
+    """``memcalc.timeline``'s ledger over ``Form`` sizes: the same replay, recording the
+    figures as forms. Besides the allocated bytes it keeps, at each moment, the rounded
+    request sizes alive (``floor``) and the blocks of the N x M tensors (``quad``); a peak
+    is the largest of the moments just before memory is freed."""
+
+    def __init__(self, group: "_Group", env: dict, workspace_bytes: int,
+                 quadratic: frozenset[str]):
+        self.sizes = FormSizes(group, env)
+        allocator = CachingAllocator(sizes=self.sizes)
+        allocator.allocated = allocator.reserved = ZERO  # counters are forms from the start
+        super().__init__(workspace_bytes, allocator=allocator)
+        self.nbytes = group.nbytes
+        self.quadratic = quadratic
+        self.floor = self.quad = ZERO
+        self.rounded: dict[Any, Form] = {}
+        self.moments: list | None = None  # of the phase being measured
+        self.pending = None
+        self.phases: dict[str, list] = {}
+
+    def alloc(self, key, item) -> None:
+        nbytes = self.nbytes.get(id(item), item.nbytes)
+        live = self.live[key] = Live(item, self.allocator.malloc(nbytes))
+        self.rounded[key] = r = self.sizes.block(nbytes)
         self.floor = self.floor + r
-        if quadratic and block is not None:
-            self.quad = self.quad + block.size
-        if self.phase is not None:
-            self.pending = (self.allocated, self.floor, self.quad)
+        if item.name in self.quadratic and live.block is not None:
+            self.quad = self.quad + live.block_bytes
+        if self.moments is not None:
+            self.pending = (self.allocator.allocated, self.floor, self.quad)
 
     def free(self, key) -> None:
         live = self.live.pop(key)
-        if self.phase is not None and self.pending is not None:
-            self.phase.append(self.pending)  # the moment before the first free of a run
+        if self.moments is not None and self.pending is not None:
+            self.moments.append(self.pending)  # the moment before the first free of a run
             self.pending = None
-        if live.quadratic and live.block is not None:
-            self.quad = self.quad - live.block.size
-        self.floor = self.floor - live.rounded
-        self.free_block(live.block)
+        if live.item.name in self.quadratic and live.block is not None:
+            self.quad = self.quad - live.block_bytes
+        self.floor = self.floor - self.rounded.pop(key)
+        self.allocator.free(live.block)
 
-    def start_phase(self) -> list:
+    def reset_peak(self) -> None:
         """``reset_peak_memory_stats``: the peak restarts from what is allocated now."""
-        self.end_phase()
-        self.phase = []
-        self.pending = (self.allocated, self.floor, self.quad)
-        return self.phase
+        self.allocator.reset_peaks()
+        self.moments, self.pending = [], (self.allocator.allocated, self.floor, self.quad)
 
-    def end_phase(self) -> None:
-        if self.phase is not None and self.pending is not None:
-            self.phase.append(self.pending)
-        self.phase, self.pending = None, None
-
-
-def _tensor_nbytes(t: Tensor):
-    storage = getattr(t, "storage_bytes", None)
-    return storage if storage is not None else prod(t.shape) * ITEMSIZE[t.dtype]
-
-
-def _run(rec: _Recorder, events, thread: str, grad: bool) -> None:
-    """``memcalc.timeline._run``."""
-    sizes = rec.group.nbytes
-    for event in events:
-        if isinstance(event, Tensor):
-            rec.alloc(event.name, sizes[id(event)], event.role, event.name)
-        elif isinstance(event, Cublas):
-            key = ("cublas_workspace", thread)
-            if key not in rec.live:
-                rec.alloc(key, rec.workspace_bytes, Role.workspace, "")
-        elif isinstance(event, Release) and grad:
-            for name in event.names:
-                rec.free(name)
-        elif isinstance(event, Free):
-            for name in event.names:
-                if not (grad and rec.live[name].role is Role.saved):
-                    rec.free(name)
-
-
-def _release(rec: _Recorder, *roles: Role) -> None:
-    """``memcalc.timeline._release``."""
-    for key, live in list(rec.live.items()):
-        if live.role in roles:
-            rec.free(key)
-
-
-def _input_events(d: Dims, loss: str, forward_only: bool) -> list[Tensor]:
-    """``memcalc.timeline._inputs``: q, k, v and grad_out, in that order."""
-    names = ["q", "k", "v"] + (["grad_out"] if loss == "grad" and not forward_only else [])
-    return [Tensor(n, (d.B, d.H if n in ("q", "grad_out") else d.Hk,
-                       d.N if n in ("q", "grad_out") else d.M, d.D), d.dtype, Role.input, "randn")
-            for n in names]
+    def end_phase(self, phase: str) -> None:
+        """The measured phase ends: keep its moments."""
+        if self.pending is not None:
+            self.moments.append(self.pending)
+        self.phases[phase], self.moments, self.pending = self.moments, None, None
 
 
 @dataclass
@@ -687,36 +613,23 @@ def _dedupe_moments(moments: list[tuple[Form, Form, Form]]) -> list[tuple[Form, 
     return out
 
 
-def record(group: "_Group", env: dict, workspace_bytes: int, grad: bool,
-           quadratic: frozenset[str], classes: list[int], signature: Any) -> Path:
+def record(group: "_Group", env: dict, workspace_bytes: int, quadratic: frozenset[str],
+           classes: list[int], signature: Any) -> Path:
     """Replay ``group``'s program for the configuration ``env`` (symbolic leaf values),
     recording its path."""
-    rec = _Recorder(group, env, workspace_bytes, quadratic)
-    program = group.program
-    for t in group.inputs:
-        rec.alloc(t.name, group.nbytes[id(t)], Role.input, t.name)
-    _run(rec, program.forward, "main", grad)  # warm-up
-    if grad:
-        _run(rec, program.backward, "autograd", grad)
-    _release(rec, Role.output, Role.gradient)
-    before = set(rec.live)
-    forward = rec.start_phase()
-    _run(rec, program.forward, "main", grad)
-    rec.end_phase()
+    rec = Recorder(group, env, workspace_bytes, quadratic)
+    step = replay(rec, group.dims, group.program, rec.end_phase)
     saved = ZERO
-    for key, live in rec.live.items():
-        if key not in before and live.role is not Role.output and live.block is not None:
-            saved = saved + live.block.size
-    backward = [(ZERO, ZERO, ZERO)]
-    if grad:
-        backward = rec.start_phase()
-        _run(rec, program.backward, "autograd", grad)
-        rec.end_phase()
-    forward, backward = _dedupe_moments(forward), _dedupe_moments(backward)
-    guards = _simplify(list(rec.guards.values()), classes)
+    for live in step.saved:
+        if live.block is not None:
+            saved = saved + live.block_bytes
+    forward = _dedupe_moments(rec.phases["forward"])
+    backward = _dedupe_moments(rec.phases.get("backward", [(ZERO, ZERO, ZERO)]))
+    guards = _simplify(list(rec.sizes.guards.values()), classes)
     alloc_f, floor_f, quad_f = (list(x) for x in zip(*forward))
     alloc_b, floor_b, quad_b = (list(x) for x in zip(*backward))
-    blocks = [guards, [saved], [rec.reserved], alloc_f, alloc_b, floor_f + floor_b, quad_f, quad_b]
+    reserved = rec.allocator.reserved
+    blocks = [guards, [saved], [reserved], alloc_f, alloc_b, floor_f + floor_b, quad_f, quad_b]
     atoms = sorted({a for forms in blocks for f in forms for a in f.terms})
     column = {a: j for j, a in enumerate(atoms)}
 
@@ -729,9 +642,9 @@ def record(group: "_Group", env: dict, workspace_bytes: int, grad: bool,
         return out
 
     fwd = max(f.value for f in alloc_f)
-    bwd = max(f.value for f in alloc_b) if grad else 0
+    bwd = max(f.value for f in alloc_b) if "backward" in rec.phases else 0
     figures = {"saved_bytes": saved.value, "forward_peak_bytes": fwd, "backward_peak_bytes": bwd,
-               "peak_bytes": max(fwd, bwd), "reserved_peak_bytes": rec.reserved.value}
+               "peak_bytes": max(fwd, bwd), "reserved_peak_bytes": reserved.value}
     return Path(signature, np.array(atoms + [-1], dtype=np.int64), *map(matrix, blocks), figures)
 
 
@@ -792,8 +705,8 @@ class Figures:
 class _Group:
     """A program built with some fields symbolic, its distinct sizes and its paths."""
 
+    dims: Any  # the sizes, some of them ``Sym`` placeholders
     program: Any
-    inputs: list[Tensor]
     symbolic: frozenset[str]
     sizes: list[Sym]
     index: dict[tuple, int]
@@ -988,7 +901,7 @@ class Evaluator:
             first = int(np.flatnonzero(todo)[0])
             rep = {k: int(v[members[first]]) for k, v in leaves.items()}
             path = record(group, {k: rep[k] for k in group.symbolic}, self.workspace_bytes,
-                          self.grad, self.quadratic, [int(c) for c in classes], sig)
+                          self.quadratic, [int(c) for c in classes], sig)
             if not self._check(path, rep):  # the replay here and timeline.py disagree
                 rest = members[todo]
                 return self._scalar({k: v[rest] for k, v in leaves.items()}, idx[rest], out,
@@ -1008,15 +921,15 @@ class Evaluator:
             d = _dims(self.base, dims)
             try:
                 program = self.impl.build(d)
-                inputs = _input_events(d, self.base.protocol.loss, self.base.protocol.forward_only)
+                inputs = input_tensors(d)
                 sizes: dict[tuple, Sym] = {}
                 each: dict[int, Any] = {}
                 for t in (*inputs, *program.forward, *program.backward):
                     if isinstance(t, Tensor):
-                        nbytes = each[id(t)] = _tensor_nbytes(t)
+                        nbytes = each[id(t)] = t.nbytes
                         if isinstance(nbytes, Sym):
                             sizes.setdefault(nbytes.key, nbytes)
-                self.groups[key] = _Group(program, inputs, symbolic, list(sizes.values()),
+                self.groups[key] = _Group(d, program, symbolic, list(sizes.values()),
                                           {k: i for i, k in enumerate(sizes)}, each)
             except SizeDependent as error:
                 self.groups[key] = error
@@ -1112,7 +1025,7 @@ class Evaluator:
         return predict(self._config(rep)).figures() == path.figures
 
     def _config(self, env: dict) -> Config:
-        return config_at(self.base, _shape_fields(env))
+        return self.base.replace(**{_FIELDS[k]: v for k, v in env.items()})
 
     def _scalar(self, leaves: dict, idx: np.ndarray, out: dict, path_ids: np.ndarray,
                 fallback: dict, reason: str) -> None:
@@ -1140,26 +1053,16 @@ def scalar_figures(b, quadratic: frozenset[str]) -> dict[str, int]:
     return {**b.figures(), "floor_peak_bytes": floor, "quadratic_bytes": quad}
 
 
-def _dims(base: Config, values: dict) -> Dims:
-    return Dims(values["B"], values["H"], values["N"], values.get("M", values["N"]),
-                values["D"], base.dtype.torch_name, base.causal, base.protocol.loss,
-                values.get("Hk", values["H"]), values["chunk"])
+def _dims(base: Config, values: dict):
+    """``base``'s sizes with the grid's leaf values (``M`` follows ``N`` and ``Hk`` follows
+    ``H`` unless the grid sets them)."""
+    return base.dims.replace(B=values["B"], H=values["H"], N=values["N"],
+                             M=values.get("M", values["N"]), D=values["D"],
+                             Hk=values.get("Hk", values["H"]), chunk=values["chunk"])
 
 
-def _shape_fields(env: dict) -> dict:
-    shape = {"batch": env["B"], "heads": env["H"], "seq_len": env["N"], "head_dim": env["D"]}
-    if "M" in env:
-        shape["kv_len"] = env["M"]
-    if "Hk" in env:
-        shape["kv_heads"] = env["Hk"]
-    return {"shape": shape, "chunk": env["chunk"]}
-
-
-def config_at(base: Config, fields: dict) -> Config:
-    """``base`` with some ``shape`` fields (a dict) and top-level fields replaced, validated."""
-    shape = {**base.shape.model_dump(), **fields.get("shape", {})}
-    rest = {k: v for k, v in fields.items() if k != "shape"}
-    return Config(**{**base.model_dump(), **rest, "shape": shape})
+_FIELDS = {"B": "batch", "H": "heads", "N": "seq_len", "D": "head_dim", "M": "kv_len",
+           "Hk": "kv_heads", "chunk": "chunk"}
 
 
 def _leaves_of(axes: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
@@ -1171,33 +1074,6 @@ def _leaves_of(axes: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
         leaves["Hk"] = axes["kv_heads"]
     return {k: np.ascontiguousarray(np.broadcast_to(np.asarray(v, dtype=np.int64), (n,)))
             for k, v in leaves.items()}
-
-
-# --- which tensors are N x M -------------------------------------------------------------
-
-_QUADRATIC: dict[str, frozenset[str]] = {}
-
-
-def quadratic_names(config: Config, probe: int = 4096) -> frozenset[str]:
-    """Names of the tensors whose size grows with N x M (the seeds' "seq_len^2 components"):
-    those at least three times larger when N and M double from ``probe``. Empty when the
-    program's events change with N (then nothing is counted as N x M)."""
-    key = config.model_dump_json(exclude={"shape": {"seq_len", "kv_len"}})
-    if key not in _QUADRATIC:
-        impl, s = get_impl(config.impl), config.shape
-
-        def tensors(n: int) -> list[Tensor]:
-            d = Dims(s.batch, s.heads, n, n, s.head_dim, config.dtype.torch_name, config.causal,
-                     config.protocol.loss, s.key_heads, config.chunk)
-            p = impl.build(d)
-            return [e for e in (*p.forward, *p.backward) if isinstance(e, Tensor)]
-
-        small, large = tensors(probe), tensors(2 * probe)
-        names = set()
-        if [t.name for t in small] == [t.name for t in large]:
-            names = {a.name for a, b in zip(small, large) if 0 < 3 * a.nbytes <= b.nbytes}
-        _QUADRATIC[key] = frozenset(names)
-    return _QUADRATIC[key]
 
 
 # --- module API --------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """``memcalc validate``: predictions against traced (emulated) or live (cuda) runs."""
 
+import math
 import os
 
 from memcalc.cli import check_output, emit, format_options, impl_option, naming
 
 HELP = "compare predictions with the emulated trace or a live GPU run"
+KINDS = ("oom-threshold", "fused", "usercode", "grid")  # memcalc.validation.cases.KINDS
 
 
 def add_arguments(parser) -> None:
@@ -13,7 +15,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--grid", default=None, help="grid file (default: the shipped grids)")
     parser.add_argument("--out", default=None,
                         help="write the JSON report to this file, or into this directory "
-                             "as <device>-<torch>.json")
+                             "as <device>-<torch>.json; with --backend cuda it is rewritten "
+                             "after each configuration and a rerun resumes from it")
+    parser.add_argument("--max-seconds", default=None,
+                        help="--backend cuda: stop starting new configurations after this "
+                             "many seconds (rerun with the same --out to resume)")
+    parser.add_argument("--cases", default=None,
+                        help=f"--backend cuda: comma-separated kinds of cases, of "
+                             f"{','.join(KINDS)} (default: all, in that order)")
     format_options(parser)
 
 
@@ -28,6 +37,30 @@ def check_grid(path: str | None) -> None:
         raise ValueError(f"--grid {path}: not readable")
 
 
+def parse_seconds(text: str | None) -> float | None:
+    """``--max-seconds``: a positive, finite number of seconds."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--max-seconds: a positive number of seconds (got {text!r})")
+    return value
+
+
+def parse_cases(text: str | None) -> tuple[str, ...] | None:
+    """``--cases``: kinds of live cases, each one of ``KINDS``."""
+    if text is None:
+        return None
+    kinds = tuple(k.strip() for k in text.split(","))
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"--cases: unknown {unknown[0]!r}; known: {', '.join(KINDS)}")
+    return kinds
+
+
 def run(args) -> int:
     """Check the options, validate, write the report if asked, print; 1 on a mismatch."""
     from memcalc.validation import validate, write_report
@@ -36,13 +69,21 @@ def run(args) -> int:
 
     check_grid(args.grid)
     impls = impl_list(args.impl)
+    seconds, kinds = parse_seconds(args.max_seconds), parse_cases(args.cases)
     if args.out and not (os.path.isdir(args.out) or args.out.endswith("/")):
         check_output(args.out, "--out")
+    live = args.backend == "cuda"
+    for option, value in (("--max-seconds", seconds), ("--cases", kinds)):
+        if value is not None and not live:
+            raise ValueError(f"{option}: only with --backend cuda")
     from memcalc.progress import progress
 
-    report = validate(backend=args.backend, impls=impls, grid=args.grid, progress=progress)
-    if args.out:
+    report = validate(backend=args.backend, impls=impls, grid=args.grid,
+                      out=args.out if live else None, max_seconds=seconds, cases=kinds,
+                      progress=progress)
+    if args.out and not live:
         with naming("--out"):
             write_report(report, args.out)
     emit(report, args.format)
     return 0 if report.ok else 1
+

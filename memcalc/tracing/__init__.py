@@ -35,15 +35,13 @@ from typing import Callable
 from memcalc.breakdown import Breakdown
 from memcalc.config import Config
 from memcalc.tensors import Cublas, Dims, Free, Program, Release, Role, Tensor
+from memcalc.errors import one_line as _first_line
 from memcalc.tracing.cudnn import Workspace
+from memcalc.tracing.errors import TraceError
 from memcalc.tracing.sdpa_select import Release as TorchRelease
 
 # odd lengths sharing no padding multiple: the first four fit, the last two verify
 SAMPLE_LENGTHS = (61, 97, 131, 173, 211, 257)
-
-
-class TraceError(ValueError):
-    """The function cannot be loaded or traced; the message says where and why."""
 
 
 def load_function(spec: str) -> Callable:
@@ -230,11 +228,6 @@ def _source_file(fn: Callable) -> str:
         except TypeError:
             continue
     return ""
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
 
 
 # --- from traces to a program -------------------------------------------------------------

@@ -77,6 +77,14 @@ class CudaPaths:
     def mode(self) -> "Mode":
         return Mode(self)
 
+    def observe(self, func) -> None:
+        """``observe``: what the trace cannot see inside ``func`` (the tracer calls this)."""
+        observe(self, func)
+
+    def rule(self, func, args) -> Callable | None:
+        """``dispatch_rule``: the aten-level rule for ``func`` now, or None."""
+        return dispatch_rule(self, func, args)
+
 
 class Mode(TorchFunctionMode):
     """Hands the calls a rule handles to the rule; every other call runs as is."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from memcalc.errors import one_line
 from memcalc.tensors import Role
+from memcalc.tracing.errors import TraceError
 
 Resident = tuple[str, object, Role]  # (name, tensor, role)
 
@@ -21,14 +23,13 @@ def instantiate(cls, spec: str):
     """``cls()`` built on the meta device (its parameters and buffers never materialize)."""
     import torch
 
-    from memcalc.tracing import TraceError, _first_line
 
     try:
         with torch.device("meta"):
             return cls()
     except Exception as error:  # noqa: BLE001 - the user's constructor may raise anything
         raise TraceError(f"--trace {spec}: {cls.__name__}() failed on the meta device: "
-                         f"{type(error).__name__}: {_first_line(error)} (the module must be "
+                         f"{type(error).__name__}: {one_line(error)} (the module must be "
                          "constructible without arguments)") from None
 
 

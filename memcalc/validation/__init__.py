@@ -15,23 +15,45 @@ from memcalc.validation.grid import default_grid, load_grid
 
 def validate(backend: str = "emulated", impls: list[str] | None = None,
              grid: str | Path | None = None, configs: list[Config] | None = None,
-             progress=None) -> Report:
+             out: str | Path | None = None, max_seconds: float | None = None,
+             cases: tuple[str, ...] | None = None, progress=None) -> Report:
     """Check every configuration of ``grid`` (default: the shipped grid), or ``configs``,
-    against ``backend``: ``emulated`` (meta device, tolerance 0) or ``cuda`` (live).
-    ``progress(items, total, description)`` wraps the loop (``memcalc.progress``)."""
+    against ``backend``: ``emulated`` (meta device, tolerance 0) or ``cuda`` (live: the
+    model, the emulated trace and the live run side by side, plus the cases beyond the grid
+    named in ``cases``, default all of ``cases.KINDS``; written to ``out`` after each
+    case, resumed from it, stopped after ``max_seconds``). ``progress(items, total,
+    description)`` wraps the emulated loop (``memcalc.progress``)."""
     if configs is None:
         configs = (load_grid(grid) if grid else default_grid()).expand(impls)
-    if backend == "emulated":
-        from memcalc.validation import emulated as runner
-    elif backend == "cuda":
-        from memcalc.validation import cuda as runner
-    else:
+    if backend == "cuda":
+        return _live(configs, impls, out, max_seconds, cases)
+    if backend != "emulated":
         raise ValueError(f"unknown backend {backend!r}; known: emulated, cuda")
+    from memcalc.validation import emulated as runner
+
     configs = list(configs)
     if progress is not None:
         configs = progress(configs, len(configs), f"validate ({backend})")
     checks = tuple(runner.check(c) for c in configs)
     return Report(backend=backend, environment=runner.environment(), checks=checks)
+
+
+def _live(configs: list[Config], impls, out, max_seconds, kinds) -> Report:
+    """The live run: CUDA checked first (one line if absent), then the device's used memory
+    read before this process creates a CUDA context, then the session."""
+    from memcalc.validation import cases, cuda, session
+    from memcalc.validation.calibration import used_before_context
+
+    torch = cuda._torch()
+    used_before = used_before_context()
+    gpu = cuda.LiveGpu(torch)
+
+    def build(env, calibration):
+        target = min(cases.OOM_CAPACITY, calibration.largest_allocation_bytes // 2)
+        capacity = cuda.exact_capacity(target, calibration.total_memory_bytes)
+        return cases.all_cases(kinds or cases.KINDS, configs, env, capacity, impls)
+
+    return session.run(gpu, build, used_before, out, max_seconds)
 
 
 __all__ = ["Check", "Report", "figures_of", "predict", "validate"]
@@ -40,12 +62,9 @@ __all__ = ["Check", "Report", "figures_of", "predict", "validate"]
 def write_report(report: Report, out: str | Path) -> Path:
     """Write the JSON report to ``out``, or into the directory ``out`` as
     ``<device>-<torch>.json`` (the layout of ``validation/results/``)."""
-    path = Path(out)
-    if path.is_dir() or str(out).endswith("/"):
-        device = report.environment.get("device", report.backend)
-        slug = "".join(ch if ch.isalnum() else "-" for ch in device.lower()).strip("-")
-        torch_version = report.environment.get("torch", "unknown").replace("+", "-")
-        path = path / f"{slug}-{torch_version}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
+    from memcalc.validation.session import report_path
+
+    path = report_path(out, report.environment)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(report.model_dump_json(indent=2) + "\n")
     return path

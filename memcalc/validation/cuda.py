@@ -7,21 +7,20 @@ the model. Configurations are re-targeted to the device that runs them (its memo
 compute capability, and the ``CUBLAS_WORKSPACE_CONFIG`` of the environment). An
 ``OutOfMemoryError`` is recorded as an OOM data point and the sweep goes on.
 
-``torch`` and the probe can be injected, so the logic is tested on a machine without a GPU
-(``tests/test_validate_cuda.py``).
+``torch``, ``torch.cuda`` and the probe can be injected (``LiveGpu``), so the logic is tested
+on a machine without a GPU (``tests/test_validate_cuda.py``, ``tests/test_validate_session.py``).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from contextlib import contextmanager, nullcontext
+from typing import Callable
 
-from memcalc.breakdown import FIGURES
 from memcalc.config import Config, Device
-from memcalc.timeline import predict
-from memcalc.validation.compare import Check
+from memcalc.validation.calibration import Calibration, calibrate
 from memcalc.validation.harness import Measured, make_inputs, run_protocol
-from memcalc.validation.reference import reference_fn
 
 
 class CudaUnavailable(ValueError):
@@ -29,7 +28,10 @@ class CudaUnavailable(ValueError):
 
 
 def _torch():
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise CudaUnavailable("--backend cuda: torch is not installed") from None
 
     if not torch.cuda.is_available():
         raise CudaUnavailable(
@@ -72,10 +74,11 @@ class CudaProbe:
         raise LookupError(f"no allocator block at {ptr:#x}")
 
 
-def environment(torch=None) -> dict[str, str]:
-    """What the numbers depend on: device, compute capability, memory, torch and CUDA."""
+def environment(torch=None, cuda=None) -> dict[str, str]:
+    """What the numbers depend on: device, compute capability, memory, torch and CUDA,
+    and the two variables that change the allocator's and cuBLAS's behaviour."""
     torch = torch or _torch()
-    props = torch.cuda.get_device_properties(0)
+    props = (cuda or torch.cuda).get_device_properties(0)
     return {
         "device": props.name,
         "compute_capability": f"{props.major}.{props.minor}",
@@ -84,6 +87,7 @@ def environment(torch=None) -> dict[str, str]:
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }
 
 
@@ -98,8 +102,11 @@ def live_config(config: Config, env: dict[str, str]) -> Config:
     return config.model_copy(update={"device": device, "protocol": protocol})
 
 
-def measure(config: Config, torch=None, probe=None, device: str = "cuda", fn=None) -> Measured:
+def measure(config: Config, torch=None, probe=None, device: str = "cuda",
+            fn: Callable | None = None) -> Measured:
     """One protocol run of ``config``'s reference code (or ``fn``) from an empty allocator."""
+    from memcalc.validation.reference import reference_fn
+
     torch = torch or _torch()
     probe = probe or CudaProbe(torch.cuda)
     fn = fn or reference_fn(config)
@@ -118,22 +125,6 @@ def measure(config: Config, torch=None, probe=None, device: str = "cuda", fn=Non
         _release(torch)
 
 
-def check(config: Config, torch=None, probe=None, device: str = "cuda", fn=None,
-          env: dict[str, str] | None = None) -> Check:
-    """Model against the live run for one configuration; an OOM is an outcome, not a failure."""
-    torch = torch or _torch()
-    config = live_config(config, env or environment(torch))
-    figures = predict(config).figures()
-    try:
-        m = measure(config, torch, probe, device, fn)
-    except torch.cuda.OutOfMemoryError as error:
-        _release(torch)
-        return Check(config=config, predicted=figures, outcome="oom",
-                     detail=str(error).splitlines()[0])
-    measured = {k: getattr(m, k) for k in FIGURES}
-    return Check(config=config, predicted=figures, measured=measured)
-
-
 def _release(torch) -> None:
     """Drop every cached block and workspace so the next run starts as the model does."""
     gc.collect()
@@ -141,3 +132,115 @@ def _release(torch) -> None:
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
+
+
+def exact_capacity(target: int, total: int) -> int:
+    """The largest multiple of 2 MiB up to ``target`` that the allocator's memory fraction
+    reproduces exactly: ``set_per_process_memory_fraction(f)`` caps reserved memory at
+    ``static_cast<size_t>(f * total)`` (``setMemoryFraction`` in
+    ``c10/cuda/CUDACachingAllocator.cpp``), a double product, so ``f = c / total`` gives
+    back ``c`` or one byte less."""
+    step = 2 << 20
+    capacity = target - target % step
+    while capacity > 0 and int(capacity / total * total) != capacity:
+        capacity -= step
+    return capacity
+
+
+class _Uncounted:
+    """A probe that reads nothing: for a run whose counters are not the protocol's."""
+
+    def allocated(self) -> int:
+        return 0
+
+    max_allocated = max_reserved = allocated
+
+    def reset_peak(self) -> None:
+        pass
+
+    def block_bytes(self, tensor) -> int:
+        return 0
+
+
+class LiveGpu:
+    """The device a live run measures on. ``torch``, ``cuda`` (``torch.cuda``), the
+    device string and ``probe_for`` are injectable: ``probe_for(config, capacity)`` gives a
+    context to run in and the probe to read (default: no context, ``CudaProbe``)."""
+
+    def __init__(self, torch=None, cuda=None, device: str = "cuda",
+                 probe_for: Callable | None = None):
+        self.torch = torch or _torch()
+        self.cuda = cuda or self.torch.cuda
+        self.device = device
+        self.probe_for = probe_for or (lambda config, capacity: (nullcontext(),
+                                                                 CudaProbe(self.cuda)))
+        self.oom_errors: tuple[type, ...] = (self.cuda.OutOfMemoryError,)
+
+    def environment(self) -> dict[str, str]:
+        return environment(self.torch, self.cuda)
+
+    def calibrate(self, used_before: tuple[int | None, str]) -> Calibration:
+        """The budget calibration; call before anything else touches the device."""
+        def allocate(nbytes: int):
+            return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+
+        return calibrate(self.cuda, allocate, used_before)
+
+    def free_bytes(self) -> int:
+        """``mem_get_info()[0]`` with the cache and the cuBLAS workspaces released."""
+        _release(self.torch)
+        return self.cuda.mem_get_info()[0]
+
+    def measure(self, config: Config, fn: Callable, capacity: int | None = None) -> Measured:
+        """One protocol run; with ``capacity``, reserved memory is capped at exactly that
+        many bytes (``exact_capacity``) for the run, as the model's ``capacity`` does."""
+        context, probe = self.probe_for(config, capacity)
+        with context, self._capped(capacity):
+            return measure(config, self.torch, probe, self.device, fn)
+
+    @contextmanager
+    def _capped(self, capacity: int | None):
+        if capacity is None:
+            yield
+            return
+        total = self.cuda.get_device_properties(0).total_memory
+        self.cuda.set_per_process_memory_fraction(capacity / total)
+        try:
+            yield
+        finally:
+            self.cuda.set_per_process_memory_fraction(1.0)
+
+    def scratch(self, config: Config, fn: Callable) -> dict[str, int]:
+        """Run the protocol again with every aten op bracketed by the counters (see
+        ``op_scratch``): what each kind of op held beyond its outputs."""
+        context, _ = self.probe_for(config, None)
+        with context:
+            return op_scratch(self.torch, self.cuda,
+                              lambda: measure(config, self.torch, _Uncounted(), self.device, fn))
+
+
+def op_scratch(torch, cuda, run: Callable[[], object]) -> dict[str, int]:
+    """Bytes each op held beyond its outputs while it ran, the largest per op name: with the
+    peak reset before the op, its peak less what is allocated after it. A workspace the
+    kernel allocates and frees inside the call shows here (cuDNN attention takes one from
+    the caching allocator, ``aten/src/ATen/native/cudnn/MHA.cpp``); what it frees before
+    allocating its outputs is counted only beyond their size (a lower bound)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, int] = {}
+
+    class Bracket(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            cuda.synchronize()
+            cuda.reset_peak_memory_stats()
+            out = func(*args, **(kwargs or {}))
+            cuda.synchronize()
+            extra = cuda.max_memory_allocated() - cuda.memory_allocated()
+            if extra > 0:
+                name = func.overloadpacket.__name__
+                seen[name] = max(seen.get(name, 0), extra)
+            return out
+
+    with Bracket():
+        run()
+    return seen

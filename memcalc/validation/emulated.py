@@ -67,7 +67,9 @@ def _safe_softmax(x, dim, dtype=None):
 
 # ops whose CUDA kernel is a composite of other ops: the tracer runs that composite so that
 # its inner allocations are seen, as on a GPU
-CUDA_COMPOSITES = {torch.ops.aten._safe_softmax.default: _safe_softmax}
+# (``_safe_softmax`` exists from torch 2.5 on; torch 2.4's sdpa has no such op)
+CUDA_COMPOSITES = {op.default: _safe_softmax for op in
+                   [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
 
 
 class Tracer(TorchDispatchMode):
@@ -93,10 +95,8 @@ class Tracer(TorchDispatchMode):
             with self:
                 return CUDA_COMPOSITES[func](*args, **(kwargs or {}))
         if self.paths is not None:
-            from memcalc.tracing import cuda_paths
-
-            cuda_paths.observe(self.paths, func)
-            rule = cuda_paths.dispatch_rule(self.paths, func, args)
+            self.paths.observe(func)
+            rule = self.paths.rule(func, args)
             if rule is not None:
                 return rule(self.paths, func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))

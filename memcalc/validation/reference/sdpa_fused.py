@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memcalc.validation.reference import reference
+from memcalc.validation.reference.sdpa_math import gqa
 
 
 def _sdpa(backend: SDPBackend, q, k, v, causal: bool):
     """``F.scaled_dot_product_attention`` with only ``backend`` allowed (an error, not a
     silent fallback, when the inputs do not fit it)."""
     with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                              enable_gqa=q.size(1) != k.size(1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa(q, k))
 
 
 @reference("sdpa-flash")

@@ -21,4 +21,10 @@ def sdpa_math(q, k, v, causal=False):
     heads than q."""
     with sdpa_kernel(SDPBackend.MATH):
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, enable_gqa=k.size(1) != q.size(1))
+            q, k, v, is_causal=causal, **gqa(q, k))
+
+
+def gqa(q, k) -> dict:
+    """``enable_gqa=True`` when k, v have fewer heads than q; nothing otherwise, so that
+    torch 2.4 (whose sdpa has no ``enable_gqa``) runs every other configuration."""
+    return {"enable_gqa": True} if k.size(1) != q.size(1) else {}

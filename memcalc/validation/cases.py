@@ -1,0 +1,189 @@
+"""What a live run measures, and the three columns of each case.
+
+Cases, in the order a run takes them (the most evidence per minute first):
+- ``oom-threshold``: for a few implementations, the ``N`` that memcalc's OOM solver says fits
+  a capped allocator and ``N + 1`` that does not, both run live under that cap;
+- ``fused``: sdpa-flash and sdpa-efficient (``memcalc/data/live.json``), whose models are
+  read from kernel sources and which the meta device cannot run;
+- ``usercode``: ``memcalc/validation/usercode.py`` (sdpa as torch picks it, cuDNN attention,
+  fused dropout, half-to-float softmax), whose model is the tracer;
+- ``grid``: the shipped grid (the emulated backend's), re-targeted to the live device.
+
+For each case: the model (``predict``, or the tracer for user code), the emulated trace of
+the same code on the installed torch (``emulated.measure``) where the meta device can run
+it, and the live run. ``compare.Check`` attributes the differences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from memcalc.config import Config, DType, Shape
+from memcalc.errors import one_line
+from memcalc.validation.compare import case_key
+
+LIVE_GRID = Path(__file__).resolve().parents[1] / "data" / "live.json"
+KINDS = ("oom-threshold", "fused", "usercode", "grid")
+OOM_IMPLS = ("naive", "naive-softmax", "sdpa-math")
+OOM_CAPACITY = 2 << 30  # small, so that N and N + 1 run in milliseconds
+
+
+@dataclass(frozen=True)
+class Case:
+    """One live run: a configuration, the code it runs, and for OOM threshold cases the
+    allocator's cap and the model's verdict under it."""
+
+    kind: str
+    config: Config
+    fn: Callable | None = None  # user code; None: the reference code of config.impl
+    capacity: int | None = None
+    expected: str | None = None  # fits | oom
+
+    @property
+    def key(self) -> str:
+        return case_key(self.kind, self.config, self.capacity)
+
+    def code(self) -> Callable:
+        """``fn(q, k, v)`` with the configuration's options bound."""
+        if self.fn is None:
+            from memcalc.validation.reference import reference_fn
+
+            return reference_fn(self.config)
+        from memcalc.tracing import bind_options
+
+        return bind_options(self.fn, self.config)
+
+    def model(self) -> tuple[dict[str, int] | None, str]:
+        """The model's figures (the tracer's for user code), or None and why."""
+        try:
+            if self.fn is not None:
+                from memcalc.tracing import trace
+
+                return trace(self.fn, self.config).figures(), "memcalc trace"
+            from memcalc.timeline import predict
+
+            return predict(self.config).figures(), ""
+        except Exception as error:  # noqa: BLE001 - a model that cannot answer is a record
+            return None, f"{type(error).__name__}: {one_line(error)}"
+
+    def emulated(self) -> tuple[dict[str, int] | None, str, str]:
+        """The meta-device trace on the installed torch: figures, outcome, detail."""
+        from memcalc.impls import get_impl
+
+        if self.fn is not None:
+            return None, "absent", "user code: the tracer is its model"
+        if not get_impl(self.config.impl).traced:
+            return None, "absent", "fused kernel: the meta device cannot run it"
+        from memcalc.allocator import OutOfMemory
+        from memcalc.validation import emulated
+
+        try:
+            return emulated.measure(self.config, capacity=self.capacity).figures(), \
+                "measured", ""
+        except OutOfMemory as error:
+            return None, "oom", str(error)
+        except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+            return None, "error", f"{type(error).__name__}: {one_line(error)}"
+
+
+def grid_cases(configs: list[Config], env: dict[str, str]) -> list[Case]:
+    """The grid re-targeted to the live device, each distinct configuration once (grids
+    name several GPU presets; on one device they coincide)."""
+    from memcalc.validation.cuda import live_config
+
+    unique = {c.model_dump_json(): c for c in (live_config(c, env) for c in configs)}
+    return [Case("grid", c) for c in unique.values()]
+
+
+def fused_cases(env: dict[str, str]) -> list[Case]:
+    from memcalc.validation.grid import load_grid
+
+    return [Case("fused", c.config) for c in grid_cases(load_grid(LIVE_GRID).expand(), env)]
+
+
+def usercode_cases(env: dict[str, str]) -> list[Case]:
+    """Each user function at two lengths, fp16 (bf16 for cuDNN), causal where it matters."""
+    from memcalc.validation.cuda import live_config
+    from memcalc.validation.usercode import USER_CODE, register
+
+    names = register()
+    dtypes = {"sdpa-cudnn": DType.bf16}
+    causal = {"sdpa-default": (False, True), "sdpa-cudnn": (False, True)}
+    cases = []
+    for key, fn in USER_CODE.items():
+        for is_causal in causal.get(key, (False,)):
+            for n in (1024, 4096):
+                config = Config(impl=names[key], dtype=dtypes.get(key, DType.fp16),
+                                causal=is_causal,
+                                shape=Shape(batch=2, heads=4, seq_len=n, head_dim=64))
+                cases.append(Case("usercode", live_config(config, env), fn))
+    return cases
+
+
+def oom_cases(env: dict[str, str], capacity: int) -> list[Case]:
+    """For each of ``OOM_IMPLS`` (the seeds' B=8 H=1 d=16 fp32 step) the threshold memcalc's
+    solver finds for an allocator capped at ``capacity``: N (fits) and N + 1 (does not)."""
+    from memcalc.budget import fit
+    from memcalc.solver import max_fitting
+    from memcalc.validation.cuda import live_config
+
+    cases = []
+    for impl in OOM_IMPLS:
+        base = live_config(Config(impl=impl, shape=Shape(batch=8, seq_len=2048)), env)
+        n = max_fitting(base, capacity).max_value
+        for length in (n, n + 1):
+            config = base.model_copy(update={"shape": base.shape.model_copy(
+                update={"seq_len": length})})
+            verdict = "fits" if fit(config, capacity).fits else "oom"
+            cases.append(Case("oom-threshold", config, capacity=capacity, expected=verdict))
+    return cases
+
+
+def all_cases(kinds: tuple[str, ...], grid_configs: list[Config], env: dict[str, str],
+              capacity: int, impls: list[str] | None = None) -> list[Case]:
+    """Every case of ``kinds``, in ``KINDS`` order; only ``impls`` when given."""
+    build = {"oom-threshold": lambda: oom_cases(env, capacity), "fused": lambda: fused_cases(env),
+             "usercode": lambda: usercode_cases(env),
+             "grid": lambda: grid_cases(grid_configs, env)}
+    cases = [c for kind in KINDS if kind in kinds for c in build[kind]()]
+    return [c for c in cases if impls is None or c.config.impl in impls]
+
+
+def run_case(case: Case, gpu) -> "Check":
+    """The three columns of ``case``: model, emulated trace and the live run on ``gpu``
+    (``cuda.LiveGpu``). An OOM is an outcome; any other failure of the run is recorded as
+    an error and the run goes on. Where the live figures differ from the emulated ones, or
+    the model does not cover the case, the ops' scratch bytes are recorded too."""
+    from memcalc.validation.compare import Check
+
+    predicted, model_detail = case.model()
+    emulated, emulated_outcome, emulated_detail = case.emulated()
+    outcome, measured, detail = _live(case, gpu)
+    scratch = {}
+    if outcome == "measured" and (emulated is None or emulated != measured):
+        scratch = _scratch(case, gpu)
+    return Check(config=case.config, predicted=predicted, measured=measured, outcome=outcome,
+                 detail=detail, case=case.kind, model_detail=model_detail, emulated=emulated,
+                 emulated_outcome=emulated_outcome, emulated_detail=emulated_detail,
+                 capacity_bytes=case.capacity, expected=case.expected, scratch=scratch)
+
+
+def _live(case: Case, gpu) -> tuple[str, dict[str, int] | None, str]:
+    from memcalc.breakdown import FIGURES
+
+    try:
+        m = gpu.measure(case.config, case.code(), case.capacity)
+    except gpu.oom_errors as error:
+        return "oom", None, one_line(error)
+    except Exception as error:  # noqa: BLE001 - an unsupported kernel, say: recorded
+        return "error", None, f"{type(error).__name__}: {one_line(error)}"
+    return "measured", {k: getattr(m, k) for k in FIGURES}, ""
+
+
+def _scratch(case: Case, gpu) -> dict[str, int]:
+    try:
+        return gpu.scratch(case.config, case.code())
+    except Exception:  # noqa: BLE001 - a diagnostic: its failure must not lose the run
+        return {}
