@@ -15,16 +15,72 @@ and in Jupyter (HTML). Nothing here imports torch unless a function needs it (``
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 # The submodule ``memcalc.breakdown`` shares its name with the function below. Importing
 # it first, then defining the function, leaves the name bound to the function (a later
 # import of a loaded submodule does not rebind it).
 import memcalc.breakdown  # noqa: E402,F401  (light: pydantic models only)
+import memcalc.budget  # noqa: E402,F401  (registers how a Breakdown judges its fit)
 
 __version__ = "0.1.0"
 
 
+# other spellings of make_config's keywords that are accepted as they are (the CLI's
+# ``--seq`` is ``seq``; the usual names from model configs)
+ALIASES = {"seq": "seq_len", "seq_length": "seq_len", "sequence_length": "seq_len",
+           "seqlen": "seq_len", "batch_size": "batch", "num_heads": "heads",
+           "n_heads": "heads", "num_kv_heads": "kv_heads", "n_kv_heads": "kv_heads",
+           "kv_seq_len": "kv_len", "impl_name": "impl", "device": "gpu"}
+
+
+def _config_parameters() -> list[inspect.Parameter]:
+    """``make_config``'s keywords, as keyword-only parameters (for ``help()``)."""
+    from memcalc.config import make_config as make
+
+    return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(make).parameters.values()]
+
+
+def _options(function: str, options: dict, extra: tuple[str, ...] = ()) -> dict:
+    """``options`` with aliases resolved; an unknown keyword is a TypeError that suggests
+    the closest one (``memcalc.breakdown(seqence=8192)``: did you mean 'seq_len'?)."""
+    from memcalc.names import did_you_mean
+
+    known = [p.name for p in _config_parameters()] + list(extra)
+    out: dict = {}
+    for key, value in options.items():
+        name = ALIASES.get(key, key)
+        if name not in known:
+            hint = did_you_mean(key, known)
+            alias = did_you_mean(key, list(ALIASES)).split("'")
+            if not hint and len(alias) > 1:
+                hint = f" (did you mean {ALIASES[alias[1]]!r}?)"
+            raise TypeError(f"{function}() got an unexpected keyword argument {key!r}{hint}; "
+                            f"it takes {', '.join(known)}")
+        if name in out:
+            raise TypeError(f"{function}(): {key!r} and {name!r} are the same option")
+        out[name] = value
+    return out
+
+
+def _signature(*extra: inspect.Parameter):
+    """Give the decorated ``f(**options)`` the signature ``help()`` shows: ``extra``, then
+    ``make_config``'s keywords."""
+    def wrap(function):
+        names = {p.name for p in extra}
+        params = list(extra) + [p for p in _config_parameters() if p.name not in names]
+        function.__signature__ = inspect.Signature(params)
+        return function
+    return wrap
+
+
+def _kw(name: str, default=None) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+
+
+@_signature()
 def make_config(**options):
     """The ``Config`` for these options, validated (``memcalc.config.make_config``).
 
@@ -33,11 +89,14 @@ def make_config(**options):
     """
     from memcalc.config import make_config as make
 
-    return make(**options)
+    return make(**_options("make_config", options))
 
 
+@_signature(_kw("gpu_gb"), _kw("reserve"))
 def breakdown(**options):
-    """What one forward and backward step allocates: a ``Breakdown``.
+    """What one forward and backward step allocates: a ``Breakdown``, whose ``fits`` says
+    whether it fits the device (``gpu``'s preset, or ``gpu_gb`` x 2^30 B) less ``reserve``
+    (default 512 MiB). ``seq`` is accepted for ``seq_len``, as on the command line.
 
     >>> b = memcalc.breakdown(impl="naive", seq_len=16384)
     >>> b.saved_bytes  # exp_x and p (2 x 8 x 16384^2 x 4 B), row sum and int64 argmax
@@ -47,27 +106,50 @@ def breakdown(**options):
     """
     from memcalc.timeline import predict
 
-    return predict(make_config(**options))
+    options = _options("breakdown", options, ("gpu_gb", "reserve"))
+    gpu_gb, reserve = options.pop("gpu_gb", None), options.pop("reserve", None)
+    config = make_config(**options)
+    b = predict(config)
+    if gpu_gb is None and reserve is None:
+        return b
+    return b.with_budget(_budget(config, gpu_gb, reserve))
 
 
 def _budget(config, gpu_gb=None, reserve=None):
     """The device budget: the preset's memory (or ``gpu_gb`` x 2^30 B) less ``reserve``
     (bytes, or a size string such as ``"1GiB"``; default 512 MiB)."""
-    from memcalc.budget import Budget, parse_gb, parse_size
+    from memcalc.budget import Budget, parse_gb, parse_size, size_note
 
     memory = parse_gb(str(gpu_gb)) if gpu_gb is not None else None
     reserve_bytes = parse_size(str(reserve)) if isinstance(reserve, str) else reserve
-    return Budget.of(config.device, reserve_bytes, memory)
+    note = size_note(reserve) if isinstance(reserve, str) else ""
+    return Budget.of(config.device, reserve_bytes, memory, note)
 
 
 def _names(values, field: str, known: list[str]) -> list[str]:
-    """A list of names, each known; a ValueError naming ``field`` otherwise."""
+    """A list of names, each known; a ValueError naming ``field`` (with a suggestion)
+    otherwise."""
+    from memcalc.names import unknown
+
     if isinstance(values, str) or not all(isinstance(v, str) for v in values):
         raise ValueError(f"{field}: a list of names, e.g. [{known[0]!r}] (got {values!r})")
-    unknown = [v for v in values if v not in known]
-    if unknown:
-        raise ValueError(f"{field}: unknown {unknown[0]!r}; known: {', '.join(known)}")
+    missing = [v for v in values if v not in known]
+    if missing:
+        raise unknown(field, missing[0], known)
     return list(values)
+
+
+def _dtypes(values) -> tuple[str, ...]:
+    """``dtypes``: each fp32/fp16/bf16 or an alias (``bfloat16``, ``half``, ...)."""
+    from memcalc.names import DTYPE_ALIASES, dtype_name
+
+    if isinstance(values, str) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"dtypes (dtype): a list of names, e.g. ['bf16'] (got {values!r})")
+    for v in values:
+        if dtype_name(v) is None:
+            raise ValueError(f"dtypes (dtype): unknown {v!r}; known: fp32, fp16, bf16 and "
+                             f"{', '.join(a for a in DTYPE_ALIASES if '.' not in a)}")
+    return tuple(dtype_name(v) for v in values)
 
 
 def _sizes(values, field: str) -> tuple[int, ...]:
@@ -86,6 +168,7 @@ def _impl_names() -> list[str]:
     return impl_names()
 
 
+@_signature(_kw("gpu_gb"), _kw("reserve"), _kw("impls"), _kw("solve", "seq_len"))
 def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **options):
     """The largest seq_len (or ``solve="batch"``, ``"head_dim"``) whose step fits, per
     implementation: an ``OomReport``.
@@ -101,10 +184,13 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **opti
         raise ValueError(f"solve: seq_len, batch or head_dim (got {solve!r})")
     if impls is not None:
         impls = _names(impls, "impls", _impl_names())
-    config = make_config(**options)
+    config = make_config(**_options("oom", options))
     return run(config, _budget(config, gpu_gb, reserve), solve, impls)
 
 
+@_signature(*(_kw(n, d) for n, d in (("seq_lens", (256, 1024, 4096, 8192, 16384)),
+             ("head_dims", ()), ("batches", ()), ("head_counts", ()), ("impls", ()),
+             ("dtypes", ()), ("gpu_gb", None), ("reserve", None))))
 def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(),
           head_counts=(), impls=(), dtypes=(), gpu_gb=None, reserve=None, **options):
     """The seeds' scaling table: every combination, exact, with OOM marks: a ``Sweep``.
@@ -115,19 +201,19 @@ def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(),
     >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
     51658620928
     """
-    from memcalc.config import DType
     from memcalc.scaling import sweep as run
 
     seq_lens = _sizes(seq_lens, "seq_lens (seq_len)")
     head_dims, batches, head_counts = (_sizes(v, f) if len(v) else () for v, f in (
         (head_dims, "head_dims"), (batches, "batches"), (head_counts, "head_counts")))
     impls = _names(impls, "impls", _impl_names()) if len(impls) else ()
-    dtypes = _names(dtypes, "dtypes (dtype)", [t.value for t in DType]) if len(dtypes) else ()
-    config = make_config(**options)
+    dtypes = _dtypes(dtypes) if len(dtypes) else ()
+    config = make_config(**_options("sweep", options))
     return run(config, _budget(config, gpu_gb, reserve), seq_lens, head_dims, batches,
                head_counts, impls, dtypes)
 
 
+@_signature(_kw("gpu_gb"), _kw("reserve"), _kw("impls"), _kw("baseline", "naive"))
 def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str = "naive", **options):
     """Every implementation side by side against ``baseline``: a ``Comparison``.
 
@@ -144,7 +230,7 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str = "naive", *
     if impls is not None:
         impls = _names(impls, "impls (impl)", known)
     _names([baseline], "baseline", known)
-    config = make_config(**options)
+    config = make_config(**_options("compare", options))
     return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
 
 
@@ -159,6 +245,7 @@ def trace(fn: Callable, **options):
     """
     from memcalc.tracing import register_function, trace as run
 
+    options = _options("trace", options)
     name = register_function(fn, getattr(fn, "__qualname__", "function"))
     return run(fn, make_config(**{**options, "impl": name}))
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, computed_field,
+                      model_validator)
 
 from memcalc.config import Config
 from memcalc.tensors import ITEMSIZE, Role
@@ -19,6 +20,17 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 # the figures every backend reports and every comparison checks
 FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
            "reserved_peak_bytes")
+
+
+# How a step is judged against a budget: ``memcalc.budget`` (which builds on this module)
+# registers its ``judge(breakdown, budget) -> (Budget, Fit)`` here when it is imported, and
+# ``import memcalc`` imports it; so this module never imports the replay that makes it.
+_JUDGE: list = []
+
+
+def register_judge(judge) -> None:
+    """``memcalc.budget``'s judge of a step in a budget (``Breakdown.fit``)."""
+    _JUDGE[:] = [judge]
 
 
 class Result(BaseModel):
@@ -38,11 +50,56 @@ class Result(BaseModel):
         """The result's rows as plain dicts (one per component, configuration, ...)."""
         return [self.to_dict()]
 
+    # --- the rendering protocol: a result declares tables() and footnotes() once; ----------
+    # --- rich, HTML, Markdown, CSV, repr and str are derived (memcalc.render) ----------
+
+    def tables(self) -> list:
+        """The result's tables (``memcalc.render.Table``), as every format shows them."""
+        return []
+
+    def footnotes(self) -> list[str]:
+        """Lines printed after the tables: caveats, skipped rows, the budget."""
+        return []
+
+    def csv_table(self):
+        """The table ``to_csv`` writes (exact bytes); the first table by default."""
+        return self.tables()[0]
+
+    def headline(self) -> str:
+        """One short line: the ``repr`` and ``print(result)``."""
+        return type(self).__name__
+
+    def __rich__(self):
+        from memcalc.render import fitted
+
+        return fitted(self)
+
     def _repr_html_(self) -> str:
         """Jupyter: the same tables as in a terminal, as HTML."""
         from memcalc.render import html
 
         return html(self)
+
+    def to_markdown(self) -> str:
+        from memcalc.render import markdown
+
+        return markdown(self)
+
+    def to_csv(self) -> str:
+        from memcalc.render import csv_text
+
+        return csv_text(self)
+
+    def to_json(self) -> str:
+        from memcalc.render import to_json
+
+        return to_json(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {self.headline()}>"
+
+    def __str__(self) -> str:
+        return self.headline()
 
     def to_dataframe(self):
         """``records()`` as a pandas DataFrame; pandas is optional (``memcalc[pandas]``)."""
@@ -80,6 +137,9 @@ class Component(Result):
             return f"{dims} ({self.nbytes} B)"
         return f"{dims} x {ITEMSIZE[self.dtype]} B"
 
+    def headline(self) -> str:
+        return f"{self.name} ({self.role.value}, {self.op}): {self.formula}, {self.block_bytes:,} B"
+
 
 def _total(components: tuple[Component, ...]) -> int:
     return sum(c.block_bytes for c in components)
@@ -92,6 +152,7 @@ class Breakdown(Result):
     backward_live: tuple[Component, ...]
     saved: tuple[Component, ...]
     reserved_peak_bytes: int
+    _budget: object = PrivateAttr(None)  # the Budget ``fits`` uses, when given
 
     @computed_field
     @property
@@ -149,27 +210,40 @@ class Breakdown(Result):
         """One dict per component alive at the peak."""
         return self.to_dict()["components"]
 
-    def to_markdown(self) -> str:
-        from memcalc.render import breakdown_markdown
+    @property
+    def fits(self) -> bool:
+        """Whether the step fits its device's default budget (the preset's memory less the
+        512 MiB context reserve), or the budget it was computed for
+        (``memcalc.breakdown(..., gpu_gb=, reserve=)``): ``memcalc.budget.fit``."""
+        return self.fit().fits
 
-        return breakdown_markdown(self)
+    def fit(self, budget=None):
+        """The ``Fit`` of this step in ``budget`` (a ``Budget``, or bytes; default: the one
+        it was computed for, or its device's default budget)."""
+        return _JUDGE[0](self, budget if budget is not None else self._budget)[1]
 
-    def to_csv(self) -> str:
-        from memcalc.render import breakdown_csv
+    @property
+    def budget(self):
+        """The ``Budget`` ``fits`` is judged against."""
+        return _JUDGE[0](self, self._budget)[0]
 
-        return breakdown_csv(self)
+    def with_budget(self, budget) -> "Breakdown":
+        """This breakdown, judged against ``budget`` by ``fits`` (a copy)."""
+        copy = self.model_copy()
+        copy._budget = budget
+        return copy
 
-    def __rich__(self):
-        from memcalc.render import breakdown_rich
+    def tables(self) -> list:
+        from memcalc.render_results import breakdown_tables
 
-        return breakdown_rich(self)
+        return breakdown_tables(self)
 
-    def _repr_html_(self) -> str:
-        from memcalc.render import html
+    def footnotes(self) -> list[str]:
+        from memcalc.render_results import caveats
 
-        return html(self)
+        return caveats([self.config.impl])
 
-    def __repr__(self) -> str:
-        c = self.config
-        return (f"<Breakdown {c.impl} N={c.shape.seq_len}: peak {self.peak_bytes} B "
-                f"({self.peak_phase}), saved {self.saved_bytes} B>")
+    def headline(self) -> str:
+        from memcalc.render_results import breakdown_headline
+
+        return breakdown_headline(self)

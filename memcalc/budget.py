@@ -1,7 +1,9 @@
 """The memory budget of a device, and the one definition of a step that fits in it.
 
-Budget: ``memory_bytes`` (a GPU preset's ``nvidia-smi memory.total``, or ``--gpu-gb``)
-minus ``reserve_bytes``, what the caching allocator may reserve for itself.
+Budget: ``memory_bytes`` (a GPU preset's memory PyTorch can use -- the "total capacity" of
+PyTorch's out-of-memory message where a public report quotes it, else nvidia-smi's
+``memory.total``, ``memcalc/data/gpus.json`` -- or ``--gpu-gb``) minus ``reserve_bytes``,
+what the caching allocator may reserve for itself.
 
 Default reserve, 512 MiB: a PyTorch process's CUDA context (driver state, the kernel
 images of the libraries it loaded) takes device memory that ``torch.cuda`` never counts.
@@ -30,7 +32,7 @@ from fractions import Fraction
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from memcalc.allocator import MiB, OutOfMemory
-from memcalc.breakdown import Breakdown
+from memcalc.breakdown import Breakdown, Result, register_judge
 from memcalc.config import Config, Device
 from memcalc.units import GiB, human
 
@@ -59,6 +61,15 @@ def parse_size(text: str, option: str = "--reserve") -> int:
     return int(value)
 
 
+def size_note(text: str) -> str:
+    """How a size was read when it used decimal units: ``1GB = 10^9 B``; else ``""``."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if unit in ("kb", "mb", "gb"):
+        return f"{m.group(1)} {unit.upper()} = {m.group(1)} x 10^{'369'['kmg'.index(unit[0])]} B"
+    return ""
+
+
 def parse_gb(text: str, option: str = "--gpu-gb") -> int:
     """``--gpu-gb X``: X binary gigabytes (2^30 B each), exactly (``"79.5"`` allowed)."""
     try:
@@ -81,6 +92,8 @@ class Budget(BaseModel):
     reserve_bytes: int = Field(DEFAULT_RESERVE_BYTES, ge=0,
                                description="CUDA context and anything else not for the allocator")
     memory_source: str = ""
+    memory_kind: str = Field("", description="what memory_bytes is, for the budget line")
+    reserve_source: str = Field("", description="how --reserve was given, when in decimal units")
 
     @model_validator(mode="after")
     def _check(self) -> "Budget":
@@ -96,8 +109,10 @@ class Budget(BaseModel):
 
     @classmethod
     def of(cls, device: Device, reserve_bytes: int | None = None,
-           memory_bytes: int | None = None) -> "Budget":
+           memory_bytes: int | None = None, reserve_source: str = "") -> "Budget":
         """The budget of ``device`` (its preset's memory unless ``memory_bytes``)."""
+        from memcalc.gpus import MEMORY_KINDS, gpu_preset
+
         spec = device.spec
         reserve = DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes
         if memory_bytes is not None:
@@ -107,15 +122,21 @@ class Budget(BaseModel):
                               f"compute capability {spec.compute_capability[0]}."
                               f"{spec.compute_capability[1]})",
                        memory_bytes=memory_bytes, reserve_bytes=reserve,
-                       memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B")
+                       memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B",
+                       reserve_source=reserve_source)
+        preset = device.memory_bytes is None and device.gpu is not None
+        kind = gpu_preset(device.gpu).memory_kind if preset else "given"
         return cls(device=spec.label, memory_bytes=spec.memory_bytes, reserve_bytes=reserve,
-                   memory_source=f"{spec.name}: {spec.source}")
+                   memory_source=f"{spec.name}: {spec.source}", memory_kind=MEMORY_KINDS[kind],
+                   reserve_source=reserve_source)
 
     def describe(self) -> str:
         """``budget = memory - reserve``, spelled out."""
+        kind = f" ({self.memory_kind})" if self.memory_kind else ""
+        given = f"{self.reserve_source}, " if self.reserve_source else ""
         return (f"budget {self.budget_bytes:,} B ({human(self.budget_bytes)}) = {self.device} "
-                f"{self.memory_bytes:,} B - reserve {self.reserve_bytes:,} B "
-                f"({human(self.reserve_bytes)}, CUDA context)")
+                f"{self.memory_bytes:,} B{kind} - reserve {self.reserve_bytes:,} B "
+                f"({given}{human(self.reserve_bytes)}, CUDA context)")
 
     def __str__(self) -> str:
         return self.describe()
@@ -131,6 +152,20 @@ class Fit(BaseModel):
     oom_request_bytes: int | None = Field(None, description="the segment that failed")
     oom_reserved_bytes: int | None = Field(None, description="reserved when it failed")
     retried: bool = Field(False, description="fits only by releasing cached segments first")
+    capped_reserved_peak_bytes: int | None = Field(
+        None, description="max_memory_reserved of the replay capped at the budget (fits only)")
+
+    @computed_field
+    @property
+    def reserved_bytes(self) -> int:
+        """The reserved memory that decides fitting: when it fits, the peak of the replay
+        under the budget (with release-and-retry, never above the budget); when it does
+        not, what the failed request needed (reserved + the segment it asked for)."""
+        if self.oom_request_bytes is not None:
+            return self.oom_reserved_bytes + self.oom_request_bytes
+        if self.capped_reserved_peak_bytes is not None:
+            return self.capped_reserved_peak_bytes
+        return self.reserved_peak_bytes
 
     @computed_field
     @property
@@ -152,7 +187,8 @@ class Fit(BaseModel):
         if self.retried:
             return (f"fits, after releasing cached segments: the step would reserve "
                     f"{self.reserved_peak_bytes:,} B unbounded, over the budget of "
-                    f"{self.budget_bytes:,} B, and the allocator's release-and-retry saves it")
+                    f"{self.budget_bytes:,} B; the allocator's release-and-retry keeps it at "
+                    f"{self.capped_reserved_peak_bytes:,} B")
         return (f"fits: reserved peak {self.reserved_peak_bytes:,} B <= budget "
                 f"{self.budget_bytes:,} B ({human(self.headroom_bytes)} to spare)")
 
@@ -176,12 +212,12 @@ def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None,
     common = dict(budget_bytes=budget_bytes, peak_bytes=b.peak_bytes,
                   reserved_peak_bytes=b.reserved_peak_bytes)
     if b.reserved_peak_bytes <= budget_bytes:
-        return Fit(**common)
+        return Fit(**common, capped_reserved_peak_bytes=b.reserved_peak_bytes)
     try:
-        replay(budget_bytes)
+        capped = replay(budget_bytes)
     except OutOfMemory as oom:
         return Fit(**common, oom_request_bytes=oom.requested, oom_reserved_bytes=oom.reserved)
-    return Fit(**common, retried=True)
+    return Fit(**common, retried=True, capped_reserved_peak_bytes=capped.reserved_peak_bytes)
 
 
 def fits(config: Config, budget_bytes: int) -> bool:
@@ -202,10 +238,9 @@ def replay_within(config: Config, budget_bytes: int) -> tuple[bool, int]:
     return True, b.reserved_peak_bytes
 
 
-class Checked(BaseModel):
+class Checked(Result):
     """A breakdown with its fit in a budget: what ``memcalc breakdown`` prints."""
 
-    model_config = _FROZEN
     breakdown: Breakdown
     budget: Budget
     fit: Fit
@@ -213,21 +248,17 @@ class Checked(BaseModel):
     def summary(self) -> str:
         return f"{self.budget.describe()}\n{self.fit.describe()}"
 
-    def __rich__(self):
-        from rich.console import Group
+    def tables(self) -> list:
+        return self.breakdown.tables()
 
-        return Group(self.breakdown.__rich__(), self.summary())
+    def footnotes(self) -> list[str]:
+        return [self.budget.describe(), self.fit.describe(), *self.breakdown.footnotes()]
 
-    def _repr_html_(self) -> str:
-        from memcalc.render import html
+    def headline(self) -> str:
+        return self.breakdown.with_budget(self.budget).headline()
 
-        return html(self)
-
-    def to_markdown(self) -> str:
-        return self.breakdown.to_markdown() + f"\n{self.summary()}\n"
-
-    def to_csv(self) -> str:
-        return self.breakdown.to_csv()
+    def records(self) -> list[dict]:
+        return self.breakdown.records()
 
     def to_dict(self) -> dict:
         """The breakdown's JSON plus ``budget_bytes``, ``fits`` and both in detail."""
@@ -242,3 +273,16 @@ def check(config: Config, budget: Budget) -> Checked:
 
     b = predict(config)
     return Checked(breakdown=b, budget=budget, fit=fit(config, budget.budget_bytes, b))
+
+
+def judge(breakdown: Breakdown, budget: "Budget | int | None" = None) -> tuple[Budget, Fit]:
+    """``breakdown``'s fit in ``budget`` (a ``Budget``, bytes, or None for its device's
+    default budget), with the budget: what ``Breakdown.fit`` and ``.fits`` return."""
+    if budget is None:
+        budget = Budget.of(breakdown.config.device)
+    elif isinstance(budget, int):
+        budget = Budget(device="given", memory_bytes=budget, reserve_bytes=0)
+    return budget, fit(breakdown.config, budget.budget_bytes, breakdown)
+
+
+register_judge(judge)

@@ -25,15 +25,35 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def shape_options(p: argparse.ArgumentParser) -> None:
-    """The options that make a ``Config``; defaults are the seeds' benchmark."""
+DTYPE_HELP = "fp32, fp16 or bf16; also float32, float16/half, bfloat16 (default fp32)"
+
+
+def shape_options(p: argparse.ArgumentParser, impls: str = "one") -> None:
+    """The options that make a ``Config``; defaults are the benchmark's shape.
+    ``impls="many"``: ``--impl`` takes a list (``impl_option``)."""
     p.add_argument("--seq", type=int, default=16384, help="sequence length N (default 16384)")
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument("--heads", type=int, default=1, help="attention heads (default 1)")
     p.add_argument("--head-dim", type=int, default=16, help="head dimension d (default 16)")
-    p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
-    p.add_argument("--impl", default="naive", help="implementation (memcalc impls)")
+    p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
+    if impls == "many":
+        impl_option(p)
+    else:
+        p.add_argument("--impl", default="naive",
+                       help="implementation (memcalc impls; default naive, the custom softmax "
+                            "that keeps exp_x; naive-softmax is torch.softmax attention)")
     step_options(p)
+
+
+def impl_option(p: argparse.ArgumentParser, default: str | None = None,
+                *aliases: str) -> None:
+    """``--impl``, the same on every command that takes several: repeat it or give a comma
+    list (``--impl naive,flash2``), or ``all``; checked by ``memcalc.names.impl_list``."""
+    every = "every implementation" if default is None else default
+    p.add_argument("--impl", *aliases, dest="impl", action="append", default=None,
+                   metavar="IMPL[,IMPL]",
+                   help=f"implementations (memcalc impls): repeat or comma-separate, or 'all' "
+                        f"(default: {every})")
 
 
 def step_options(p: argparse.ArgumentParser) -> None:
@@ -56,17 +76,18 @@ def budget_options(p: argparse.ArgumentParser) -> None:
                         "(whose compute capability still sets the cuBLAS workspace)")
     p.add_argument("--reserve", default=None, metavar="SIZE",
                    help="memory the allocator cannot have: CUDA context, other processes "
-                        "(default 512MiB; units B, KiB, MiB, GiB, bare numbers MiB)")
+                        "(default 512MiB; units B, KiB, MiB, GiB = 2^30 B; KB, MB, GB = 10^9 B; "
+                        "bare numbers MiB)")
 
 
 def budget_from(args):
     """The ``Budget`` the options describe (``memcalc.budget``)."""
-    from memcalc.budget import Budget, parse_gb, parse_size
+    from memcalc.budget import Budget, parse_gb, parse_size, size_note
     from memcalc.config import Device
 
     memory = parse_gb(args.gpu_gb) if args.gpu_gb is not None else None
     reserve = parse_size(args.reserve) if args.reserve is not None else None
-    return Budget.of(Device(gpu=args.gpu), reserve, memory)
+    return Budget.of(Device(gpu=args.gpu), reserve, memory, size_note(args.reserve or ""))
 
 
 def format_options(p: argparse.ArgumentParser) -> None:
@@ -78,7 +99,10 @@ def format_options(p: argparse.ArgumentParser) -> None:
 def config_from(args, **overrides):
     """The ``Config`` the options describe (raises pydantic's ValidationError)."""
     from memcalc.config import make_config
+    from memcalc.names import check_impl
 
+    if "impl" not in overrides:
+        check_impl(args.impl)
     flat = dict(impl=args.impl, seq_len=args.seq, batch=args.batch, heads=args.heads,
                 head_dim=args.head_dim, kv_len=args.kv_len, kv_heads=args.kv_heads,
                 dtype=args.dtype, causal=args.causal, chunk=args.chunk, gpu=args.gpu,
@@ -90,14 +114,28 @@ def config_from(args, **overrides):
 def emit(result, fmt: str | None) -> None:
     """Print ``result`` as a rich renderable or in the chosen text format."""
     if fmt is None:
-        from rich.console import Console
-
-        Console().print(result)
+        console().print(result)
         return
     from memcalc.render import to_json
 
     text = {"json": to_json, "csv": lambda r: r.to_csv(), "markdown": lambda r: r.to_markdown()}
     sys.stdout.write(text[fmt](result))
+
+
+PIPED_WIDTH = 200
+"""Columns of output that does not go to a terminal (rich would assume 80): wide enough for
+every table side by side, so that a pipe or a file gets the full layout."""
+
+
+def console():
+    """The rich console for stdout: the terminal's width (or ``COLUMNS``), else
+    ``PIPED_WIDTH`` when piped."""
+    from rich.console import Console
+
+    out = Console()
+    if out.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return out
+    return Console(width=PIPED_WIDTH)
 
 
 def check_output(path: str | None, option: str) -> None:
@@ -147,12 +185,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from memcalc.errors import FLAGS, one_line
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
         return commands()[args.command].run(args)
-    except (UsageError, ValidationError, ValueError, OSError) as error:
+    except UsageError as error:
+        print(f"memcalc: error: {suggest_option(str(error), argv)}", file=sys.stderr)
+        return 2
+    except (ValidationError, ValueError, OSError) as error:
         print(f"memcalc: error: {one_line(error, FLAGS)}", file=sys.stderr)
         return 2
+    except ImportError as error:
+        if (error.name or "").split(".")[0] != "torch":
+            raise
+        print(f"memcalc: error: {argv[0] if argv else 'this command'} needs PyTorch, which is "
+              f"not installed: pip install torch (the CPU build is enough)", file=sys.stderr)
+        return 2
+
+
+def suggest_option(message: str, argv: list[str]) -> str:
+    """argparse's message, with "did you mean" for an unknown option or subcommand."""
+    from memcalc.names import did_you_mean
+
+    parser = build_parser()
+    if message.startswith("unrecognized arguments:"):
+        sub = _subparser(parser, argv)
+        known = sorted(o for o in (sub or parser)._option_string_actions if o.startswith("--"))
+        wrong = [a.split("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("-")]
+        hints = [f"{w}{did_you_mean(w, known)}" for w in wrong if did_you_mean(w, known)]
+        return message + (f"; {', '.join(hints)}" if hints else "")
+    if "invalid choice:" in message and argv and argv[0] not in commands():
+        return message + did_you_mean(argv[0], list(commands()))
+    return message
+
+
+def _subparser(parser: argparse.ArgumentParser, argv: list[str]):
+    """The subcommand's parser named in ``argv``, if any."""
+    for action in parser._subparsers._group_actions:
+        for word in argv:
+            if word in action.choices:
+                return action.choices[word]
+    return None
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from memcalc.breakdown import Breakdown, Result
 from memcalc.budget import Budget
 from memcalc.config import Config
 from memcalc.quadratic import quadratic_saved
-from memcalc.render import Column, csv_table, markdown_table, rich_table
+from memcalc.render import Column, Table
 from memcalc.units import human
 
 
@@ -48,6 +48,8 @@ class Comparison(Result):
         return base.breakdown.peak_bytes if base else None
 
     def _columns(self, human_units: bool) -> list[Column]:
+        """The columns; on a narrow terminal the phase peaks and the N x M count go first,
+        the peak, the saving and the threshold stay."""
         size = human if human_units else (lambda x: x)
         base = self.baseline_peak_bytes
 
@@ -57,15 +59,15 @@ class Comparison(Result):
         return [
             Column("implementation", lambda r: r.impl),
             Column("N x M saved", lambda r: quadratic_saved(r.breakdown) if r.breakdown else "-",
-                   "right"),
-            Column("saved", fig("saved_bytes"), "right"),
-            Column("forward peak", fig("forward_peak_bytes"), "right"),
-            Column("backward peak", fig("backward_peak_bytes"), "right"),
+                   "right", drop=5),
+            Column("saved", fig("saved_bytes"), "right", drop=3),
+            Column("forward peak", fig("forward_peak_bytes"), "right", drop=4),
+            Column("backward peak", fig("backward_peak_bytes"), "right", drop=4),
             Column("peak", fig("peak_bytes"), "right"),
             Column(f"saves vs {self.baseline}", lambda r: size(base - r.breakdown.peak_bytes)
-                   if r.breakdown and base is not None else "-", "right"),
+                   if r.breakdown and base is not None else "-", "right", drop=2),
             Column("factor", lambda r: ratio(base, r.breakdown.peak_bytes)
-                   if r.breakdown and base is not None else "-", "right"),
+                   if r.breakdown and base is not None else "-", "right", drop=1),
             Column("max seq_len", lambda r: r.max_seq_len if r.max_seq_len is not None
                    else ("n/a" if not r.breakdown else "not solved"), "right"),
         ]
@@ -76,23 +78,37 @@ class Comparison(Result):
                  f"{c.dtype.value}{' causal' if c.causal else ''}") if c else ""
         return f"{shape}; max seq_len within {self.budget.describe()}"
 
-    def notes(self) -> list[str]:
-        """Why a row has no figures (n/a) or no threshold (not solved)."""
-        return [f"{r.impl}: {r.note}" for r in self.rows if r.note]
+    def _baseline_note(self) -> str:
+        """What the baseline is: ``naive`` is the custom softmax of the benchmark, not
+        ``torch.softmax`` attention (that is ``naive-softmax``)."""
+        from memcalc.impls import get_impl
 
-    def __rich__(self):
-        from rich.console import Group
+        other = "naive-softmax" if self.baseline == "naive" else "naive"
+        return (f"saves vs {self.baseline}, factor: peak against the baseline {self.baseline} "
+                f"({get_impl(self.baseline).summary}); --baseline {other} compares against "
+                f"{get_impl(other).summary}")
 
-        table = rich_table(self._title(), self._columns(True), self.rows)
-        return Group(table, *self.notes())
+    def tables(self) -> list[Table]:
+        return [Table(self._title(), self._columns(True), self.rows)]
 
-    def to_markdown(self) -> str:
-        notes = "".join(f"\n- {n}" for n in self.notes())
-        return (f"**{self._title()}**\n\n" + markdown_table(self._columns(True), self.rows)
-                + notes + ("\n" if notes else ""))
+    def csv_table(self) -> Table:
+        return Table(None, self._columns(False), self.rows)
 
-    def to_csv(self) -> str:
-        return csv_table(self._columns(False), self.rows)
+    def footnotes(self) -> list[str]:
+        """Why a row has no figures (n/a) or no threshold (not solved); the baseline;
+        the caveats."""
+        from memcalc.render_results import caveats
+
+        rows = [r.note if r.note.startswith(f"{r.impl}:") else f"{r.impl}: {r.note}"
+                for r in self.rows if r.note]
+        shown = [r.impl for r in self.rows if r.breakdown]
+        return rows + [self._baseline_note(), *caveats(shown)]
+
+    def headline(self) -> str:
+        best = min((r for r in self.rows if r.breakdown), key=lambda r: r.breakdown.peak_bytes,
+                   default=None)
+        low = f"; lowest peak {best.impl} {human(best.breakdown.peak_bytes)}" if best else ""
+        return f"{len(self.rows)} implementations against {self.baseline}{low}"
 
     def records(self) -> list[dict]:
         """One dict per implementation."""
@@ -101,8 +117,7 @@ class Comparison(Result):
     def to_dict(self) -> dict:
         def row(r: Row) -> dict:
             b = r.breakdown
-            figures = {k: getattr(b, k) for k in ("saved_bytes", "forward_peak_bytes",
-                       "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes")} if b else {}
+            figures = b.figures() if b else {}
             return {"impl": r.impl, "quadratic_saved": quadratic_saved(b) if b else None,
                     **figures, "max_seq_len": r.max_seq_len, "note": r.note}
         return {"baseline": self.baseline, "budget_bytes": self.budget.budget_bytes,

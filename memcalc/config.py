@@ -27,6 +27,15 @@ class DType(str, Enum):
     fp16 = "fp16"
     bf16 = "bf16"
 
+    @classmethod
+    def _missing_(cls, value):
+        """Aliases: ``float32``, ``float``, ``half``, ``float16``, ``bfloat16``,
+        ``torch.bfloat16``, any case (``memcalc.names.DTYPE_ALIASES``)."""
+        from memcalc.names import dtype_name
+
+        name = dtype_name(value)
+        return cls(name) if name else None
+
     @property
     def itemsize(self) -> int:
         return 4 if self is DType.fp32 else 2

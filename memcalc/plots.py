@@ -48,10 +48,12 @@ def _finish(fig, path: str | None):
 def plot_timeline(config, path: str | None = None, recorded=None):
     """Allocated and reserved bytes over the allocations of one measured step, with the
     saved-for-backward level and the peak marked and labelled with what is alive there.
+    ``config``: a ``Config``, or a result that has one (``memcalc.breakdown(...)``).
     ``recorded``: ``(history, breakdown)`` of a step already run (a trace's), instead of
     ``predict(config)``'s."""
     from memcalc.timeline import Ledger, predict
 
+    config = _config_of(config)
     if recorded is None:
         ledger = Ledger(config.workspace_bytes, record=True)
         recorded = ledger.history, predict(config, ledger=ledger)
@@ -73,6 +75,18 @@ def plot_timeline(config, path: str | None = None, recorded=None):
                  f"torch.cuda memory on {config.device.spec.label}", fontsize=11)
     fig.legend(loc="outside lower center", ncols=3, fontsize=9, frameon=False)
     return _finish(fig, path)
+
+
+def _config_of(obj):
+    """The ``Config`` of ``obj``: itself, or its ``.config`` (a ``Breakdown``), or its
+    breakdown's (a ``Checked``)."""
+    from memcalc.config import Config
+
+    for candidate in (obj, getattr(obj, "config", None),
+                      getattr(getattr(obj, "breakdown", None), "config", None)):
+        if isinstance(candidate, Config):
+            return candidate
+    raise TypeError(f"plot_timeline: a Config or a breakdown, not {type(obj).__name__}")
 
 
 def _shape_text(config) -> str:
@@ -143,7 +157,8 @@ def plot_components(results: Iterable, path: str | None = None):
 
 
 def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | None = 10.0):
-    """Peak memory (max_memory_allocated) against seq_len, log-log, one line per series of
+    """Reserved memory (max_memory_reserved, the figure that decides fitting) against
+    seq_len, log-log, one line per series of
     ``sweep`` (a ``memcalc.scaling.Sweep``), with the budget as a horizontal line and each
     series' largest fitting seq_len (``report``, an ``OomReport``, or solved here with
     ``memcalc.thresholds.solve``, at most ``time_limit`` seconds per series) marked and
@@ -151,7 +166,7 @@ def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | 
     series = _series(sweep)
     solved = _solved_by_series(sweep, series, report, time_limit)
     budget = sweep.budget.budget_bytes
-    tops = [budget] + [r.peak_bytes for rows in series.values() for r in rows]
+    tops = [budget] + [r.reserved_peak_bytes for rows in series.values() for r in rows]
     scale, unit = _unit(max(tops))
     fig, ax = _figure(10.5, 5.8)
     names = _series_names(sweep, series)
@@ -160,7 +175,7 @@ def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | 
         _draw_series(ax, _style(i, len(series)), names[key], rows, solved.get(key), scale)
         s = solved.get(key)
         if s is not None and s.at_max is not None:
-            marks.append((s.max_value, s.peak_bytes_at_max / scale, ax.lines[-1].get_color()))
+            marks.append((s.max_value, s.at_max.reserved_bytes / scale, ax.lines[-1].get_color()))
     _label_thresholds(ax, marks)
     if any(not r.fits for r in sweep.rows):
         ax.plot([], [], "o", markerfacecolor="white", color="#555555",
@@ -259,17 +274,17 @@ def _draw_series(ax, style: tuple, name: str, rows, solved, scale: int) -> None:
     """One series' peaks as a line (open markers where the sweep says OOM) and its largest
     fitting N as an x, joined to the line by a dotted extension."""
     colour, style = style
-    xs, ys = [r.seq_len for r in rows], [r.peak_bytes / scale for r in rows]
+    xs, ys = [r.seq_len for r in rows], [r.reserved_peak_bytes / scale for r in rows]
     label = f"{name} (largest N not solved)"
     if solved is not None:
         label = f"{name} (fits to N={solved.max_value:,})"
     ax.plot(xs, ys, style, color=colour, marker="o", markersize=4, label=label)
-    over = [(r.seq_len, r.peak_bytes / scale) for r in rows if not r.fits]
+    over = [(r.seq_len, r.reserved_peak_bytes / scale) for r in rows if not r.fits]
     if over:
         ax.plot(*zip(*over), "o", markersize=7, markerfacecolor="white", color=colour)
     if solved is None or solved.at_max is None:
         return
-    n, peak = solved.max_value, solved.peak_bytes_at_max / scale
+    n, peak = solved.max_value, solved.at_max.reserved_bytes / scale
     if n > xs[-1]:
         ax.plot([xs[-1], n], [ys[-1], peak], ":", color=colour, linewidth=1)
     ax.plot([n], [peak], "x", color=colour, markersize=9, markeredgewidth=2)
@@ -307,7 +322,7 @@ def _log_axes(ax, unit: str, lo: int, hi: int) -> None:
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _fmt(y)))
     ax.set_xlim(lo / 1.4, hi * 3.5)
     ax.set_xlabel("seq_len N (log scale; K = 1,024, M = 1,024 K)")
-    ax.set_ylabel(f"peak, max_memory_allocated ({unit}, log scale)")
+    ax.set_ylabel(f"reserved peak, max_memory_reserved ({unit}, log scale)")
     ax.grid(which="major", color="#e5e5e5")
 
 
@@ -333,6 +348,7 @@ def _peaks_title(sweep) -> str:
     flags = (" causal" if sweep.base.causal else "") + (
         " forward-only" if sweep.base.protocol.forward_only else "")
     b = sweep.budget
-    return (f"Peak memory of one training step against seq_len: {shape}{flags}\n"
+    return (f"Reserved memory of one training step (what must fit) against seq_len: "
+            f"{shape}{flags}\n"
             f"budget {human(b.budget_bytes)} = {human(b.memory_bytes)} device "
             f"({sweep.base.device.spec.name}) less {human(b.reserve_bytes)} reserve")

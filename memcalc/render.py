@@ -1,8 +1,13 @@
-"""Rendering of results: rich tables, Markdown, CSV and JSON, from column specifications.
+"""Rendering of results: one protocol, every format derived from it.
 
-Each table is a list of ``Column`` (a header and a function of the row), so adding a
-column never means switching on key names. Results call these from ``__rich__`` and
-``_repr_html_``; the library itself never prints.
+A result declares its tables once (``Table``: a title, ``Column`` specifications and the
+rows) and its notes (``memcalc.breakdown.Result.tables``/``footnotes``); the rich rendering,
+HTML, Markdown, CSV, JSON and the short ``repr`` all come from that declaration, here.
+
+In a terminal the tables fit the width they get, and no figure is ever cut: a column that
+does not fit is dropped (secondary columns first, by their ``drop`` rank), and when even the
+essential columns do not fit, each row is printed as a block of ``header value`` pairs.
+The library itself never prints.
 """
 
 from __future__ import annotations
@@ -10,40 +15,58 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
 from rich import box
 from rich.console import Group
-from rich.table import Table
+from rich.table import Table as RichTable
+from rich.text import Text
 
-from memcalc.units import human, mib, share
+# separators of ``_rich_table``'s layout: one space of padding on each side of a column
+# boundary, none at the edges (measured: a two-column table of widths a and b is a + b + 2)
+_GAP = 2
+# a prose column (``wrap``) may be narrowed to this, wrapping at spaces, never below its
+# longest word
+_PROSE = 24
 
 
 @dataclass(frozen=True)
 class Column:
+    """A header and a function of the row. ``drop``: 0 for a column that is always shown,
+    higher for secondary columns, dropped first (highest rank first) when the width is
+    short. ``wrap``: prose that may wrap at spaces (never a figure)."""
+
     header: str
     cell: Callable[[Any], Any]
     justify: str = "left"
+    drop: int = 0
+    wrap: bool = False
 
 
-def rich_table(title: str | None, columns: list[Column], rows: Iterable[Any]) -> Table:
-    table = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
-    for i, c in enumerate(columns):  # names (first column) and numbers are never wrapped
-        table.add_column(c.header, justify=c.justify, no_wrap=i == 0 or c.justify == "right")
-    for row in rows:
-        table.add_row(*(str(c.cell(row)) for c in columns))
-    return table
+@dataclass(frozen=True)
+class Table:
+    """One table of a result: ``title`` (may hold several lines), columns and rows."""
+
+    title: str | None
+    columns: Sequence[Column]
+    rows: Sequence[Any]
+    notes: Sequence[str] = field(default_factory=tuple)
+
+    def cells(self, columns: Sequence[Column] | None = None) -> list[list[str]]:
+        return [[str(c.cell(r)) for c in (columns or self.columns)] for r in self.rows]
 
 
-def markdown_table(columns: list[Column], rows: Iterable[Any]) -> str:
+# --- plain formats ------------------------------------------------------------------------
+
+def markdown_table(columns: Sequence[Column], rows: Iterable[Any]) -> str:
     lines = ["| " + " | ".join(c.header for c in columns) + " |",
              "| " + " | ".join("---:" if c.justify == "right" else "---" for c in columns) + " |"]
     lines += ["| " + " | ".join(str(c.cell(r)) for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
-def csv_table(columns: list[Column], rows: Iterable[Any]) -> str:
+def csv_table(columns: Sequence[Column], rows: Iterable[Any]) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(c.header for c in columns)
@@ -51,77 +74,128 @@ def csv_table(columns: list[Column], rows: Iterable[Any]) -> str:
     return out.getvalue()
 
 
+def _bold_title(title: str) -> str:
+    """Markdown: the title's first line in bold, the rest as a paragraph."""
+    first, _, rest = title.partition("\n")
+    return f"**{first}**\n\n" + (f"{rest}\n\n" if rest else "")
+
+
+def markdown(result) -> str:
+    """Every table of ``result`` (bold title, table, its notes), then the result's notes."""
+    parts = []
+    for t in result.tables():
+        notes = "".join(f"\n{n}\n" for n in t.notes)
+        parts.append((_bold_title(t.title) if t.title else "")
+                     + markdown_table(t.columns, t.rows) + notes)
+    notes = "".join(f"\n{n}\n" for n in result.footnotes())
+    return "\n".join(parts) + notes
+
+
+def csv_text(result) -> str:
+    """The result's CSV table (exact bytes where the rich tables show units)."""
+    t = result.csv_table()
+    return csv_table(t.columns, t.rows)
+
+
 def to_json(model) -> str:
     return json.dumps(model.to_dict(), indent=2) + "\n"
 
 
-# --- breakdown --------------------------------------------------------------------------
+# --- rich: tables that fit the width ------------------------------------------------------
 
-def component_columns(peak: int, with_source: bool = False) -> list[Column]:
-    """Columns of the components table; ``peak`` gives the share column, ``with_source``
-    adds the code line that allocated each component (traced results have it)."""
-    columns = [
-        Column("component", lambda c: c.name),
-        Column("role", lambda c: c.role.value),
-        Column("dtype", lambda c: c.dtype),
-        Column("formula (shape x element)", lambda c: c.formula),
-        Column("bytes", lambda c: c.nbytes, "right"),
-        Column("allocated", lambda c: c.block_bytes, "right"),
-        Column("MiB", lambda c: mib(c.block_bytes), "right"),
-        Column("share", lambda c: share(c.block_bytes, peak), "right"),
-    ]
-    return columns + [Column("source", lambda c: c.source)] if with_source else columns
+def _width(column: Column, cells: list[str]) -> int:
+    """The width ``column`` needs: its longest cell (a prose column: at most ``_PROSE``,
+    never below its longest word) and its header's longest word (headers wrap at spaces)."""
+    words = [len(w) for text in cells + [column.header] for w in text.split()] or [1]
+    longest = max([len(text) for text in cells] or [1])
+    if column.wrap:
+        longest = max(min(longest, _PROSE), max(words))
+    return max(longest, max(len(w) for w in column.header.split() or [""]), 1)
 
 
-def _columns_for(b) -> list[Column]:
-    return component_columns(b.peak_bytes, any(c.source for c in b.components))
+def _fit_columns(table: Table, width: int) -> list[Column] | None:
+    """The most columns of ``table`` that fit ``width``: secondary columns dropped, highest
+    ``drop`` rank first; None when even the essential ones do not fit."""
+    columns = list(table.columns)
+    cells = table.cells()
+    widths = {id(c): _width(c, [row[i] for row in cells]) for i, c in enumerate(columns)}
+    ranks = sorted({c.drop for c in columns}, reverse=True)
+    for rank in ranks + [None]:
+        if sum(widths[id(c)] for c in columns) + _GAP * (len(columns) - 1) <= width:
+            return columns
+        if rank is None or rank == 0:
+            return None
+        columns = [c for c in columns if c.drop < rank]
+    return None
 
 
-FIGURE_LABELS = {
-    "saved_bytes": "saved for backward",
-    "forward_peak_bytes": "forward peak",
-    "backward_peak_bytes": "backward peak",
-    "peak_bytes": "peak (max_memory_allocated)",
-    "reserved_peak_bytes": "reserved peak (max_memory_reserved)",
-    "workspace_bytes": "cuBLAS workspaces",
-}
-
-FIGURE_COLUMNS = [
-    Column("figure", lambda kv: FIGURE_LABELS[kv[0]]),
-    Column("bytes", lambda kv: kv[1], "right"),
-    Column("MiB", lambda kv: mib(kv[1]), "right"),
-    Column("", lambda kv: human(kv[1]), "right"),
-]
+def _rich_table(columns: list[Column], cells: list[list[str]]) -> RichTable:
+    """A rich table whose columns have the widths they need: numbers never wrap or
+    shorten; headers and prose wrap at spaces."""
+    table = RichTable(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False,
+                      collapse_padding=True, expand=False)
+    for i, c in enumerate(columns):
+        table.add_column(c.header, justify=c.justify, width=_width(c, [r[i] for r in cells]),
+                         overflow="fold")  # every cell fits its width: only headers and prose wrap
+    for row in cells:
+        table.add_row(*row)
+    return table
 
 
-def breakdown_title(b) -> str:
-    c = b.config
-    s = c.shape
-    kv = f" M={s.kv_len}" if s.kv_len else ""
-    flags = (" causal" if c.causal else "") + (" forward-only" if c.protocol.forward_only else "")
-    return (f"{c.impl}{flags}: B={s.batch} H={s.heads} N={s.seq_len}{kv} d={s.head_dim} "
-            f"{c.dtype.value} on {c.device.spec.label}; peak in {b.peak_phase}")
+def _vertical(table: Table, width: int) -> Group:
+    """Each row as a block: its first cell, then ``header value`` pairs packed into lines
+    of ``width`` (for widths where even the essential columns do not fit side by side)."""
+    first, *rest = table.columns
+    lines: list[Text] = []
+    for row in table.rows:
+        lines.append(Text(str(first.cell(row)), style="bold"))
+        line = " "
+        for c in rest:
+            pair = f"{c.header} {c.cell(row)}"
+            if len(line) > 1 and len(line) + 3 + len(pair) > width:
+                lines.append(Text(line))
+                line = " "
+            line += (" · " if len(line) > 1 else " ") + pair
+        lines.append(Text(line))
+    return Group(*lines)
 
 
-def breakdown_rich(b) -> Group:
-    components = rich_table(f"{breakdown_title(b)}\nalive at the peak", _columns_for(b),
-                            b.components)
-    figures = rich_table(None, FIGURE_COLUMNS, _figure_rows(b))
-    return Group(components, figures)
+class Fitted:
+    """A result's tables and notes as a rich renderable that fits the console's width."""
+
+    def __init__(self, tables: list[Table], notes: list[str]):
+        self.tables, self.notes = tables, notes
+
+    def __rich_console__(self, console, options):
+        width = options.max_width
+        for i, t in enumerate(self.tables):
+            if i:
+                yield Text("")
+            if t.title:
+                yield Text(t.title)
+            columns = _fit_columns(t, width)
+            if columns is None:
+                yield _vertical(t, width)
+            else:
+                yield _rich_table(columns, t.cells(columns))
+            for note in t.notes:
+                yield Text(note)
+        for note in self.notes:
+            yield Text(note)
 
 
-def breakdown_markdown(b) -> str:
-    return (f"**{breakdown_title(b)}**\n\n"
-            + markdown_table(_columns_for(b), b.components) + "\n"
-            + markdown_table(FIGURE_COLUMNS, _figure_rows(b)))
+def fitted(result) -> Fitted:
+    return Fitted(list(result.tables()), list(result.footnotes()))
 
 
-def breakdown_csv(b) -> str:
-    return csv_table(_columns_for(b), b.components)
+def text(result, width: int = 100) -> str:
+    """``result`` rendered as plain text at ``width`` columns (``print(result)``)."""
+    from rich.console import Console
 
-
-def _figure_rows(b) -> list[tuple[str, int]]:
-    return [(k, getattr(b, k)) for k in FIGURE_LABELS]
+    console = Console(width=width, file=io.StringIO(), color_system=None, force_jupyter=False,
+                      force_terminal=False)
+    console.print(result)
+    return console.file.getvalue()
 
 
 def html(renderable) -> str:
@@ -132,3 +206,11 @@ def html(renderable) -> str:
     console = Console(record=True, width=140, file=io.StringIO(), force_jupyter=False)
     console.print(renderable)
     return console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
+
+
+def rich_table(title: str | None, columns: list[Column], rows: Iterable[Any]) -> Fitted:
+    """One table with a title, fitted to the width (for results of a single table)."""
+    return Fitted([Table(title, columns, list(rows))], [])
+
+
+compact_table = rich_table

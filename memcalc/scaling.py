@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from memcalc.budget import Budget, fit
 from memcalc.breakdown import Result
 from memcalc.config import Config, DType
-from memcalc.render import Column, csv_table, markdown_table
-from memcalc.units import _fixed, mib, share
+from memcalc.render import Column, Table, _bold_title, compact_table  # noqa: F401 (oom)
+from memcalc.units import _fixed, human, mib, share
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 Figure = Literal["peak", "saved", "reserved", "forward", "backward"]
@@ -70,29 +70,6 @@ class SweepRow(BaseModel):
         return self.impl, self.dtype, self.batch, self.heads, self.head_dim
 
 
-def compact_table(title: str | None, columns: list[Column], rows):
-    """A rich table that fits 80 columns: a simple head rule, one space between columns,
-    first column never wrapped."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
-                  pad_edge=False, show_edge=False, collapse_padding=True, expand=False)
-    cells = [[str(c.cell(row)) for c in columns] for row in rows]
-    for i, c in enumerate(columns):  # numbers never wrap or shorten: headers wrap instead
-        width = max((len(r[i]) for r in cells), default=1)
-        table.add_column(c.header, justify=c.justify, min_width=width, no_wrap=(i == 0))
-    for r in cells:
-        table.add_row(*r)
-    return table
-
-
-def _bold_title(title: str) -> str:
-    """Markdown: the title's first line in bold, the rest as a paragraph."""
-    first, _, rest = title.partition("\n")
-    return f"**{first}**\n\n" + (f"{rest}\n\n" if rest else "")
-
-
 def _growth(r: SweepRow) -> str:
     g = r.growth
     return f"x{_fixed(g.numerator, g.denominator, 2)}" if g.denominator else "-"
@@ -134,10 +111,12 @@ class Sweep(Result):
             cols += [Column("head_dim", lambda r: r.head_dim, "right")]
         return cols + [
             Column(f"peak ({u})", lambda r: self._cell(r.peak_bytes), "right"),
-            Column(f"saved ({u})", lambda r: self._cell(r.saved_bytes), "right"),
-            Column(f"reserved ({u})", lambda r: self._cell(r.reserved_peak_bytes), "right"),
-            Column("x first", _growth, "right"),
-            Column("N^2 share", lambda r: share(r.quadratic_bytes, r.peak_bytes), "right"),
+            Column(f"saved ({u})", lambda r: self._cell(r.saved_bytes), "right", drop=2),
+            Column(f"reserved ({u})", lambda r: self._cell(r.reserved_peak_bytes), "right",
+                   drop=1),
+            Column("x first", _growth, "right", drop=3),
+            Column("N^2 share", lambda r: share(r.quadratic_bytes, r.peak_bytes), "right",
+                   drop=4),
             Column("OOM?", _mark(self.budget)),
         ]
 
@@ -148,13 +127,16 @@ class Sweep(Result):
             " forward-only" if self.base.protocol.forward_only else "")
         return f"memory scaling with sequence length: {shape}{flags}\n{self.budget.describe()}"
 
-    def notes(self) -> list[str]:
+    def footnotes(self) -> list[str]:
         lines = ["peak: max_memory_allocated over the step; saved: memory_allocated after the "
                  "forward less before, less the output; reserved: max_memory_reserved; x first: "
                  "peak over the first row's with the same shape but seq_len; N^2 share: blocks "
                  "of the tensors whose size grows as seq_len x kv_len, at the peak; OOM?: "
                  "replaying the step with capacity = budget raises (reserved memory)."]
-        return lines + [f"{who}: skipped, {why}" for who, why in self.skipped]
+        from memcalc.render_results import caveats
+
+        return (lines + [f"{who}: skipped, {why}" for who, why in self.skipped]
+                + caveats(self.axes["impl"]))
 
     # pivot layout
     def pivot_tables(self, figure: Figure) -> list[tuple[str, list[Column], list]]:
@@ -180,41 +162,30 @@ class Sweep(Result):
             out.append((title, cols, sorted(table.items())))
         return out
 
-    # rendering
-    def __rich__(self):
-        from rich.console import Group
-
+    # rendering: the protocol of memcalc.render
+    def tables(self) -> list[Table]:
         if self.pivot:
-            parts = [compact_table(t, c, rows) for t, c, rows in self.pivot_tables(self.pivot)]
-        else:
-            parts = [compact_table(self.title(), self.long_columns(), self.rows)]
-        return Group(*parts, *self.notes())
+            return [Table(t, c, rows) for t, c, rows in self.pivot_tables(self.pivot)]
+        return [Table(self.title(), self.long_columns(), self.rows)]
 
-    def _repr_html_(self) -> str:
-        from memcalc.render import html
-
-        return html(self)
-
-    def to_markdown(self) -> str:
-        if self.pivot:
-            body = "\n".join(f"#### {t}\n\n" + markdown_table(c, rows)
-                             for t, c, rows in self.pivot_tables(self.pivot))
-        else:
-            body = _bold_title(self.title()) + markdown_table(self.long_columns(), self.rows)
-        return body + "\n" + "\n".join(self.notes()) + "\n"
-
-    def to_csv(self) -> str:
+    def csv_table(self) -> Table:
         """Every row, every figure in bytes (the layout does not apply)."""
         cols = [Column(k, (lambda k: lambda r: getattr(r, k))(k)) for k in
                 ("impl", "dtype", "batch", "heads", "seq_len", "head_dim", "peak_bytes",
                  "saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
                  "reserved_peak_bytes", "quadratic_bytes")]
         cols += [Column("growth", lambda r: str(r.growth)), Column("fits", lambda r: r.fits)]
-        return csv_table(cols, self.rows)
+        return Table(None, cols, self.rows)
+
+    def headline(self) -> str:
+        fit = sum(r.fits for r in self.rows)
+        return (f"{len(self.rows)} configuration{'s' * (len(self.rows) != 1)} ({', '.join(self.axes['impl'])}), {fit} fit "
+                f"{human(self.budget.budget_bytes)}")
 
     def records(self) -> list[dict]:
-        """One dict per row (configuration)."""
-        return self.to_dict()["rows"]
+        """One dict per row (configuration); ``growth`` as a float (the JSON keeps the exact
+        fraction)."""
+        return [{**r, "growth": float(Fraction(r["growth"]))} for r in self.to_dict()["rows"]]
 
     def to_dict(self) -> dict:
         rows = [{**r.model_dump(exclude={"first_peak_bytes"}), "growth": str(r.growth)}
@@ -229,10 +200,12 @@ class Sweep(Result):
 def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterable[int] = (),
           batch: Iterable[int] = (), heads: Iterable[int] = (), impls: Iterable[str] = (),
           dtypes: Iterable[str] = (), pivot: Figure | None = None,
-          unit: Literal["MiB", "bytes"] = "MiB") -> Sweep:
+          unit: Literal["MiB", "bytes"] = "MiB", progress=None) -> Sweep:
     """Every combination of the given values (``base``'s where none are given) for each
     implementation and dtype, exact, with the OOM mark for ``budget``. An implementation
-    that rejects a dtype (or any configuration) is listed under ``skipped``."""
+    that rejects a dtype (or any configuration) is listed under ``skipped``.
+    ``progress(items, total, description)`` wraps the loop over implementations and dtypes
+    (``memcalc.progress``)."""
     from memcalc.vectorized import classify, evaluate
 
     s = base.shape
@@ -246,7 +219,10 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
     skipped: list[tuple[str, str]] = []
     grid = list(product(axes["batch"], axes["heads"], axes["head_dim"], axes["seq_len"]))
     b_, h_, d_, n_ = (np.array(v, dtype=np.int64) for v in zip(*grid))
-    for impl, dtype in product(axes["impl"], axes["dtype"]):
+    series = list(product(axes["impl"], axes["dtype"]))
+    if progress is not None and len(series) > 1:
+        series = progress(series, len(series), "sweep")
+    for impl, dtype in series:
         try:
             config = Config(**{**base.model_dump(), "impl": impl, "dtype": DType(dtype)})
             figures = evaluate(config, batch=b_, heads=h_, head_dim=d_, seq_len=n_)

@@ -6,6 +6,7 @@ runs them over the implementations and renders the table.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict
@@ -16,10 +17,9 @@ from memcalc.closed_form import SYMBOL
 from memcalc.config import Config
 from memcalc.errors import one_line
 from memcalc.impls import get_impl, impl_names
-from memcalc.render import Column, csv_table, markdown_table
-from memcalc.scaling import _bold_title, compact_table
+from memcalc.render import Column, Table
 from memcalc.solver import SolveField, Solved, Unsolved, max_fitting
-from memcalc.units import GiB, _fixed, mib
+from memcalc.units import GiB, _fixed
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -35,38 +35,49 @@ class Skipped(BaseModel):
     reason: str
 
 
-def _cell_fit(f: Fit | None, key: str) -> str:
-    return "-" if f is None else mib(getattr(f, key))
-
-
 def _cell_gib(f: Fit | None, key: str) -> str:
     return "-" if f is None else gib(getattr(f, key))
 
 
-def _columns(field: str, wide: bool = False) -> list[Column]:
-    """The table's columns; ``wide`` (Markdown) adds the peak at N+1 and the polynomial."""
+def _columns(field: str) -> list[Column]:
+    """The table's columns. ``reserved at N`` is the reserved peak of the replay under the
+    budget (with the allocator's release-and-retry, so never above the budget); ``needs at
+    N+1`` is what the failing replay asked for (reserved + the segment that failed), above
+    it: the two figures that decide the threshold."""
     s = SYMBOL[field]
-    cols = [
+    return [
         Column("implementation", lambda r: r.impl),
         Column(f"max {s}", lambda r: r.max_value, "right"),
-        Column("first 2^k OOM", lambda r: r.first_failing_power_of_two, "right"),
-        Column(f"peak at {s}, GiB", lambda r: _cell_gib(r.at_max, "peak_bytes"), "right"),
-        Column(f"reserved at {s}, GiB", lambda r: _cell_gib(r.at_max, "reserved_peak_bytes"), "right"),
-        Column(f"reserved at {s}+1, GiB", lambda r: _cell_gib(r.at_next, "reserved_peak_bytes"), "right"),
+        Column("first 2^k OOM", lambda r: r.first_failing_power_of_two, "right", drop=3),
+        Column(f"allocated at {s}, GiB", lambda r: _cell_gib(r.at_max, "peak_bytes"), "right",
+               drop=2),
+        Column(f"reserved at {s}, GiB", lambda r: _cell_gib(r.at_max, "reserved_bytes"), "right"),
+        Column(f"needs at {s}+1, GiB", lambda r: _cell_gib(r.at_next, "reserved_bytes"), "right",
+               drop=1),
     ]
-    if wide:  # Markdown: MiB as the seeds wrote them, and the polynomial
-        cols[3:] = [
-            Column(f"peak at {s}, MiB", lambda r: _cell_fit(r.at_max, "peak_bytes"), "right"),
-            Column(f"reserved at {s}, MiB", lambda r: _cell_fit(r.at_max, "reserved_peak_bytes"), "right"),
-            Column(f"peak at {s}+1, MiB", lambda r: _cell_fit(r.at_next, "peak_bytes"), "right"),
-            Column(f"reserved at {s}+1, MiB", lambda r: _cell_fit(r.at_next, "reserved_peak_bytes"), "right"),
-            Column(f"raw bytes alive at the peak at {s}", _formula),
-        ]
-    return cols
+
+
+def _number(q: Fraction) -> str:
+    """A coefficient: the integer, or its decimal rounded to 0.01 (exactly, half up)."""
+    if q.denominator == 1:
+        return f"{q.numerator:,}"
+    return ("-" if q < 0 else "") + _fixed(abs(q.numerator), q.denominator, 2)
 
 
 def _formula(r) -> str:
-    return r.approximation.text() if r.approximation else "-"
+    """The closed form, readable: integer coefficients as they are (exact, or marked a fit);
+    fractional ones as decimals, labelled approximate (the exact fractions are in --json)."""
+    q = r.approximation
+    if q is None:
+        return "-"
+    if all(c.denominator == 1 for c in (q.a, q.b, q.c)):
+        return q.text()
+    x = q.symbol
+    terms = [f"{_number(c)}{t}" for c, t in ((q.a, f"*{x}^2"), (q.b, f"*{x}"), (q.c, ""))
+             if _number(c) not in ("0.00", "-0.00")]
+    kind = "exact" if q.exact else f"fitted through {x}={q.at:,}, {2 * q.at:,}, {4 * q.at:,}"
+    return (f"about {' + '.join(terms) or '0'}".replace("+ -", "- ")
+            + f" ({kind}; coefficients rounded to 0.01, fractions in --json)")
 
 
 def _byte_columns(field: str) -> list[Column]:
@@ -75,9 +86,9 @@ def _byte_columns(field: str) -> list[Column]:
         Column(f"max_{field}", lambda r: r.max_value),
         Column("first_failing_power_of_two", lambda r: r.first_failing_power_of_two),
         Column("peak_bytes_at_max", lambda r: r.peak_bytes_at_max if r.at_max else ""),
-        Column("reserved_peak_bytes_at_max", lambda r: r.at_max.reserved_peak_bytes if r.at_max else ""),
+        Column("reserved_bytes_at_max", lambda r: r.at_max.reserved_bytes if r.at_max else ""),
+        Column("needed_bytes_at_next", lambda r: r.at_next.reserved_bytes),
         Column("peak_bytes_at_next", lambda r: r.peak_bytes_at_next),
-        Column("reserved_peak_bytes_at_next", lambda r: r.at_next.reserved_peak_bytes),
         Column("a", lambda r: str(r.approximation.a) if r.approximation else ""),
         Column("b", lambda r: str(r.approximation.b) if r.approximation else ""),
         Column("c", lambda r: str(r.approximation.c) if r.approximation else ""),
@@ -107,45 +118,47 @@ class OomReport(Result):
         return (f"largest {self.field} that fits, {_fixed_options(self.base, self.field)}\n"
                 f"{self.budget.describe()}")
 
-    def notes(self, formulas: bool = True) -> str:
+    def tables(self) -> list[Table]:
+        return [Table(self.title(), _columns(self.field), self.results)]
+
+    def csv_table(self) -> Table:
+        return Table(None, _byte_columns(self.field), self.results)
+
+    def footnotes(self) -> list[str]:
+        from memcalc.render_results import caveats
+
         s = SYMBOL[self.field]
-        lines = [f"fits: replaying the step with capacity = budget raises no OOM (reserved "
-                 f"memory, after releasing cached segments); each row fits at {s}, not at {s}+1. "
-                 f"Near a threshold fitting is not monotone (reserved memory moves by 2 MiB "
-                 f"segments between neighbours): the search starts from the closed-form estimate "
-                 f"of the top of the fitting range."]
-        if formulas:
-            lines += ["why, the raw bytes of the tensors alive at the peak (before rounding to "
-                      "blocks; exact unless marked fit):"]
-            lines += [f"  {r.impl}: {_formula(r)}" for r in self.results]
+        lines = [f"fits: replaying the step with capacity = budget raises no OOM; reserved at "
+                 f"{s}: the reserved peak of that replay (the allocator releases its cached free "
+                 f"segments and retries before failing); needs at {s}+1: reserved + the segment "
+                 f"that failed, over the budget. Near a threshold fitting is not monotone "
+                 f"(reserved memory moves by 2 MiB segments between neighbours): the search "
+                 f"starts from the closed-form estimate of the top of the fitting range.",
+                 "why, the raw bytes of the tensors alive at the peak (before rounding to "
+                 "blocks):"]
+        lines += [f"  {r.impl}: {_formula(r)}" for r in self.results]
         lines += [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
-        return "\n".join(lines)
+        return lines + caveats([r.impl for r in self.results])
 
-    def __rich__(self):
-        from rich.console import Group
-
-        return Group(compact_table(self.title(), _columns(self.field), self.results), self.notes())
-
-    def _repr_html_(self) -> str:
-        from memcalc.render import html
-
-        return html(self)
-
-    def to_markdown(self) -> str:
-        return (_bold_title(self.title()) + markdown_table(_columns(self.field, True), self.results)
-                + "\n" + self.notes(formulas=False) + "\n")
-
-    def to_csv(self) -> str:
-        return csv_table(_byte_columns(self.field), self.results)
+    def headline(self) -> str:
+        s = SYMBOL[self.field]
+        best = ", ".join(f"{r.impl} {s}={r.max_value:,}" for r in self.results[:3])
+        more = f" (+{len(self.results) - 3} more)" if len(self.results) > 3 else ""
+        return f"largest {self.field} within {gib(self.budget.budget_bytes)} GiB: {best}{more}"
 
     def records(self) -> list[dict]:
         """One dict per solved implementation."""
         return self.to_dict()["results"]
 
     def to_dict(self) -> dict:
+        """``results`` carry, besides the solver's figures, ``reserved_bytes_at_max`` (the
+        reserved peak under the budget) and ``needed_bytes_at_next``."""
+        def result(r: Solved) -> dict:
+            return {**r.to_dict(), "reserved_bytes_at_max": r.at_max.reserved_bytes
+                    if r.at_max else None, "needed_bytes_at_next": r.at_next.reserved_bytes}
         return {"budget_bytes": self.budget.budget_bytes, "solve": self.field,
                 "budget": self.budget.model_dump(mode="json"),
-                "results": [r.to_dict() for r in self.results],
+                "results": [result(r) for r in self.results],
                 "skipped": [k.model_dump() for k in self.skipped],
                 "config": self.base.model_dump(mode="json")}
 

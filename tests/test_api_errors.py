@@ -54,5 +54,13 @@ def test_bad_value_names_the_field(function, options, field):
 
 def test_unknown_keyword_is_a_type_error():
     """Python's own rule for a misspelt keyword: TypeError naming it."""
-    with pytest.raises(TypeError, match="seq_length"):
-        memcalc.breakdown(seq_length=64)
+    with pytest.raises(TypeError, match="'seqence_len' .*did you mean 'seq_len'"):
+        memcalc.breakdown(seqence_len=64)
+
+
+def test_keyword_aliases_are_accepted():
+    """The CLI's ``seq`` and the usual model-config names mean the canonical options."""
+    assert memcalc.breakdown(seq=64).config.shape.seq_len == 64
+    assert memcalc.breakdown(seq_length=64, num_heads=2).config.shape.heads == 2
+    with pytest.raises(TypeError, match="same option"):
+        memcalc.breakdown(seq=64, seq_len=64)

@@ -46,7 +46,10 @@ def test_gpu_gb_counts_binary_gigabytes():
 def test_default_budget_of_a_preset():
     b = Budget.of(Device(gpu="h100-80gb"))
     assert b.reserve_bytes == DEFAULT_RESERVE_BYTES == 536_870_912  # 512 MiB
-    assert b.budget_bytes == 84_983_939_072  # 81559 x 2^20 - 512 x 2^20 = 81047 x 2^20
+    # h100-80gb: PyTorch's 'total capacity of 79.11 GiB' read as 81004 MiB (the smallest
+    # whole MiB that prints so); 81004 x 2^20 - 512 x 2^20 = 80492 x 2^20
+    assert b.budget_bytes == 84_401_979_392
+    assert "total capacity PyTorch reports" in b.describe()
     assert "NVIDIA H100" in b.describe()
 
 
@@ -62,10 +65,21 @@ def test_reserve_must_leave_memory():
 
 
 def test_presets_memory_matches_their_source():
-    # every preset: memory_bytes = the MiB figure its source quotes x 2^20
+    # every preset: smi_memory_bytes = the MiB figure nvidia-smi shows x 2^20; memory_bytes
+    # the smallest whole MiB that PyTorch's OOM message prints as the quoted "total
+    # capacity of X GiB" (ceil((X - 0.005) x 1024) MiB), or nvidia-smi's where none is quoted
+    from fractions import Fraction
+
     for g in gpu_presets().values():
-        mib = int(re.search(r"memory\.total (\d+) MiB", g.source).group(1))
-        assert g.memory_bytes == mib * MiB, g.name
+        mib = int(re.search(r"memory\.total (\d+) MiB", g.smi_source).group(1))
+        assert g.smi_memory_bytes == mib * MiB, g.name
+        quoted = re.search(r"total capacity of (\d+\.\d\d) GiB", g.source)
+        if g.memory_kind == "torch":
+            x = Fraction(quoted.group(1))
+            assert g.memory_bytes == -(-(x - Fraction(5, 1000)) * 1024 // 1) * MiB, g.name
+            assert g.memory_bytes < g.smi_memory_bytes, g.name
+        else:
+            assert g.memory_kind == "nvidia-smi" and g.memory_bytes == g.smi_memory_bytes
 
 
 # --- fits ---------------------------------------------------------------------------------

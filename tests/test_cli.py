@@ -26,7 +26,7 @@ def test_breakdown_json_has_figures_and_components(capsys):
 
 def test_breakdown_csv_and_markdown(capsys):
     _, csv_out, _ = run(capsys, "breakdown", "--seq", "1024", "--csv")
-    assert csv_out.splitlines()[0] == "component,role,dtype,formula (shape x element),bytes,allocated,MiB,share"
+    assert csv_out.splitlines()[0] == "component,made by,role,dtype,formula (shape x element),bytes,allocated,MiB,share"
     _, md, _ = run(capsys, "breakdown", "--seq", "1024", "--markdown")
     assert "| saved for backward | " in md
 
@@ -75,3 +75,18 @@ def test_lists(capsys):
     assert run(capsys, "impls")[0] == 0
     code, out, _ = run(capsys, "gpus")
     assert code == 0 and "h100-80gb" in out
+
+
+@pytest.mark.parametrize("argv", [["validate", "--impl", "naive"],
+                                  ["trace", "examples/custom_softmax/variants.py:reciprocal"]])
+def test_without_torch_one_line_and_exit_2(capsys, monkeypatch, argv):
+    """``pip install .`` has no torch: the commands that need it say how to get it."""
+    import sys
+
+    for name in [m for m in sys.modules if m.startswith(("memcalc.validation.", "memcalc.tracing",
+                                                         "torch"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "needs PyTorch" in err and "pip install torch" in err

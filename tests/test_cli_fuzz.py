@@ -203,7 +203,7 @@ def test_random_words(capsys, argv):
 @pytest.mark.parametrize("argv, option", [
     (["breakdown", "--seq", "1,,x"], "--seq"),
     (["breakdown", "--seq"], "--seq"),
-    (["breakdown", "--gpu", "h100 80gb"], "--gpu"),
+    (["breakdown", "--gpu", "h100 90gb"], "--gpu"),  # "h100 80gb" is accepted
     (["breakdown", "--gpu-gb", "0"], "--gpu-gb"),
     (["breakdown", "--gpu-gb", "0.1"], "--gpu-gb"),  # not whole bytes
     (["breakdown", "--gpu-gb", "0.5"], "--reserve"),  # 512 MiB, all of it reserved
@@ -211,7 +211,8 @@ def test_random_words(capsys, argv):
     (["compare", "--seq", "64", "--plot", "/nonexistent-dir/x.png"], "--plot"),
     (["breakdown", "--reserve", "1,,x"], "--reserve"),
     (["breakdown", "--seq", "64", "--plot", "/nonexistent-dir/x.png"], "--plot"),
-    (["compare", "--seq", "64", "--only", "flashy"], "--only"),
+    (["compare", "--seq", "64", "--only", "flashy"], "--impl"),  # --only: the old --impl
+    (["compare", "--seq", "64", "--impl", "bogus"], "--impl"),
     (["compare", "--seq", "64", "--baseline", "flashy"], "--baseline"),
     (["compare", "--seq", "64", "--only", "naive", "--baseline", "flash2"], "--baseline"),
     (["sweep", "--seq", "1,,x"], "--seq"),

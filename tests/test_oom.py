@@ -158,3 +158,20 @@ def test_oom_and_sweep_import_no_torch():
             "('torch', 'matplotlib', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
+    """Every row: the reserved peak at N (replayed under the budget, with release-and-retry)
+    is within the budget and what N+1 needs is over it; closed forms print no fractions."""
+    import memcalc
+    from memcalc.render import text
+
+    report = memcalc.oom(gpu_gb=80, impls=["naive", "linear", "sdpa-efficient"])
+    budget = report.budget.budget_bytes  # 80 x 2^30 - 512 x 2^20 = 85,362,475,008
+    assert budget == 85_362_475_008
+    for r in report.to_dict()["results"]:
+        assert r["reserved_bytes_at_max"] <= budget < r["needed_bytes_at_next"], r["impl"]
+    out = text(report, 140)
+    why = out[out.index("why"):]
+    assert "/" not in why.split("caveat")[0]
+    assert "naive: 192*N^2 + 3,168*N + 67,108,864" in why  # 6 N x N tensors x 8 x 4 B = 192

@@ -36,6 +36,15 @@ def test_timeline(tmp_path):
     assert "naive" in fig.axes[0].get_title()
 
 
+def test_timeline_of_a_breakdown(tmp_path):
+    """``plot_timeline(memcalc.breakdown(...))`` draws that step (its config)."""
+    out = tmp_path / "timeline.png"
+    fig = plot_timeline(memcalc.breakdown(impl="flash2", seq_len=2048), str(out))
+    assert is_png(out) and "flash2" in fig.axes[0].get_title()
+    with pytest.raises(TypeError, match="Config or a breakdown"):
+        plot_timeline("naive")
+
+
 def test_components(tmp_path):
     out = tmp_path / "components.png"
     results = [memcalc.breakdown(impl=name, seq_len=2048) for name in ("naive", "flash2")]
@@ -108,3 +117,17 @@ def test_example_scripts(tmp_path, monkeypatch, capsys, name):
     monkeypatch.setattr(sys, "argv", [str(script), str(out)])
     runpy.run_path(str(script), run_name="__main__")
     assert is_png(out)
+
+
+def test_peaks_draws_the_figure_that_decides_fitting(tmp_path):
+    """Points under the budget line fit, points over it do not: the plot draws reserved
+    memory, which is what fitting is judged on (allocated memory would sit under the line
+    for steps that do not fit)."""
+    # naive at N = 16384: allocated 48.11 GiB < budget 52 - 0.5 = 51.5 GiB < reserved 56.09
+    table = memcalc.sweep(seq_lens=(1024, 4096, 8192, 16384), gpu_gb=52)
+    ax = plot_peaks(table, path=str(tmp_path / "p.png")).axes[0]
+    budget_y = next(line.get_ydata()[0] for line in ax.lines
+                    if line.get_label().startswith("budget"))
+    ys = ax.lines[0].get_ydata()
+    assert [y <= budget_y for y in ys] == [r.fits for r in table.rows]
+    assert [r.fits for r in table.rows] == [True, True, True, False]

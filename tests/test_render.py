@@ -39,3 +39,127 @@ def test_units_are_exact():
     assert human(25_887_244_288) == "24.11 GiB"  # 25,887,244,288 / 2^30 = 24.1093...
     assert share(1, 3) == "33.3%"
     assert share(2, 3) == "66.7%"
+
+
+# --- every subcommand at every width: nothing cut ------------------------------------------
+
+import json
+import re
+
+import pytest
+
+from memcalc.cli import PIPED_WIDTH, main
+
+WIDTHS = [60, 80, 100, 140, None]  # None: piped, no COLUMNS: PIPED_WIDTH
+TRACE = "examples/custom_softmax/variants.py:reciprocal"
+
+
+def run_at(capsys, monkeypatch, width, *argv) -> str:
+    if width is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(width))
+    assert main(list(argv)) in (0, 1)
+    out = capsys.readouterr().out
+    limit = width or PIPED_WIDTH
+    assert "…" not in out and "..." not in out
+    assert max(len(line) for line in out.splitlines()) <= limit
+    return out
+
+
+def json_of(capsys, *argv) -> dict:
+    assert main([*argv, "--json"]) in (0, 1)
+    return json.loads(capsys.readouterr().out)
+
+
+def whole(text: str, figure) -> bool:
+    """``figure`` appears in ``text`` as a token of its own (not cut, not part of another)."""
+    return re.search(rf"(?<![\d,.]){re.escape(str(figure))}(?![\d,.])", text) is not None
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_breakdown_at_every_width(capsys, monkeypatch, width):
+    data = json_of(capsys, "breakdown", "--seq", "4096")
+    out = run_at(capsys, monkeypatch, width, "breakdown", "--seq", "4096")
+    for c in data["components"]:  # every name and allocated block, whole
+        assert c["name"] in out and whole(out, c["bytes"]), (c["name"], width)
+    for key in ("saved_bytes", "peak_bytes", "reserved_peak_bytes"):
+        assert whole(out, data[key])
+    assert whole(out, f"{data['budget_bytes']:,}")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_compare_at_every_width(capsys, monkeypatch, width):
+    from memcalc.units import human
+
+    argv = ["compare", "--seq", "1024", "--impl", "naive,naive-softmax,flash2,sdpa-efficient,"
+            "checkpoint-linear-causal-chunked"]
+    data = json_of(capsys, *argv)
+    out = run_at(capsys, monkeypatch, width, *argv)
+    for r in data["rows"]:
+        assert r["impl"] in out
+        assert human(r["peak_bytes"]) in out
+        if r["max_seq_len"] is not None:
+            assert whole(out, r["max_seq_len"])
+    assert "caveat: sdpa-efficient" in out.replace("\n", " ")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_sweep_at_every_width(capsys, monkeypatch, width):
+    from memcalc.units import mib
+
+    argv = ["sweep", "--seq", "256,4096", "--head-dim", "16,128", "--impl", "naive,flash2"]
+    data = json_of(capsys, *argv)
+    out = run_at(capsys, monkeypatch, width, *argv)
+    for r in data["rows"]:
+        assert whole(out, mib(r["peak_bytes"]))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_oom_at_every_width(capsys, monkeypatch, width):
+    argv = ["oom", "--impl", "naive,flash2", "--gpu-gb", "16"]
+    data = json_of(capsys, *argv)
+    out = run_at(capsys, monkeypatch, width, *argv)
+    for r in data["results"]:
+        assert r["impl"] in out and whole(out, r["max_seq_len"])
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_lists_trace_and_validate_at_every_width(capsys, monkeypatch, width, tmp_path):
+    from memcalc.gpus import gpu_presets
+    from memcalc.names import impl_choices
+
+    out = run_at(capsys, monkeypatch, width, "gpus")
+    assert all(whole(out, g.memory_bytes) for g in gpu_presets().values())
+    out = run_at(capsys, monkeypatch, width, "impls")
+    assert all(n in out for n in impl_choices())
+    data = json_of(capsys, "trace", TRACE, "--seq", "256")
+    out = run_at(capsys, monkeypatch, width, "trace", TRACE, "--seq", "256")
+    assert all(whole(out, c["bytes"]) for c in data["components"])
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"name": "tiny", "products": [
+        {"impl": ["naive-softmax"], "seq_len": [64, 100], "batch": [1]}]}))
+    out = run_at(capsys, monkeypatch, width, "validate", "--grid", str(grid))
+    assert "emulated: 2 configurations" in out.replace("\n", " ")
+
+
+def test_narrow_tables_fall_back_to_blocks_not_cuts():
+    """Below the width of the essential columns, each row becomes a block of pairs."""
+    from memcalc.render import Column, Table, fitted
+    from memcalc.breakdown import Result
+
+    class Wide(Result):
+        def tables(self):
+            cols = [Column("name", lambda r: r[0]), Column("bytes", lambda r: r[1], "right")]
+            return [Table("t", cols, [("a-rather-long-name", 12345678901234567890)])]
+
+    out = render(Wide(), width=30)
+    assert "a-rather-long-name" in out and "bytes 12345678901234567890" in out
+
+
+def test_print_and_repr_are_short():
+    b = predict(Config(shape={"seq_len": 1024}))
+    # naive, N = 1024: peak 259.09 MiB (the sweep's second row above), a one-line summary
+    assert str(b).count("\n") == 0 and len(repr(b)) < 250
+    assert "peak" in str(b) and "fits" in str(b)
+    assert repr(b).startswith("<Breakdown: naive B=8 H=1 N=1024")

@@ -79,7 +79,7 @@ def test_csv_and_json_carry_bytes(capsys):
     assert rows[1]["peak_bytes"] == "51658620928" and rows[1]["fits"] == "True"
     _, out, _ = run(capsys, "sweep", "--seq", "1024,16384", "--json")
     data = json.loads(out)
-    assert data["budget_bytes"] == 84_983_939_072  # h100-80gb: 81559 MiB - 512 MiB
+    assert data["budget_bytes"] == 84_401_979_392  # h100-80gb: (81004 - 512) x 2^20
     assert data["rows"][1]["saved_bytes"] == 17_181_442_048
 
 

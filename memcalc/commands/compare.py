@@ -2,49 +2,40 @@
 
 from memcalc.cli import (budget_from, budget_options, check_output, config_from, emit,
                          format_options, naming, shape_options)
+from memcalc.names import check_impl, impl_list
 
 HELP = "every implementation side by side: saved, peaks, savings, largest seq_len"
 
 
 def add_arguments(parser) -> None:
-    shape_options(parser)
+    shape_options(parser, impls="many")
+    parser.add_argument("--only", dest="impl", action="append", help=argparse_suppress())
     budget_options(parser)
     format_options(parser)
-    parser.add_argument("--only", action="append", metavar="IMPL",
-                        help="only these implementations (repeatable, or comma-separated)")
-    parser.add_argument("--baseline", default="naive", help="compare against (default naive)")
+    parser.add_argument("--baseline", default="naive",
+                        help="compare against (default naive, the custom softmax keeping exp_x; "
+                             "naive-softmax is torch.softmax attention)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also draw what is alive at each peak (needs matplotlib)")
 
 
-def impl_list(only: list[str] | None) -> list[str] | None:
-    """The names of ``--only`` (repeated or comma-separated), each a known implementation."""
-    from memcalc.impls import get_impl
+def argparse_suppress():
+    """``--only`` is the old spelling of ``--impl``: still accepted, no longer listed."""
+    import argparse
 
-    if only is None:
-        return None
-    names = [name.strip() for text in only for name in text.split(",")]
-    if not all(names):
-        raise ValueError(f"--only: {','.join(only)!r} is not a comma-separated list of names")
-    for name in names:
-        with naming("--only"):
-            get_impl(name)
-    return names
+    return argparse.SUPPRESS
 
 
 def check_baseline(baseline: str, names: list[str] | None) -> None:
-    """``--baseline`` must be a known implementation, and one of ``--only``'s if given."""
-    from memcalc.impls import get_impl
-
-    with naming("--baseline"):
-        get_impl(baseline)
+    """``--baseline`` must be a known implementation, and one of ``--impl``'s if given."""
+    check_impl(baseline, "--baseline")
     if names is not None and baseline not in names:
         raise ValueError(f"--baseline: {baseline!r} is not among the compared implementations "
-                         f"(--only {','.join(names)}); add it to --only")
+                         f"(--impl {','.join(names)}); add it to --impl")
 
 
 def base_config(args, names: list[str] | None):
-    """The shared options as a ``Config``, under the first implementation (of ``--only``, or
+    """The shared options as a ``Config``, under the first implementation (of ``--impl``, or
     any) that accepts them: ``--kv-heads`` alone must not fail because naive has no GQA."""
     from memcalc.impls import impl_names
 
@@ -62,7 +53,7 @@ def run(args) -> int:
     from memcalc.comparison import compare
 
     check_output(args.plot, "--plot")
-    names = impl_list(args.only)
+    names = impl_list(args.impl)
     check_baseline(args.baseline, names)
     result = compare(base_config(args, names), budget_from(args), names, args.baseline)
     if args.plot:

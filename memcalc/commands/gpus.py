@@ -8,15 +8,22 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
+    from memcalc.cli import console
     from memcalc.gpus import gpu_presets
+    from memcalc.render import Column, rich_table
     from memcalc.units import human
 
-    table = Table("name", "device", "cc", "memory (bytes)", "", "source")
-    for g in gpu_presets().values():
-        cc = ".".join(map(str, g.compute_capability))
-        table.add_row(g.name, g.label, cc, str(g.memory_bytes), human(g.memory_bytes), g.source)
-    Console().print(table)
+    columns = [
+        Column("name", lambda g: g.name),
+        Column("device", lambda g: g.label, wrap=True, drop=3),
+        Column("cc", lambda g: ".".join(map(str, g.compute_capability)), drop=4),
+        Column("memory PyTorch can use (B)", lambda g: g.memory_bytes, "right"),
+        Column("", lambda g: human(g.memory_bytes), "right", drop=1),
+        Column("from", lambda g: g.memory_kind, drop=2),
+        Column("nvidia-smi total (B)", lambda g: g.smi_memory_bytes or "-", "right", drop=5),
+        Column("source", lambda g: g.source, wrap=True, drop=6),
+    ]
+    console().print(rich_table("GPU presets: the budget is the memory PyTorch can use less "
+                               "--reserve (default 512 MiB for the CUDA context)", columns,
+                               gpu_presets().values()))
     return 0

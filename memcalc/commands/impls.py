@@ -8,13 +8,18 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from memcalc.cli import console
+    from memcalc.impls import get_impl
+    from memcalc.names import impl_choices
+    from memcalc.render import Column, rich_table
 
-    from memcalc.impls import get_impl, impl_names
-
-    table = Table("implementation", "what it is")
-    for name in impl_names():
-        table.add_row(name, get_impl(name).summary)
-    Console().print(table)
+    columns = [
+        Column("implementation", lambda n: n),
+        Column("what it is", lambda n: get_impl(n).summary, wrap=True),
+        Column("model", lambda n: "traced" if get_impl(n).traced else "from CUDA sources",
+               drop=1),
+    ]
+    console().print(rich_table("implementations (--impl NAME; lists: --impl a,b or 'all'); "
+                               "naive is the custom softmax that keeps exp_x, naive-softmax is "
+                               "torch.softmax attention", columns, impl_choices()))
     return 0

@@ -8,8 +8,7 @@ SOLVE = {"seq": "seq_len", "seq-len": "seq_len", "seq_len": "seq_len", "batch": 
 
 
 def add_arguments(parser) -> None:
-    shape_options(parser)
-    parser.set_defaults(impl=None)
+    shape_options(parser, impls="many")
     budget_options(parser)
     parser.add_argument("--solve", default="seq", metavar="FIELD",
                         help="what to maximise: seq (default), batch or head-dim; the other "
@@ -38,12 +37,12 @@ def run(args) -> int:
 
 def _impls(args) -> list[str] | None:
     """The implementations asked for: ``--impl a,b``, and ``--trace`` registered as one."""
-    impls = None
-    if args.impl is not None:
-        impls = [name.strip() for name in args.impl.split(",")]
-        if not all(impls):
-            raise ValueError(f"--impl: {args.impl!r} is not a comma-separated list of names")
+    from memcalc.names import impl_list
+
+    impls = impl_list(args.impl)
     if args.trace is not None:
+        import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
+
         from memcalc.tracing import load_function, register_function
 
         traced = register_function(load_function(args.trace), args.trace)

@@ -1,6 +1,7 @@
 """``memcalc sweep``: the seeds' scaling tables, every figure over a grid of shapes."""
 
-from memcalc.cli import budget_options, check_output, format_options, naming, step_options
+from memcalc.cli import (DTYPE_HELP, budget_options, check_output, format_options, impl_option,
+                         naming, step_options)
 
 HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
 
@@ -42,9 +43,8 @@ def add_arguments(p) -> None:
     p.add_argument("--head-dim", default="16", metavar="LIST", help="head dims (default 16)")
     p.add_argument("--batch", default="8", metavar="LIST", help="batch sizes (default 8)")
     p.add_argument("--heads", default="1", metavar="LIST", help="heads (default 1)")
-    p.add_argument("--impl", default="naive", metavar="LIST",
-                   help="implementations, or 'all' (default naive)")
-    p.add_argument("--dtype", default="fp32", metavar="LIST", help="fp32, fp16, bf16 (default fp32)")
+    impl_option(p, "naive")
+    p.add_argument("--dtype", default="fp32", metavar="LIST", help=f"a list of {DTYPE_HELP}")
     step_options(p)
     budget_options(p)
     p.add_argument("--pivot", default=None, metavar="FIGURE",
@@ -60,6 +60,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from memcalc.cli import budget_from, emit
     from memcalc.config import make_config
+    from memcalc.progress import progress
     from memcalc.scaling import FIGURE_KEY, sweep
 
     seq = int_list(args.seq, "--seq")
@@ -67,15 +68,13 @@ def run(args) -> int:
     batch = int_list(args.batch, "--batch")
     heads = int_list(args.heads, "--heads")
     dtypes = name_list(args.dtype, "--dtype")
-    impls = name_list(args.impl, "--impl")
-    if impls == ["all"]:
-        from memcalc.impls import impl_names
+    from memcalc.names import impl_choices, impl_list
 
-        impls = impl_names()
+    impls = impl_list(args.impl or ["naive"])
+    impls = impls if impls is not None else impl_choices()
     if args.pivot is not None and args.pivot not in FIGURE_KEY:
         raise ValueError(f"--pivot: {args.pivot!r} is not one of {', '.join(FIGURE_KEY)}")
-    for dtype in dtypes:  # validated here so the error names the option
-        make_config(dtype=dtype)
+    dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
     base = make_config(impl=impls[0], seq_len=seq[0], batch=batch[0], heads=heads[0],
                        head_dim=dims[0], kv_len=args.kv_len, kv_heads=args.kv_heads,
                        dtype=dtypes[0], causal=args.causal, chunk=args.chunk, gpu=args.gpu,
@@ -85,7 +84,7 @@ def run(args) -> int:
         make_config(impl=name)
     check_output(args.plot, "--plot")
     result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
-                   pivot=args.pivot, unit="bytes" if args.bytes else "MiB")
+                   pivot=args.pivot, unit="bytes" if args.bytes else "MiB", progress=progress)
     if args.plot:  # before printing, so that a failure to write it prints nothing else
         from memcalc.plots import plot_peaks
 

@@ -28,6 +28,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """Load, trace, check the budget, draw if asked, print; a failure of the target is one
     line naming it as given."""
+    import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
+
     from memcalc.tracing import TraceError, TraceOptions, load_function, register_function, traced
 
     check_output(args.plot, "--plot")

@@ -3,7 +3,7 @@
 import math
 import os
 
-from memcalc.cli import check_output, emit, format_options, naming
+from memcalc.cli import check_output, emit, format_options, impl_option, naming
 
 HELP = "compare predictions with the emulated trace or a live GPU run"
 KINDS = ("oom-threshold", "fused", "usercode", "grid")  # memcalc.validation.cases.KINDS
@@ -11,7 +11,7 @@ KINDS = ("oom-threshold", "fused", "usercode", "grid")  # memcalc.validation.cas
 
 def add_arguments(parser) -> None:
     parser.add_argument("--backend", default="emulated", choices=["emulated", "cuda"])
-    parser.add_argument("--impl", action="append", help="only these implementations (repeatable)")
+    impl_option(parser)
     parser.add_argument("--grid", default=None, help="grid file (default: the shipped grids)")
     parser.add_argument("--out", default=None,
                         help="write the JSON report to this file, or into this directory "
@@ -35,15 +35,6 @@ def check_grid(path: str | None) -> None:
         raise ValueError(f"--grid {path}: {what}")
     if not os.access(path, os.R_OK):
         raise ValueError(f"--grid {path}: not readable")
-
-
-def check_impls(names: list[str] | None) -> None:
-    """Each ``--impl`` must be a known implementation."""
-    from memcalc.impls import get_impl
-
-    for name in names or []:
-        with naming("--impl"):
-            get_impl(name)
 
 
 def parse_seconds(text: str | None) -> float | None:
@@ -74,8 +65,10 @@ def run(args) -> int:
     """Check the options, validate, write the report if asked, print; 1 on a mismatch."""
     from memcalc.validation import validate, write_report
 
+    from memcalc.names import impl_list
+
     check_grid(args.grid)
-    check_impls(args.impl)
+    impls = impl_list(args.impl)
     seconds, kinds = parse_seconds(args.max_seconds), parse_cases(args.cases)
     if args.out and not (os.path.isdir(args.out) or args.out.endswith("/")):
         check_output(args.out, "--out")
@@ -83,8 +76,11 @@ def run(args) -> int:
     for option, value in (("--max-seconds", seconds), ("--cases", kinds)):
         if value is not None and not live:
             raise ValueError(f"{option}: only with --backend cuda")
-    report = validate(backend=args.backend, impls=args.impl, grid=args.grid,
-                      out=args.out if live else None, max_seconds=seconds, cases=kinds)
+    from memcalc.progress import progress
+
+    report = validate(backend=args.backend, impls=impls, grid=args.grid,
+                      out=args.out if live else None, max_seconds=seconds, cases=kinds,
+                      progress=progress)
     if args.out and not live:
         with naming("--out"):
             write_report(report, args.out)

@@ -16,12 +16,13 @@ from memcalc.validation.grid import default_grid, load_grid
 def validate(backend: str = "emulated", impls: list[str] | None = None,
              grid: str | Path | None = None, configs: list[Config] | None = None,
              out: str | Path | None = None, max_seconds: float | None = None,
-             cases: tuple[str, ...] | None = None) -> Report:
+             cases: tuple[str, ...] | None = None, progress=None) -> Report:
     """Check every configuration of ``grid`` (default: the shipped grid), or ``configs``,
     against ``backend``: ``emulated`` (meta device, tolerance 0) or ``cuda`` (live: the
     model, the emulated trace and the live run side by side, plus the cases beyond the grid
     named in ``cases``, default all of ``cases.KINDS``; written to ``out`` after each
-    case, resumed from it, stopped after ``max_seconds``)."""
+    case, resumed from it, stopped after ``max_seconds``). ``progress(items, total,
+    description)`` wraps the emulated loop (``memcalc.progress``)."""
     if configs is None:
         configs = (load_grid(grid) if grid else default_grid()).expand(impls)
     if backend == "cuda":
@@ -30,6 +31,9 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
         raise ValueError(f"unknown backend {backend!r}; known: emulated, cuda")
     from memcalc.validation import emulated as runner
 
+    configs = list(configs)
+    if progress is not None:
+        configs = progress(configs, len(configs), f"validate ({backend})")
     checks = tuple(runner.check(c) for c in configs)
     return Report(backend=backend, environment=runner.environment(), checks=checks)
 

@@ -15,7 +15,7 @@ from pydantic import computed_field
 
 from memcalc.breakdown import FIGURES, Result
 from memcalc.config import Config
-from memcalc.render import Column, markdown_table, rich_table
+from memcalc.render import Column, Table
 from memcalc.validation.calibration import Calibration
 
 Outcome = Literal["measured", "oom", "error", "absent"]
@@ -159,22 +159,23 @@ def _peak(figures: dict[str, int] | None, outcome: str | None = "measured"):
 
 
 REPORT_COLUMNS = [
-    Column("configuration", _label),
-    Column("peak predicted", lambda c: _peak(c.predicted, "-"), "right"),
-    Column("peak measured", lambda c: (c.measured or {}).get("peak_bytes", "-"), "right"),
+    Column("configuration", _label, wrap=True),
+    Column("peak predicted", lambda c: _peak(c.predicted, "-"), "right", drop=2),
+    Column("peak measured", lambda c: (c.measured or {}).get("peak_bytes", "-"), "right", drop=1),
     Column("largest difference (B)", _worst, "right"),
     Column("verdict", lambda c: "ok" if c.ok else "MISMATCH"),
 ]
 
 LIVE_COLUMNS = [
-    Column("case", lambda c: c.case),
-    Column("configuration", _label),
-    Column("model peak", lambda c: _peak(c.predicted, "-"), "right"),
-    Column("emulated peak", lambda c: _peak(c.emulated, c.emulated_outcome), "right"),
+    Column("case", lambda c: c.case, drop=3),
+    Column("configuration", _label, wrap=True),
+    Column("model peak", lambda c: _peak(c.predicted, "-"), "right", drop=2),
+    Column("emulated peak", lambda c: _peak(c.emulated, c.emulated_outcome), "right", drop=1),
     Column("live peak", lambda c: _peak(c.measured, c.outcome), "right"),
     Column("live - model (B)", _worst, "right"),
     Column("attribution", lambda c: "; ".join(f"{k.removesuffix('_bytes')}: {v}"
-                                              for k, v in c.attribution.items())),
+                                              for k, v in c.attribution.items()),
+           wrap=True, drop=4),
     Column("verdict", Check.verdict),
 ]
 
@@ -227,27 +228,25 @@ class Report(Result):
         bad = [c for c in self.checks if not c.ok][:50]
         return bad + [c for c in self.checks if c.ok][: max(0, 20 - len(bad))]
 
-    def __rich__(self):
-        from rich.console import Group
-
+    def tables(self) -> list[Table]:
         env = ", ".join(f"{k}={v}" for k, v in self.environment.items())
-        shown = self._shown()
-        parts = [rich_table(f"{self.summary()}\n{env}", self._columns(), shown)]
-        if len(shown) < len(self.checks):
-            parts.append(f"{len(shown)} of {len(self.checks)} configurations shown "
-                         "(mismatches first); --json, --csv or --out give them all")
-        parts += [c.describe() for c in self.calibrations]
-        return Group(*parts, self.summary())
+        return [Table(f"{self.summary()}\n{env}", self._columns(), self._shown())]
 
-    def to_markdown(self) -> str:
-        calibration = "".join(f"\n{c.describe()}\n" for c in self.calibrations)
-        return (f"**{self.summary()}**\n{calibration}\n"
-                + markdown_table(self._columns(), self.checks))
+    def csv_table(self) -> Table:
+        return Table(None, self._columns(), self.checks)
 
-    def to_csv(self) -> str:
-        from memcalc.render import csv_table
+    def footnotes(self) -> list[str]:
+        from memcalc.render_results import caveats
 
-        return csv_table(self._columns(), self.checks)
+        shown = len(self._shown())
+        more = [f"{shown} of {len(self.checks)} configurations shown (mismatches first); "
+                "--json, --csv or --out give them all"] if shown < len(self.checks) else []
+        calibrations = [c.describe() for c in self.calibrations]
+        return (more + calibrations + [self.summary()]
+                + (caveats([]) if self.backend != "cuda" else []))
+
+    def headline(self) -> str:
+        return self.summary()
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")

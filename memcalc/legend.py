@@ -1,0 +1,69 @@
+"""Readable names for components: which op and which autograd node made each one.
+
+The implementations name their tensors after the math (``exp_x``, ``e/r``, ``-dp``); the
+op that allocates each is declared beside it (``Component.op``). This module adds, for the
+names of the naive family, the autograd node whose backward formula allocates the tensor
+(torch 2.13, ``tools/autograd/derivatives.yaml``: ``div.Tensor``'s grad of ``other`` is
+``-grad * ((self / other) / other)``, which is where ``e/r``, ``e/r/r``, ``-dp`` and
+``-dp*e/r/r`` come from), and the one-line legend of the short names. Rendering only: it
+changes no figure.
+"""
+
+from __future__ import annotations
+
+# (name, op) -> who made it: "node: what it is"
+_MADE_BY = {
+    ("exp_x", "exp"): "exp: e = exp(s - m), kept by ExpBackward0 and DivBackward0",
+    ("row_sum", "sum"): "sum: r = e.sum(-1), kept by DivBackward0",
+    ("row_argmax", "max"): "max: argmax indices, kept by MaxBackward0",
+    ("p", "div"): "div: p = e / r, kept by BmmBackward0",
+    ("p", "_softmax"): "softmax: p, kept by SoftmaxBackward0 and BmmBackward0",
+    ("s", "div"): "div: s = q @ k^T / sqrt(d)",
+    ("qk", "bmm"): "bmm: q @ k^T",
+    ("out", "bmm"): "bmm: out = p @ v",
+    ("dv", "bmm"): "BmmBackward0: grad of v",
+    ("dp", "bmm"): "BmmBackward0: grad of p",
+    ("e/r", "div"): "DivBackward0: grad of r (e / r)",
+    ("e/r/r", "div"): "DivBackward0: grad of r (e / r / r)",
+    ("-dp", "neg"): "DivBackward0: grad of r (-dp)",
+    ("-dp*e/r/r", "mul"): "DivBackward0: grad of r (-dp * e/r/r)",
+    ("dp/r", "div"): "DivBackward0: grad of e (dp / r)",
+    ("dr", "sum"): "DivBackward0: grad of r, summed to r's shape",
+    ("de", "add"): "autograd engine: the two grads of e added",
+    ("dx", "mul"): "ExpBackward0: grad of s - m",
+    ("-dx", "neg"): "SubBackward0: grad of m (-dx)",
+    ("dm", "sum"): "SubBackward0: grad of m, summed to m's shape",
+    ("zeros", "new_zeros"): "MaxBackward0: zeros to scatter dm into",
+    ("dm_scattered", "scatter"): "MaxBackward0: grad of s through m",
+    ("dscores", "add"): "autograd engine: the two grads of s added",
+    ("dscores", "_softmax_backward_data"): "SoftmaxBackward0: grad of s",
+    ("dsm", "_softmax_backward_data"): "softmax backward: grad of s",
+    ("ds", "div"): "DivBackward0: grad of q @ k^T (ds / sqrt(d))",
+    ("ds_masked", "masked_fill"): "MaskedFillBackward0: grad of s",
+    ("dk_t", "bmm"): "BmmBackward0: grad of k^T",
+    ("dq", "bmm"): "BmmBackward0: grad of q",
+    ("dk", "new_empty_strided"): "AccumulateGrad: grad of k copied to k's layout",
+    ("dk", "bmm"): "BmmBackward0: grad of k",
+}
+
+_INPUTS = {"q", "k", "v", "grad_out"}
+
+LEGEND = ("names: s scores, m row max, e = exp_x = exp(s - m), r = row_sum, p = e / r; dX is "
+          "the grad of X; e/r, e/r/r, -dp and -dp*e/r/r are the terms of DivBackward0's grad "
+          "of r = -dp * e / r^2 (torch's derivatives.yaml)")
+
+
+def made_by(component) -> str:
+    """``node: what`` for a known name, else the op (``randn`` for the inputs)."""
+    known = _MADE_BY.get((component.name, component.op))
+    if known:
+        return known
+    if component.name in _INPUTS:
+        return "input (randn)"
+    return "cuBLAS handle pool" if component.op == "cublas" else component.op
+
+
+def legend(components) -> list[str]:
+    """The legend line when the table shows any of the naive family's short names."""
+    shown = {c.name for c in components}
+    return [LEGEND] if shown & {"e/r", "-dp", "exp_x", "dp/r", "dscores"} else []

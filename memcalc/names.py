@@ -1,0 +1,86 @@
+"""Forgiving names: "did you mean", the ``--impl`` vocabulary and the dtype aliases.
+
+One place for how a user may spell an implementation, a list of implementations, a GPU
+preset or a keyword, shared by the CLI and the Python API: a close miss gets a suggestion
+(``difflib``), anything else the list of what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, Sequence
+
+ALL = "all"
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)``: the names that start with ``word`` (``a100`` ->
+    ``a100-40gb`` or ``a100-80gb``), else the closest one by ``difflib``; or ``""``."""
+    known = list(known)
+    low = str(word).strip().lower()
+    matches = [k for k in known if low and k.lower().startswith(low)][:3]
+    if not matches:
+        close = difflib.get_close_matches(low, [k.lower() for k in known], n=1, cutoff=0.6)
+        matches = [k for k in known if close and k.lower() == close[0]]
+    if not matches:
+        return ""
+    return f" (did you mean {' or '.join(repr(m) for m in matches)}?)"
+
+
+def unknown(field: str, word: str, known: Sequence[str], what: str = "",
+            listing: str = "") -> ValueError:
+    """``field: unknown 'word' (did you mean ...?); known: ...`` as a ValueError;
+    ``listing`` names the command that describes them."""
+    hint = did_you_mean(word, known)
+    kind = f"{what} " if what else ""
+    more = f" ({listing} describes them)" if listing else ""
+    return ValueError(f"{field}: unknown {kind}{word!r}{hint}; known: {', '.join(known)}{more}")
+
+
+def impl_choices() -> list[str]:
+    """The implementations a user can name (the traced functions of this process aside)."""
+    from memcalc.impls import impl_names
+
+    return [n for n in impl_names() if not n.startswith("trace:")]
+
+
+def check_impl(name: str, field: str = "--impl") -> str:
+    """``name`` if it is an implementation; a ValueError with a suggestion otherwise."""
+    from memcalc.impls import impl_names
+
+    if name not in impl_names():
+        raise unknown(field, name, impl_choices(), "implementation", "memcalc impls")
+    return name
+
+
+def impl_list(values: str | Sequence[str] | None, field: str = "--impl") -> list[str] | None:
+    """The ``--impl`` vocabulary of every command: repeated options and comma lists, each a
+    known implementation; ``all`` (alone) gives None, meaning every implementation."""
+    if values is None:
+        return None
+    texts = [values] if isinstance(values, str) else list(values)
+    names = [n.strip() for text in texts for n in str(text).split(",")]
+    if not names or not all(names):
+        raise ValueError(f"{field}: {','.join(texts)!r} is not a comma-separated list of "
+                         f"implementations (or 'all')")
+    if ALL in names:
+        if names != [ALL]:
+            raise ValueError(f"{field}: 'all' stands alone (got {','.join(texts)!r})")
+        return None
+    return [check_impl(n, field) for n in dict.fromkeys(names)]
+
+
+# dtype aliases: torch's names and the usual short ones (``memcalc.config.DType``)
+DTYPE_ALIASES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32", "single": "fp32",
+    "torch.float32": "fp32", "torch.float": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16", "torch.float16": "fp16",
+    "torch.half": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+}
+
+
+def dtype_name(value) -> str | None:
+    """The canonical dtype (``fp32``, ``fp16``, ``bf16``) for an alias, a torch dtype or
+    its string; None when it is none of them."""
+    return DTYPE_ALIASES.get(str(value).strip().lower())

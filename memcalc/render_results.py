@@ -1,0 +1,107 @@
+"""What a breakdown shows: its tables, headline and caveats, declared once.
+
+``memcalc.breakdown.Breakdown`` (and ``memcalc.budget.Checked``) return these from
+``tables()``, ``headline()`` and ``notes()``; ``memcalc.render`` derives every format.
+"""
+
+from __future__ import annotations
+
+from memcalc.legend import legend, made_by
+from memcalc.render import Column, Table
+from memcalc.units import human, mib, share
+
+# The caching-allocator model (block rounding, pools, best fit, splitting, segment sizes,
+# cuBLAS workspaces) is read from c10/cuda/CUDACachingAllocator.cpp and
+# aten/src/ATen/cuda/CublasHandlePool.cpp; set to True once `memcalc validate --backend
+# cuda` has agreed on a GPU.
+ALLOCATOR_CHECKED_ON_GPU = False
+
+
+def caveats(impls) -> list[str]:
+    """One line on the figures that rest on models not checked against a GPU: kernels read
+    from PyTorch's CUDA sources (``Impl.traced`` False) and the allocator model."""
+    from memcalc.impls import get_impl
+
+    derived = [n for n in dict.fromkeys(impls) if not _traced(get_impl, n)]
+    parts = []
+    if derived:
+        parts.append(f"{', '.join(derived)} modelled from PyTorch's CUDA kernel sources, "
+                     "not traced")
+    if not ALLOCATOR_CHECKED_ON_GPU:
+        parts.append("the allocator model follows PyTorch's source and is not yet checked "
+                     "on a GPU")
+    return [f"caveat: {'; '.join(parts)}."] if parts else []
+
+
+def _traced(get_impl, name: str) -> bool:
+    try:
+        return get_impl(name).traced
+    except ValueError:  # a name the registry no longer has (a traced function)
+        return True
+
+
+def breakdown_title(b) -> str:
+    c = b.config
+    s = c.shape
+    kv = f" M={s.kv_len}" if s.kv_len else ""
+    hk = f" Hk={s.kv_heads}" if s.kv_heads else ""
+    flags = (" causal" if c.causal else "") + (" forward-only" if c.protocol.forward_only else "")
+    return (f"{c.impl}{flags}: B={s.batch} H={s.heads}{hk} N={s.seq_len}{kv} d={s.head_dim} "
+            f"{c.dtype.value} on {c.device.spec.label}; peak in {b.peak_phase}")
+
+
+def component_columns(peak: int, with_source: bool = False) -> list[Column]:
+    """Columns of the components table; ``peak`` gives the share column, ``with_source``
+    adds the code line that allocated each component (traced results have it). ``drop``
+    ranks say what goes first on a narrow terminal (the raw bytes and formula before the
+    allocated block, which every figure sums)."""
+    columns = [
+        Column("component", lambda c: c.name),
+        Column("made by", made_by, drop=4, wrap=True),
+        Column("role", lambda c: c.role.value, drop=3),
+        Column("dtype", lambda c: c.dtype, drop=7),
+        Column("formula (shape x element)", lambda c: c.formula, drop=5),
+        Column("bytes", lambda c: c.nbytes, "right", drop=6),
+        Column("allocated", lambda c: c.block_bytes, "right"),
+        Column("MiB", lambda c: mib(c.block_bytes), "right", drop=1),
+        Column("share", lambda c: share(c.block_bytes, peak), "right", drop=2),
+    ]
+    return columns + [Column("source", lambda c: c.source, drop=8, wrap=True)] if with_source \
+        else columns
+
+
+FIGURE_LABELS = {
+    "saved_bytes": "saved for backward",
+    "forward_peak_bytes": "forward peak",
+    "backward_peak_bytes": "backward peak",
+    "peak_bytes": "peak (max_memory_allocated)",
+    "reserved_peak_bytes": "reserved peak (max_memory_reserved)",
+    "workspace_bytes": "cuBLAS workspaces",
+}
+
+FIGURE_COLUMNS = [
+    Column("figure", lambda kv: FIGURE_LABELS[kv[0]]),
+    Column("bytes", lambda kv: kv[1], "right"),
+    Column("MiB", lambda kv: mib(kv[1]), "right", drop=2),
+    Column("", lambda kv: human(kv[1]), "right", drop=1),
+]
+
+
+def breakdown_tables(b) -> list[Table]:
+    """What is alive at the peak (with the legend of the short names), then the figures."""
+    columns = component_columns(b.peak_bytes, any(c.source for c in b.components))
+    components = Table(f"{breakdown_title(b)}\nalive at the peak", columns, b.components,
+                       legend(b.components))
+    figures = Table(None, FIGURE_COLUMNS, [(k, getattr(b, k)) for k in FIGURE_LABELS])
+    return [components, figures]
+
+
+def breakdown_headline(b) -> str:
+    """``naive N=16384 ...: peak 48.11 GiB (backward), saved ..., fits ...``."""
+    c, s = b.config, b.config.shape
+    f = b.fit()
+    verdict = "fits" if f.fits else "does not fit"
+    return (f"{c.impl} B={s.batch} H={s.heads} N={s.seq_len} d={s.head_dim} {c.dtype.value}: "
+            f"peak {b.peak_bytes:,} B ({human(b.peak_bytes)}, {b.peak_phase}), saved "
+            f"{human(b.saved_bytes)}, reserved {human(b.reserved_peak_bytes)}; {verdict} in "
+            f"{human(f.budget_bytes)} (the budget of {b.budget.device})")
