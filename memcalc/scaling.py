@@ -86,7 +86,7 @@ class Sweep(Result):
     budget: Budget
     base: Config
     axes: dict[str, tuple]  # the values of each axis, as given
-    rows: tuple[SweepRow, ...]
+    columns: dict[str, tuple]  # SweepRow's fields, one tuple each, one entry per configuration
     skipped: tuple[tuple[str, str], ...] = ()  # (impl or impl/dtype, reason)
     pivot: Figure | None = None
     unit: Literal["MiB", "bytes"] = "MiB"
@@ -95,6 +95,17 @@ class Sweep(Result):
     @property
     def budget_bytes(self) -> int:
         return self.budget.budget_bytes
+
+    @property
+    def rows(self) -> tuple[SweepRow, ...]:
+        """One ``SweepRow`` per configuration, built from the columns when asked for (a
+        grid of a million configurations is kept as columns)."""
+        names = tuple(self.columns)
+        return tuple(SweepRow.model_construct(**dict(zip(names, values)))
+                     for values in zip(*self.columns.values()))
+
+    def __len__(self) -> int:
+        return len(self.columns["seq_len"])
 
     def _cell(self, nbytes: int) -> str | int:
         return nbytes if self.unit == "bytes" else mib(nbytes)
@@ -178,8 +189,8 @@ class Sweep(Result):
         return Table(None, cols, self.rows)
 
     def headline(self) -> str:
-        fit = sum(r.fits for r in self.rows)
-        return (f"{len(self.rows)} configuration{'s' * (len(self.rows) != 1)} ({', '.join(self.axes['impl'])}), {fit} fit "
+        fit, n = sum(self.columns["fits"]), len(self)
+        return (f"{n} configuration{'s' * (n != 1)} ({', '.join(self.axes['impl'])}), {fit} fit "
                 f"{human(self.budget.budget_bytes)}")
 
     def records(self) -> list[dict]:
@@ -188,8 +199,13 @@ class Sweep(Result):
         return [{**r, "growth": float(Fraction(r["growth"]))} for r in self.to_dict()["rows"]]
 
     def to_dict(self) -> dict:
-        rows = [{**r.model_dump(exclude={"first_peak_bytes"}), "growth": str(r.growth)}
-                for r in self.rows]
+        c = self.columns
+        peaks = [max(f, b) for f, b in zip(c["forward_peak_bytes"], c["backward_peak_bytes"])]
+        names = [k for k in c if k != "first_peak_bytes"]
+        rows = [{**dict(zip(names, values)), "peak_bytes": peak,
+                 "growth": str(Fraction(peak, first) if first else Fraction(0))}
+                for values, peak, first in zip(zip(*(c[k] for k in names)), peaks,
+                                               c["first_peak_bytes"])]
         return {"budget_bytes": self.budget.budget_bytes,
                 "budget": self.budget.model_dump(mode="json"),
                 "axes": {k: list(v) for k, v in self.axes.items()}, "rows": rows,
@@ -215,7 +231,7 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
     for k, values in axes.items():
         if not values:
             raise ValueError(f"{k}: no values")
-    rows: list[SweepRow] = []
+    columns: dict[str, list] = {k: [] for k in SweepRow.model_fields}
     skipped: list[tuple[str, str]] = []
     grid = list(product(axes["batch"], axes["heads"], axes["head_dim"], axes["seq_len"]))
     b_, h_, d_, n_ = (np.array(v, dtype=np.int64) for v in zip(*grid))
@@ -234,24 +250,32 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
             kind = "" if isinstance(error, ValueError) else f"the model raised {type(error).__name__}: "
             skipped.append((f"{impl} {dtype}", kind + one_line(error)))
             continue
-        verdict = classify(figures, budget.budget_bytes)
-        first: dict[tuple, int] = {}
-        for i, (b, h, d, n) in enumerate(grid):
-            fig = figures.row(i)
-            shape = {"batch": b, "heads": h, "head_dim": d, "seq_len": n}
-            if verdict[i] == -1:
-                c = config.model_copy(update={"shape": config.shape.model_copy(update=shape)})
-                ok = fit(c, budget.budget_bytes).fits
-            else:
-                ok = bool(verdict[i] == 1)
-            key = (impl, dtype, b, h, d)
-            first.setdefault(key, fig["peak_bytes"])
-            rows.append(SweepRow(impl=impl, dtype=dtype, batch=b, heads=h, seq_len=n, head_dim=d,
-                                 saved_bytes=fig["saved_bytes"],
-                                 forward_peak_bytes=fig["forward_peak_bytes"],
-                                 backward_peak_bytes=fig["backward_peak_bytes"],
-                                 reserved_peak_bytes=fig["reserved_peak_bytes"],
-                                 quadratic_bytes=fig["quadratic_bytes"], fits=ok,
-                                 first_peak_bytes=first[key]))
-    return Sweep(budget=budget, base=base, axes=axes, rows=tuple(rows), skipped=tuple(skipped),
+        _add_series(columns, config, figures, (b_, h_, d_, n_), len(axes["seq_len"]), budget)
+    return Sweep(budget=budget, base=base, axes=axes,
+                 columns={k: tuple(v) for k, v in columns.items()}, skipped=tuple(skipped),
                  pivot=pivot, unit=unit)
+
+
+def _add_series(columns: dict[str, list], config: Config, figures, shape_axes, lengths: int,
+                budget: Budget) -> None:
+    """Append one implementation and dtype's configurations to ``columns``, column by column.
+    The grid is ordered batch, heads, head_dim, then seq_len: each run of ``lengths``
+    configurations is one series, whose first peak the growth is measured against."""
+    from memcalc.vectorized import classify
+
+    verdict = classify(figures, budget.budget_bytes)
+    fits = verdict == 1
+    for i in np.flatnonzero(verdict == -1):  # the capped replay decides these
+        shape = dict(zip(("batch", "heads", "head_dim", "seq_len"),
+                         (int(a[i]) for a in shape_axes)))
+        fits[i] = fit(config.replace(**shape), budget.budget_bytes).fits
+    n = len(fits)
+    columns["impl"] += [config.impl] * n
+    columns["dtype"] += [config.dtype.value] * n
+    for name, values in zip(("batch", "heads", "head_dim", "seq_len"), shape_axes):
+        columns[name] += values.tolist()
+    for name in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                 "reserved_peak_bytes", "quadratic_bytes"):
+        columns[name] += getattr(figures, name).tolist()
+    columns["fits"] += fits.tolist()
+    columns["first_peak_bytes"] += np.repeat(figures.peak_bytes[::lengths], lengths).tolist()
