@@ -76,6 +76,16 @@ def bench_grid(count: int) -> None:
           f"again {warm:.2f} s")
 
 
+def bench_sweep(count: int) -> None:
+    """``memcalc.sweep`` (the API, with the fits verdicts and the result object) over
+    ``count`` lengths spread up to 16M."""
+    import memcalc
+
+    lengths = np.unique(np.linspace(1, 16 << 20, count).astype(np.int64)).tolist()
+    print(f"memcalc.sweep, naive, {len(lengths):,} lengths to 16M: "
+          f"{seconds(lambda: memcalc.sweep(seq_lens=lengths)):.2f} s")
+
+
 def bench_latency() -> None:
     """``predict`` at the default shape, CPU time per call (best of 7 x 200)."""
     config = Config()
@@ -101,6 +111,7 @@ def main() -> None:
     bench_chunked_oom(5.0)
     bench_cli(args.repeat)
     bench_grid(100_000 if args.quick else 1_000_000)
+    bench_sweep(100_000 if args.quick else 1_000_000)
 
 
 if __name__ == "__main__":
