@@ -4,7 +4,7 @@
    first call records the allocator paths) and warm (paths cached), against ``predict`` in a
    loop (measured on a sample, extrapolated), and exactness on a random sample of the grid.
 2. OOM solve time: ``memcalc.solver.max_fitting`` (model-guided) against ``bisect_max`` (double
-   from 1, then bisect, every step a full prediction), per implementation, at the seeds'
+   from 1, then bisect, every step a full prediction), per implementation, at the default
    shape (B=8, H=1, d=16, fp32) and an 80 GiB budget less the default reserve.
 
 Run: ``python benchmarks/bench_oom_sweep.py`` (add ``--quick`` for smaller grids).
@@ -36,14 +36,14 @@ def grids(quick: bool) -> list[tuple[str, Config, dict]]:
     d = np.array([16, 32, 64, 128])
     b = np.array([1, 2, 4, 8])
     bb, dd, nn = np.meshgrid(b, d, n, indexing="ij")
-    seeds = dict(batch=bb, head_dim=dd, seq_len=nn)
+    default = dict(batch=bb, head_dim=dd, seq_len=nn)
     n2 = np.arange(1024, 131072 + 1, 64 if not quick else 256)
     bb2, hh2, dd2, nn2 = np.meshgrid(np.arange(1, 33), np.array([4, 8, 16, 32, 64]),
                                      np.array([64, 128]), n2, indexing="ij")
     wide = dict(batch=bb2, heads=hh2, head_dim=dd2, seq_len=nn2)
     return [
-        ("flash2 fp32, seq 16..1M x d 4 x B 4", Config(impl="flash2"), seeds),
-        ("naive fp32, seq 16..1M x d 4 x B 4", Config(impl="naive"), seeds),
+        ("flash2 fp32, seq 16..1M x d 4 x B 4", Config(impl="flash2"), default),
+        ("naive fp32, seq 16..1M x d 4 x B 4", Config(impl="naive"), default),
         ("naive bf16, seq 1K..128K x d 2 x B 32 x H 5", Config(impl="naive", dtype="bf16"), wide),
     ]
 

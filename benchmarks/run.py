@@ -1,11 +1,13 @@
 """Every speed figure of memcalc in one run, as ratios measured side by side (no assertions).
 
-1. Breakdown latency: ``memcalc.timeline.predict`` per call, at the seeds' shape.
+1. Breakdown latency: ``memcalc.timeline.predict`` per call, at the default shape.
 2. Sweeps: ``memcalc.vectorized.evaluate`` against a ``predict`` loop (``bench_oom_sweep``).
 3. OOM solve: ``memcalc.solver.max_fitting`` against ``bisect_max`` (``bench_oom_sweep``).
 4. Emulated trace (``memcalc.validation.emulated.measure``, the reference code on the meta
    device) against the analytical model (``predict``), per configuration of the shipped grid.
 5. CLI start-up against ``python -c "import pydantic, rich"`` (``bench_startup``).
+6. The engine's long cases (``bench_engine``): chunked programs at N = 1e4..1e6, their OOM
+   solve under a time limit, ``compare`` against ``breakdown``, a 1e6 grid and sweep to 16M.
 
 Run from the repository root: ``python benchmarks/run.py`` (about 35 s on 2 cores;
 ``--quick`` for smaller sweep grids).
@@ -26,7 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_oom_sweep  # noqa: E402  (this folder's benchmarks, reused as they are)
+import bench_engine  # noqa: E402  (this folder's benchmarks, reused as they are)
+import bench_oom_sweep  # noqa: E402
 import bench_startup  # noqa: E402
 
 from memcalc.config import Config  # noqa: E402
@@ -65,7 +68,7 @@ def per_call(fn, calls: int) -> float:
 
 
 def bench_breakdown() -> float:
-    """``predict`` per call at the seeds' shape (naive, B=8 H=1 N=16384 d=16 fp32)."""
+    """``predict`` per call at the default shape (naive, B=8 H=1 N=16384 d=16 fp32)."""
     config = Config()
     seconds = per_call(lambda: predict(config), 50)
     print(f"breakdown latency: predict(naive, B=8 H=1 N=16384 d=16 fp32) "
@@ -141,13 +144,23 @@ def bench_cli(runs: int) -> float:
     return result["factor"]
 
 
+def bench_engine_cases(quick: bool) -> None:
+    """``bench_engine``'s cases, as that script runs them."""
+    bench_engine.bench_latency()
+    bench_engine.bench_chunked([10_000, 100_000] + ([] if quick else [1_000_000]))
+    bench_engine.bench_chunked_oom(5.0)
+    bench_engine.bench_cli(3)
+    bench_engine.bench_sweep(100_000 if quick else 1_000_000)
+    bench_engine.bench_grid(100_000 if quick else 1_000_000)
+
+
 def summary(latency: float, sweeps: list[float], oom: float | None, emulated: float,
             startup: float) -> str:
     """The ratios, one line each."""
     sweep = (f"{min(sweeps):,.0f}x to {max(sweeps):,.0f}x" if sweeps else "see above")
     return "\n".join([
         "summary (all measured in this run):",
-        f"  breakdown latency, predict at the seeds' shape       {latency * 1e3:8.2f} ms per call",
+        f"  breakdown latency, predict at the default shape       {latency * 1e3:8.2f} ms per call",
         f"  sweep, vectorized (warm) vs predict loop             {sweep} configurations/s",
         f"  OOM solve, bisect_max time / max_fitting time        "
         f"{f'{oom:.1f}x' if oom else 'see above'}",
@@ -173,6 +186,8 @@ def main() -> None:
     emulated = bench_emulated()
     print()
     startup = bench_cli(args.runs)
+    print()
+    bench_engine_cases(args.quick)
     print()
     print(summary(latency, sweeps, oom, emulated, startup))
     print(f"(total {time.perf_counter() - start:.0f} s)")
