@@ -252,12 +252,8 @@ def _check_report(sweep, report) -> None:
 
 def _series_config(base, key):
     """``base`` with one series' implementation, dtype and shape."""
-    from memcalc.config import Config, DType
-
     impl, dtype, batch, heads, head_dim = key
-    shape = base.shape.model_copy(update={"batch": batch, "heads": heads, "head_dim": head_dim})
-    return Config(**{**base.model_dump(), "impl": impl, "dtype": DType(dtype),
-                     "shape": shape.model_dump()})
+    return base.replace(impl=impl, dtype=dtype, batch=batch, heads=heads, head_dim=head_dim)
 
 
 def _style(i: int, count: int) -> tuple:

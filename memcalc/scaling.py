@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from memcalc.budget import Budget, fit
 from memcalc.breakdown import Result
-from memcalc.config import Config, DType
-from memcalc.render import Column, Table, _bold_title, compact_table  # noqa: F401 (oom)
+from memcalc.config import Config
+from memcalc.render import Column, Table
 from memcalc.units import _fixed, human, mib, share
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -222,7 +222,7 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
     that rejects a dtype (or any configuration) is listed under ``skipped``.
     ``progress(items, total, description)`` wraps the loop over implementations and dtypes
     (``memcalc.progress``)."""
-    from memcalc.vectorized import classify, evaluate
+    from memcalc.vectorized import evaluate
 
     s = base.shape
     axes = {"impl": tuple(impls) or (base.impl,), "dtype": tuple(dtypes) or (base.dtype.value,),
@@ -240,7 +240,7 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
         series = progress(series, len(series), "sweep")
     for impl, dtype in series:
         try:
-            config = Config(**{**base.model_dump(), "impl": impl, "dtype": DType(dtype)})
+            config = base.replace(impl=impl, dtype=dtype)
             figures = evaluate(config, batch=b_, heads=h_, head_dim=d_, seq_len=n_)
         except Exception as error:  # noqa: BLE001 - a model that rejects (or breaks on) these
             from memcalc.errors import one_line

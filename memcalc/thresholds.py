@@ -201,7 +201,7 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
     results, skipped = [], []
     for name in named or impl_names():
         try:
-            config = Config(**{**base.model_dump(), "impl": name})
+            config = base.replace(impl=name)
             reason = None if named else _too_big(config, field)
             if reason is None:
                 results.append(solver(config, budget.budget_bytes, field, time_limit=time_limit))

@@ -13,6 +13,7 @@ ledger logs the allocations and frees of the phase and rebuilds that set once, o
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Hashable, NamedTuple
 
 from memcalc.allocator import Block, CachingAllocator
@@ -21,6 +22,7 @@ from memcalc.config import Config
 from memcalc.deadline import tick
 from memcalc.dims import Dims
 from memcalc.impls import get_impl
+from memcalc.registry import Impl
 from memcalc.tensors import Cublas, Free, Program, Release, Role, Tensor
 
 
@@ -65,11 +67,36 @@ def _component(item, block_bytes: int) -> Component:
     """The reported form of a declaration with the block it got."""
     if isinstance(item, Component):
         return item.model_copy(update={"block_bytes": block_bytes})
-    # built from a program's own declaration: nothing to validate, and a live set is
-    # reported at every replay (``model_construct`` skips pydantic's checks)
-    return Component.model_construct(name=item.name, role=item.role, op=item.op,
-                                      shape=item.shape, dtype=item.dtype, nbytes=item.nbytes,
-                                      block_bytes=block_bytes, source="")
+    return _declared(item, block_bytes)
+
+
+@lru_cache(maxsize=4096)
+def _declared(t: Tensor, block_bytes: int) -> Component:
+    """A program's tensor as a component. Built from the program's own declaration, so
+    nothing to validate (``model_construct``); frozen, so shared by every replay of the
+    same program (``program`` keeps its declarations)."""
+    return Component.model_construct(name=t.name, role=t.role, op=t.op, shape=t.shape,
+                                      dtype=t.dtype, nbytes=t.nbytes, block_bytes=block_bytes,
+                                      source="")
+
+
+_PROGRAMS: dict[tuple[Impl, Dims], Program] = {}
+CACHED_PROGRAMS, CACHED_EVENTS = 128, 20_000  # how many programs are kept, and how large
+
+
+def program(impl: Impl, d: Dims) -> Program:
+    """``impl``'s program for ``d``. Builders are pure functions of their sizes, so small
+    programs are built once per implementation and sizes (a re-registered implementation
+    is another ``Impl``, another key); long ones (chunked loops) are not kept."""
+    key = (impl, d)
+    if key in _PROGRAMS:
+        return _PROGRAMS[key]
+    built = impl.build(d)
+    if len(built.forward) + len(built.backward) <= CACHED_EVENTS:
+        if len(_PROGRAMS) >= CACHED_PROGRAMS:
+            del _PROGRAMS[next(iter(_PROGRAMS))]  # the oldest
+        _PROGRAMS[key] = built
+    return built
 
 
 class Ledger:
@@ -194,10 +221,10 @@ def predict(config: Config, capacity: int | None = None, ledger: Ledger | None =
 
     With ``capacity``, raises ``OutOfMemory`` where the device would; pass a recording
     ``ledger`` to keep the event history."""
-    program = get_impl(config.impl).build(config.dims)
+    d = config.dims
     ledger = ledger or Ledger(config.workspace_bytes, capacity)
     peaks: dict[str, tuple[Component, ...]] = {}
-    step = replay(ledger, config.dims, program, lambda phase: peaks.update({phase: ledger.peak_live}))
+    step = replay(ledger, d, program(get_impl(config.impl), d), lambda phase: peaks.update({phase: ledger.peak_live}))
     return Breakdown(config=config, forward_live=peaks["forward"],
                      backward_live=peaks.get("backward", ()),
                      saved=tuple(v.component for v in step.saved),

@@ -355,8 +355,7 @@ def _sample_events(fn: Callable, config: Config, n: int) -> tuple[list, list]:
     from memcalc.tracing.state import resident
     from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
 
-    shape = config.shape.model_copy(update={"seq_len": n})
-    sample = config.model_copy(update={"shape": shape})
+    sample = config.replace(seq_len=n)
     tracer = Tracer(sample.workspace_bytes, paths=_paths(sample, TraceOptions()))
     probe = TracerProbe(tracer)
     _guarded(lambda: run_traced(sample, bind_options(fn, config), tracer, probe, resident(fn),

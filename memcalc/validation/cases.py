@@ -134,8 +134,7 @@ def oom_cases(env: dict[str, str], capacity: int) -> list[Case]:
         base = live_config(Config(impl=impl, shape=Shape(batch=8, seq_len=2048)), env)
         n = max_fitting(base, capacity).max_value
         for length in (n, n + 1):
-            config = base.model_copy(update={"shape": base.shape.model_copy(
-                update={"seq_len": length})})
+            config = base.replace(seq_len=length)
             verdict = "fits" if fit(config, capacity).fits else "oom"
             cases.append(Case("oom-threshold", config, capacity=capacity, expected=verdict))
     return cases

@@ -99,7 +99,7 @@ def live_config(config: Config, env: dict[str, str]) -> Config:
                     compute_capability=(major, minor), sm_count=sms)
     protocol = config.protocol.model_copy(
         update={"cublas_workspace_config": env["CUBLAS_WORKSPACE_CONFIG"] or None})
-    return config.model_copy(update={"device": device, "protocol": protocol})
+    return config.replace(device=device, protocol=protocol)
 
 
 def measure(config: Config, torch=None, probe=None, device: str = "cuda",
