@@ -15,6 +15,7 @@ and in Jupyter (HTML). Nothing here imports torch unless a function needs it (``
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -35,8 +36,10 @@ ALIASES = {"seq": "seq_len", "seq_length": "seq_len", "sequence_length": "seq_le
            "kv_seq_len": "kv_len", "impl_name": "impl", "device": "gpu"}
 
 
+@functools.lru_cache(maxsize=1)
 def _config_parameters() -> list[inspect.Parameter]:
-    """``make_config``'s keywords, as keyword-only parameters (for ``help()``)."""
+    """``make_config``'s keywords, as keyword-only parameters (for ``help()``; read once:
+    ``inspect.signature`` costs more than a replay)."""
     from memcalc.config import make_config as make
 
     return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
