@@ -1,14 +1,12 @@
 """The analytical model equals the emulated trace of the reference code, to the byte."""
 
-import dataclasses
 
 import pytest
+from breakers import row_sum_as_int64
 
 pytest.importorskip("torch")
 
 from memcalc.config import Config, Protocol
-from memcalc.impls import IMPLS
-from memcalc.tensors import Tensor
 from memcalc.timeline import predict
 from memcalc.validation import figures_of, validate
 from memcalc.validation.emulated import measure
@@ -34,15 +32,7 @@ def test_odd_lengths_kv_len_and_live_sets(impl, seq_len):
 
 def test_a_broken_formula_is_caught(monkeypatch):
     """Declare the row sum as int64 instead of the dtype: validation must fail."""
-    original = IMPLS["naive"].build
-
-    def broken(d):
-        program = original(d)
-        fix = lambda e: Tensor(e.name, e.shape, "int64", e.role, e.op) if (  # noqa: E731
-            isinstance(e, Tensor) and e.name == "row_sum") else e
-        return type(program)(tuple(map(fix, program.forward)), program.backward)
-
-    monkeypatch.setitem(IMPLS, "naive", dataclasses.replace(IMPLS["naive"], build=broken))
+    row_sum_as_int64(monkeypatch)
     configs = [Config(impl="naive", shape={"batch": 2, "seq_len": 4096})]
     report = validate(backend="emulated", configs=configs)
     assert report.mismatches == 1

@@ -9,11 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from breakers import row_sum_as_int64  # noqa: E402
 from fake_gpu import FakeGpu  # noqa: E402
 
 from memcalc.config import Config  # noqa: E402
-from memcalc.impls import IMPLS  # noqa: E402
-from memcalc.tensors import Tensor  # noqa: E402
 from memcalc.validation import cases, compare, session  # noqa: E402
 from memcalc.validation.cases import Case, run_case  # noqa: E402
 
@@ -39,15 +38,7 @@ def test_three_columns_agree_on_a_faithful_gpu():
 
 def test_model_vs_emulated_is_a_torch_release(monkeypatch):
     """The model declares the row sum as int64: the trace (and the GPU) disagree with it."""
-    original = IMPLS["naive"].build
-
-    def broken(d):
-        program = original(d)
-        fix = lambda e: Tensor(e.name, e.shape, "int64", e.role, e.op) if (  # noqa: E731
-            isinstance(e, Tensor) and e.name == "row_sum") else e
-        return type(program)(tuple(map(fix, program.forward)), program.backward)
-
-    monkeypatch.setitem(IMPLS, "naive", dataclasses.replace(IMPLS["naive"], build=broken))
+    row_sum_as_int64(monkeypatch)
     gpu = FakeGpu()
     check = run_case(grid_case(gpu), gpu)
     # row sum 2 x 1 x 256 x 1: 2,048 B as fp32, 4,096 B as int64, both 512-multiples

@@ -1,0 +1,20 @@
+"""Deliberate errors the tests plant in a model, to see a check fail."""
+
+import dataclasses
+
+from memcalc.impls import IMPLS
+from memcalc.tensors import Tensor
+
+
+def row_sum_as_int64(monkeypatch) -> None:
+    """``naive`` declares its row sum as int64 instead of the dtype (a wrong formula the
+    trace, and a GPU, disagree with)."""
+    original = IMPLS["naive"].build
+
+    def broken(d):
+        program = original(d)
+        fix = lambda e: Tensor(e.name, e.shape, "int64", e.role, e.op) if (  # noqa: E731
+            isinstance(e, Tensor) and e.name == "row_sum") else e
+        return type(program)(tuple(map(fix, program.forward)), program.backward)
+
+    monkeypatch.setitem(IMPLS, "naive", dataclasses.replace(IMPLS["naive"], build=broken))
