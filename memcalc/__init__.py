@@ -196,7 +196,7 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **opti
              ("dtypes", ()), ("gpu_gb", None), ("reserve", None))))
 def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(),
           head_counts=(), impls=(), dtypes=(), gpu_gb=None, reserve=None, **options):
-    """The seeds' scaling table: every combination, exact, with OOM marks: a ``Sweep``.
+    """A scaling table: every combination, exact, with OOM marks: a ``Sweep``.
     The lists are ``seq_lens``, ``head_dims``, ``batches``, ``head_counts``, ``impls`` and
     ``dtypes``; the other options (``heads=4``, ``batch=2``, ...) fix the rest.
 

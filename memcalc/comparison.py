@@ -1,6 +1,6 @@
 """``memcalc compare``: every implementation side by side, against ``naive``.
 
-The seeds' "memory comparison" table done right: for each implementation, the N x M
+A memory comparison table, counted exactly: for each implementation, the N x M
 tensors it keeps for backward, its saved bytes and phase peaks, the saving against the
 baseline (bytes and factor) and the largest seq_len that fits a device budget.
 """
@@ -14,6 +14,7 @@ from memcalc.budget import Budget
 from memcalc.config import Config
 from memcalc.quadratic import quadratic_saved
 from memcalc.render import Column, Table
+from memcalc.timeline import shared_predictions
 from memcalc.units import human
 
 
@@ -132,8 +133,9 @@ def compare(base: Config, budget: Budget, impls: list[str] | None = None,
     from memcalc.impls import impl_names
 
     names = impls or [n for n in impl_names() if not n.startswith("trace:")]
-    thresholds = _thresholds(base, budget) if solve else {}
-    rows = tuple(_row(base, n, thresholds.get(n, (None, ""))) for n in names)
+    with shared_predictions():  # the rows and the searches' first probes are the same steps
+        thresholds = _thresholds(base, budget) if solve else {}
+        rows = tuple(_row(base, n, thresholds.get(n, (None, ""))) for n in names)
     return Comparison(rows=rows, baseline=baseline, budget=budget)
 
 

@@ -1,4 +1,5 @@
-"""Scaling tables: every figure over a grid of shapes, the layouts of the seeds' tables.
+"""Scaling tables: every figure over a grid of shapes, in the layouts people use in
+write-ups.
 
 ``sweep`` evaluates the product of the given sequence lengths, head dims, batches and
 heads for each implementation and dtype through ``memcalc.vectorized`` (exact, numpy), marks
@@ -8,7 +9,7 @@ each configuration that does not fit the budget (``memcalc.budget.fit``), and re
 * long (seed 000's "MEMORY SCALING WITH SEQUENCE LENGTH"): one row per configuration with
   the peak, what is saved for backward, the reserved peak, the growth of the peak against
   the first row of its series (same implementation and shape but ``seq_len``), the share of
-  the peak held by N x M tensors (the seeds' "seq_len^2 components") and the OOM mark;
+  the peak held by N x M tensors ("seq_len^2 components") and the OOM mark;
 * pivot (seed 002's "Memory Before Backward (MB)": rows ``seq_len``, columns ``head_dim``),
   one table per implementation and the other axes, for one figure.
 """

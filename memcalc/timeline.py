@@ -13,6 +13,8 @@ ledger logs the allocations and frees of the phase and rebuilds that set once, o
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
 from typing import Hashable, NamedTuple
 
@@ -216,11 +218,35 @@ def _ignore(phase: str) -> None:
     return None
 
 
+_SHARED: ContextVar[dict | None] = ContextVar("shared_predictions", default=None)
+
+
+@contextmanager
+def shared_predictions():
+    """Inside, ``predict(config)`` (unbounded, unrecorded) replays each configuration once:
+    a command that asks for the same step from several places (``compare``: its rows and
+    the threshold search's first probe) shares the result."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def predict(config: Config, capacity: int | None = None, ledger: Ledger | None = None) -> Breakdown:
     """The breakdown of one step of ``config``, by replaying its program.
 
     With ``capacity``, raises ``OutOfMemory`` where the device would; pass a recording
     ``ledger`` to keep the event history."""
+    shared = _SHARED.get()
+    if shared is not None and capacity is None and ledger is None:
+        if config not in shared:
+            shared[config] = _predict(config, None, None)
+        return shared[config]
+    return _predict(config, capacity, ledger)
+
+
+def _predict(config: Config, capacity: int | None, ledger: Ledger | None) -> Breakdown:
     d = config.dims
     ledger = ledger or Ledger(config.workspace_bytes, capacity)
     peaks: dict[str, tuple[Component, ...]] = {}

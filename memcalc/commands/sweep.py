@@ -1,4 +1,4 @@
-"""``memcalc sweep``: the seeds' scaling tables, every figure over a grid of shapes."""
+"""``memcalc sweep``: scaling tables, every figure over a grid of shapes."""
 
 from memcalc.cli import (DTYPE_HELP, budget_options, check_output, format_options, impl_option,
                          naming, step_options)
@@ -39,7 +39,7 @@ def name_list(text: str, option: str) -> list[str]:
 
 def add_arguments(p) -> None:
     p.add_argument("--seq", default="256,1024,4096,8192,16384", metavar="LIST",
-                   help="sequence lengths (default the seeds': 256,1024,4096,8192,16384)")
+                   help="sequence lengths (default: 256,1024,4096,8192,16384)")
     p.add_argument("--head-dim", default="16", metavar="LIST", help="head dims (default 16)")
     p.add_argument("--batch", default="8", metavar="LIST", help="batch sizes (default 8)")
     p.add_argument("--heads", default="1", metavar="LIST", help="heads (default 1)")

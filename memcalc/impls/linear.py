@@ -1,11 +1,11 @@
 """The linear-attention family: feature map ``phi(x) = elu(x) + 1``, no N x M scores.
 
 Reference code: ``memcalc/validation/reference/linear.py`` (``linear`` and ``linear-causal``
-are the seeds' notebook functions as written; ``linear-causal-chunked`` a chunked form).
+are the common notebook functions as written; ``linear-causal-chunked`` a chunked form).
 
 * ``linear``: ``kv = phi(k)^T v`` ``(B, H, D, D)``, ``k_sum``, ``out = phi(q) kv / (phi(q)
   k_sum + eps)``. Bidirectional only: ``causal=True`` is a ValueError.
-* ``linear-causal``: the seeds' cumulative sum. The outer product ``phi(k) v^T`` and its
+* ``linear-causal``: the plain cumulative sum. The outer product ``phi(k) v^T`` and its
   cumsum are both ``(B, H, N, D, D)``; the cumsum is saved for backward.
 * ``linear-causal-chunked``: chunks of ``Dims.chunk`` rows (the last may be shorter):
   ``tril(q_c k_c^T) v_c`` inside a chunk, a running ``(D, D)`` state across chunks. Saves
@@ -108,7 +108,7 @@ def elu_backward(d: Dims, dq: str, dk: str) -> list:
 
 @register("linear", "linear attention, elu+1 feature map, (D, D) state (bidirectional)")
 def linear(d: Dims) -> Program:
-    """The seeds' ``linear_attention_bidir``. Saved: phi(q), phi(k), ``kv`` (B, H, D, D),
+    """``linear_attention_bidir`` as commonly written. Saved: phi(q), phi(k), ``kv`` (B, H, D, D),
     ``k_sum`` (B, H, D), the numerator (B, H, N, D) and ``norm + eps`` (B, H, N, 1)."""
     check(d, causal_impl=False)
     bh, dt = d.B * d.H, d.dtype
@@ -147,7 +147,7 @@ def linear(d: Dims) -> Program:
 
 @register("linear-causal", "causal linear attention by cumsum: saves a (B, H, N, D, D) cumsum")
 def linear_causal(d: Dims) -> Program:
-    """The seeds' ``linear_attention_causal``. Saved: phi(q), phi(k), the ``(B, H, N, D, D)``
+    """``linear_attention_causal`` as commonly written. Saved: phi(q), phi(k), the ``(B, H, N, D, D)``
     cumsum of ``phi(k) v^T``, the cumsum of phi(k), the numerator and ``norm + eps``; the
     outer product itself is not saved (``MulBackward0`` saves its operands, views of phi(k)
     and v) but is alive with its cumsum at the forward peak."""

@@ -81,7 +81,7 @@ def output_backward(d: Dims, weights: str, last_use: bool = True) -> list:
 
 @register("naive", "custom softmax keeping exp_x: s.max, exp(s - m), e / e.sum")
 def naive(d: Dims) -> Program:
-    """The seeds' custom-softmax attention."""
+    """Custom-softmax attention (exp of the shifted scores, divided by their row sum)."""
     bhnm, rows, dt = (d.B, d.H, d.N, d.M), (d.B, d.H, d.N, 1), d.dtype
     s = "s_masked" if d.causal else "s"
     forward = scores(d) + [
