@@ -24,17 +24,19 @@ class Traced(Result):
             lines += [self.budget.describe(), self.fit.describe()]
         return "\n".join(lines)
 
-    def __rich__(self):
-        from rich.console import Group
-        from rich.text import Text
+    # the rendering protocol (memcalc.render): the breakdown's tables, then what the trace
+    # learnt; every format is derived from these
+    def tables(self) -> list:
+        return self.breakdown.tables()
 
-        return Group(self.breakdown.__rich__(), Text(self.summary()))
+    def footnotes(self) -> list[str]:
+        return [self.summary(), *self.breakdown.footnotes()]
 
-    def to_markdown(self) -> str:
-        return self.breakdown.to_markdown() + f"\n{self.summary()}\n"
+    def csv_table(self):
+        return self.breakdown.csv_table()
 
-    def to_csv(self) -> str:
-        return self.breakdown.to_csv()
+    def headline(self) -> str:
+        return self.breakdown.headline()
 
     def records(self) -> list[dict]:
         return self.breakdown.records()
