@@ -16,8 +16,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trace", default=None, metavar="FILE.py:FUNCTION",
                         help="solve for your own fn(q, k, v), traced on the meta device "
                              "(imports and runs the named file as Python code)")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                        help="give up on an implementation after this long (default: none)")
+    parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                        help="give up on an implementation after this long, saying what is "
+                             "known so far (default: 60; a chunked program at millions of "
+                             "rows replays for minutes)")
     format_options(parser)
 
 
