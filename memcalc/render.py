@@ -212,5 +212,3 @@ def rich_table(title: str | None, columns: list[Column], rows: Iterable[Any]) ->
     """One table with a title, fitted to the width (for results of a single table)."""
     return Fitted([Table(title, columns, list(rows))], [])
 
-
-compact_table = rich_table

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from memcalc.config import Config
 from memcalc.timeline import predict
-from memcalc.validation.compare import FIGURES, Check, Report, figures_of
+from memcalc.validation.compare import Check, Report, figures_of
 from memcalc.validation.grid import default_grid, load_grid
 
 
