@@ -89,6 +89,10 @@ class Sizes:
         """What orders free blocks: by size, then address (``BlockComparatorSize``)."""
         return size, addr
 
+    # keys are plain values: comparing them decides nothing that must be recorded, so a
+    # free block can be found by its key
+    plain_keys = True
+
     def top(self, peak, value):
         """The new peak after ``value`` (the grid path takes its peaks elsewhere)."""
         return value if value > peak else peak
@@ -144,35 +148,90 @@ class Block:
 
 class FreeBlocks:
     """One pool's free blocks, ordered by (size, address) like ``BlockPool::blocks`` and
-    searched by bisection: ``keys[i]`` is ``blocks[i]``'s ``Sizes.key``."""
+    searched by bisection (``Sizes.key`` orders them).
+
+    Kept as a list of sorted runs of at most ``RUN`` blocks (``keys[j]`` are ``blocks[j]``'s
+    keys, ``last[j]`` the largest of them), so that adding or taking a block moves at most
+    one run: a flat list made a long chunked loop quadratic (its pools hold thousands of
+    free blocks). A pool that fits in one run is searched exactly as a flat list."""
+
+    RUN = 256
 
     def __init__(self, sizes: Sizes):
         self.sizes = sizes
-        self.keys: list = []
-        self.blocks: list[Block] = []
+        self.keys: list[list] = []
+        self.blocks: list[list[Block]] = []
+        self.last: list = []
+
+    def __len__(self) -> int:
+        return sum(len(run) for run in self.blocks)
+
+    def __iter__(self):
+        return (block for run in self.blocks for block in run)
 
     def add(self, block: Block) -> None:
         key = self.sizes.key(block.size, block.addr)
-        i = bisect_left(self.keys, key)
-        self.keys.insert(i, key)
-        self.blocks.insert(i, block)
+        if not self.last:
+            self.keys.append([key]), self.blocks.append([block]), self.last.append(key)
+            return
+        j = min(self._run(key), len(self.last) - 1)  # past every run: the last one
+        keys = self.keys[j]
+        i = bisect_left(keys, key)
+        keys.insert(i, key)
+        self.blocks[j].insert(i, block)
+        if i == len(keys) - 1:
+            self.last[j] = key
+        if len(keys) > 2 * self.RUN:
+            self._halve(j)
 
     def remove(self, block: Block) -> None:
-        """Take ``block`` out, found by identity: no size comparison (the grid path would
-        record one as a decision)."""
-        i = self.blocks.index(block)
-        del self.keys[i], self.blocks[i]
+        """Take ``block`` out. Found by its key where keys are plain values; by identity
+        otherwise (comparing forms would record a decision the program did not make)."""
+        if self.sizes.plain_keys:
+            key = self.sizes.key(block.size, block.addr)
+            j = self._run(key)
+            self._pop(j, bisect_left(self.keys[j], key))
+            return
+        for j, run in enumerate(self.blocks):
+            if any(b is block for b in run):
+                self._pop(j, run.index(block))
+                return
+        raise ValueError("block is not in this pool")
 
     def take_best_fit(self, size) -> Block | None:
         """Take out the smallest free block of at least ``size`` (lowest address among
         equals): ``lower_bound`` of ``(size, lowest address)``, as ``get_free_block``
         searches; None when no block is large enough."""
-        i = bisect_left(self.keys, self.sizes.key(size, -1))
-        if i == len(self.blocks):
+        probe = self.sizes.key(size, -1)
+        j = self._run(probe)
+        if j == len(self.keys):  # larger than every run's largest, or no block at all
             return None
-        block = self.blocks[i]
-        del self.keys[i], self.blocks[i]
+        i = bisect_left(self.keys[j], probe)
+        if i == len(self.keys[j]):  # only in a single run: the probe was not compared
+            return None
+        return self._pop(j, i)
+
+    def _run(self, key) -> int:
+        """The run that holds ``key``'s place: the first whose largest key is not less.
+        With one run, that run (its blocks are then searched as a flat list)."""
+        return bisect_left(self.last, key) if len(self.last) > 1 else 0
+
+    def _pop(self, j: int, i: int) -> Block:
+        keys, blocks = self.keys[j], self.blocks[j]
+        del keys[i]
+        block = blocks.pop(i)
+        if not keys:
+            del self.keys[j], self.blocks[j], self.last[j]
+        elif i == len(keys):
+            self.last[j] = keys[-1]
         return block
+
+    def _halve(self, j: int) -> None:
+        """Split run ``j`` in two."""
+        keys, blocks, half = self.keys[j], self.blocks[j], self.RUN
+        self.keys[j:j + 1] = [keys[:half], keys[half:]]
+        self.blocks[j:j + 1] = [blocks[:half], blocks[half:]]
+        self.last[j:j + 1] = [keys[half - 1], keys[-1]]
 
 
 class CachingAllocator:

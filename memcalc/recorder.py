@@ -68,6 +68,8 @@ class FormSizes(Sizes):
             self.guards.setdefault(guard.signature, guard)
         return holds
 
+    plain_keys = False  # comparing two keys records a guard
+
     def key(self, size, addr) -> "_Key":
         return _Key(self, size, addr)
 

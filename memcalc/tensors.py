@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from math import prod
 
 from memcalc.deadline import tick
@@ -53,7 +54,7 @@ class Tensor:
     op: str
     storage_bytes: int | None = None  # when the storage is not shape x element (traced code)
 
-    @property
+    @cached_property  # read at every replay of a kept program
     def nbytes(self) -> int:
         if self.storage_bytes is not None:
             return self.storage_bytes

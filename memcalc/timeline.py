@@ -13,6 +13,7 @@ ledger logs the allocations and frees of the phase and rebuilds that set once, o
 
 from __future__ import annotations
 
+import gc
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import lru_cache
@@ -117,11 +118,12 @@ class Ledger:
     def alloc(self, key: Hashable, item) -> None:
         """Allocate ``item`` (a ``Tensor`` or ``Component``: anything with ``nbytes`` and
         ``role``); note where the peak rises."""
-        before = self.allocator.peak_allocated
-        live = self.live[key] = Live(item, self.allocator.malloc(item.nbytes))
-        self._log.append((key, live))
-        if self.allocator.peak_allocated != before:
-            self._peak_at = len(self._log)
+        allocator, log = self.allocator, self._log
+        before = allocator.peak_allocated
+        live = self.live[key] = Live(item, allocator.malloc(item.nbytes))
+        log.append((key, live))
+        if allocator.peak_allocated != before:
+            self._peak_at = len(log)
         if self.history is not None:
             self._record("alloc", live)
 
@@ -250,11 +252,28 @@ def _predict(config: Config, capacity: int | None, ledger: Ledger | None) -> Bre
     d = config.dims
     ledger = ledger or Ledger(config.workspace_bytes, capacity)
     peaks: dict[str, tuple[Component, ...]] = {}
-    step = replay(ledger, d, program(get_impl(config.impl), d), lambda phase: peaks.update({phase: ledger.peak_live}))
+    with _collector_paused():
+        step = replay(ledger, d, program(get_impl(config.impl), d),
+                      lambda phase: peaks.update({phase: ledger.peak_live}))
     return Breakdown(config=config, forward_live=peaks["forward"],
                      backward_live=peaks.get("backward", ()),
                      saved=tuple(v.component for v in step.saved),
                      reserved_peak_bytes=step.reserved_peak)
+
+
+@contextmanager
+def _collector_paused():
+    """Pause CPython's cyclic garbage collector while a program is built and replayed: a
+    long loop makes millions of objects that are all still referenced, and every full
+    collection walks them again (a third of a chunked replay at a million rows). What
+    the replay leaves behind is collected once it is back on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def input_tensors(d: Dims) -> list[Tensor]:

@@ -1,8 +1,12 @@
 """The caching-allocator model against the rules of c10/cuda/CUDACachingAllocator.cpp."""
 
+import random
+
 import pytest
 
-from memcalc.allocator import MiB, CachingAllocator, OutOfMemory, round_size, segment_size
+from memcalc.allocator import (
+    MiB, CachingAllocator, FreeBlocks, OutOfMemory, round_size, segment_size,
+)
 
 
 @pytest.mark.parametrize("request_bytes, block", [
@@ -86,3 +90,28 @@ def test_oom_releases_cache_then_raises():
     assert a.reserved == 32 * MiB
     with pytest.raises(OutOfMemory):
         a.malloc(10 * MiB)  # 32 + 10 > 40 and nothing left to release
+
+
+@pytest.mark.parametrize("run", [1, 2, 3, 256])
+def test_free_blocks_in_runs_give_the_best_fit(monkeypatch, run):
+    """Free lists split into short runs (here of ``run`` blocks) choose exactly what one
+    sorted list would: the smallest free block of at least the request, lowest address
+    first. The oracle is a scan of every free block of the small pool."""
+    monkeypatch.setattr(FreeBlocks, "RUN", run)
+    allocator, live = CachingAllocator(), []
+    rng = random.Random(7)
+    for step in range(3000):
+        if live and rng.random() < 0.45:
+            allocator.free(live.pop(rng.randrange(len(live))))
+            continue
+        size = round_size(rng.choice([512, 1536, 4096, 32768, 131072, 700000]))
+        pool = allocator.pools[True]
+        fits = [b for b in pool if b.size >= size]
+        expected = min(fits, key=lambda b: (b.size, b.addr)) if fits else None
+        block = allocator.malloc(size)
+        if expected is not None:
+            assert block.addr == expected.addr
+        live.append(block)
+    pool = allocator.pools[True]
+    keys = [(b.size, b.addr) for b in pool]
+    assert keys == sorted(keys) and len(pool) == len(keys)
