@@ -238,6 +238,12 @@ class Breakdown(Result):
 
         return breakdown_tables(self)
 
+    def csv_table(self):
+        """One row per tensor alive at the peak (the tables show a loop's tensors by kind)."""
+        from memcalc.render_results import components_table
+
+        return components_table(self, self.components)
+
     def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats
 

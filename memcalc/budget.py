@@ -251,6 +251,9 @@ class Checked(Result):
     def tables(self) -> list:
         return self.breakdown.tables()
 
+    def csv_table(self):
+        return self.breakdown.csv_table()
+
     def footnotes(self) -> list[str]:
         return [self.budget.describe(), self.fit.describe(), *self.breakdown.footnotes()]
 

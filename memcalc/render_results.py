@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from memcalc.legend import legend, made_by
 from memcalc.render import Column, Table
+from memcalc.repeats import collapse
 from memcalc.units import human, mib, share
 
 # The caching-allocator model (block rounding, pools, best fit, splitting, segment sizes,
@@ -87,11 +88,17 @@ FIGURE_COLUMNS = [
 ]
 
 
-def breakdown_tables(b) -> list[Table]:
-    """What is alive at the peak (with the legend of the short names), then the figures."""
+def components_table(b, rows) -> Table:
+    """What is alive at the peak, one row each of ``rows``, with the legend of the short
+    names."""
     columns = component_columns(b.peak_bytes, any(c.source for c in b.components))
-    components = Table(f"{breakdown_title(b)}\nalive at the peak", columns, b.components,
-                       legend(b.components))
+    return Table(f"{breakdown_title(b)}\nalive at the peak", columns, rows,
+                 legend(b.components))
+
+
+def breakdown_tables(b) -> list[Table]:
+    """What is alive at the peak (a loop's tensors by kind), then the figures."""
+    components = components_table(b, collapse(b.components))
     figures = Table(None, FIGURE_COLUMNS, [(k, getattr(b, k)) for k in FIGURE_LABELS])
     return [components, figures]
 

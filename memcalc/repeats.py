@@ -1,0 +1,67 @@
+"""Rows that repeat: the tensors a loop makes once per iteration, shown as one row a kind.
+
+A chunked implementation keeps tensors per chunk that differ only by the chunk's number in
+their name (``S0``, ``S1``, ...): at a million rows, 15,625 of each. The tables of what is
+alive at a peak show each such kind as one row, ``S0..S15624 (15,625)``, with the sum of
+their bytes; CSV and JSON keep one row per tensor. Rendering only: no figure changes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_NUMBER = re.compile(r"\d+")
+FEW = 3  # a kind with fewer members stays one row per tensor
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """Tensors of one kind: the same op, role, dtype, shape and block, names that differ
+    only in their numbers. Reads like a component (the table's columns apply) whose bytes
+    are the members' sum."""
+
+    members: tuple  # the components, in the order they were allocated
+
+    @property
+    def name(self) -> str:
+        return f"{self.members[0].name}..{self.members[-1].name} ({len(self.members):,})"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.members)
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(c.block_bytes for c in self.members)
+
+    @property
+    def formula(self) -> str:
+        return f"{len(self.members):,} x ({self.members[0].formula})"
+
+    def __getattr__(self, field: str):  # op, role, dtype, shape, source: the members'
+        return getattr(self.members[0], field)
+
+
+def _kind(component) -> tuple:
+    c = component
+    return (_NUMBER.sub("#", c.name), c.op, c.role, c.dtype, c.shape, c.nbytes, c.block_bytes,
+            c.source)
+
+
+def collapse(components) -> list:
+    """The rows of a table of ``components``: each kind of at least ``FEW`` numbered tensors
+    as one ``Repeated`` row where its first member was; the rest as they are."""
+    kinds = [_kind(c) if _NUMBER.search(c.name) else None for c in components]
+    members: dict[tuple, list] = {}
+    for kind, c in zip(kinds, components):
+        if kind is not None:
+            members.setdefault(kind, []).append(c)
+    rows = []
+    for kind, c in zip(kinds, components):
+        group = members.get(kind, ()) if kind is not None else ()
+        if len(group) < FEW:
+            rows.append(c)
+        elif group[0] is c:
+            rows.append(Repeated(tuple(group)))
+    return rows

@@ -1,0 +1,46 @@
+"""A loop's tensors as one row a kind in the tables; one row a tensor in CSV."""
+
+import csv
+import io
+
+import memcalc
+from memcalc.breakdown import Component
+from memcalc.repeats import FEW, Repeated, collapse
+from memcalc.tensors import Role
+
+
+def tensor(name: str, shape=(8, 1, 64, 64), role=Role.saved, op="tril") -> Component:
+    nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[3]
+    return Component(name=name, role=role, op=op, shape=shape, dtype="float32",
+                     nbytes=nbytes, block_bytes=nbytes)
+
+
+def test_numbered_tensors_of_one_kind_become_one_row_where_the_first_was():
+    rows = collapse([tensor("q", role=Role.input, op="randn"), tensor("S0"), tensor("o0", (8, 1, 64, 16)),
+                     tensor("S1"), tensor("o1", (8, 1, 64, 16)), tensor("S2")])
+    assert [r.name for r in rows] == ["q", "S0..S2 (3)", "o0", "o1"]  # two o's: fewer than FEW
+    group = rows[1]
+    assert isinstance(group, Repeated) and FEW == 3
+    assert group.block_bytes == 3 * 131072  # 3 x (8 x 1 x 64 x 64 x 4 B)
+    assert group.nbytes == 3 * 131072
+    assert group.formula == "3 x (8 x 1 x 64 x 64 x 4 B)"
+    assert (group.role, group.op, group.dtype) == (Role.saved, "tril", "float32")
+
+
+def test_a_different_shape_or_role_is_another_kind():
+    rows = collapse([tensor("S0"), tensor("S1"), tensor("S2", (8, 1, 32, 64)),
+                     tensor("S3", role=Role.temporary), tensor("S4")])
+    # S0, S1, S4 are one kind (the count tells the gap); S2 and S3 are kinds of one each
+    assert [r.name for r in rows] == ["S0..S4 (3)", "S2", "S3"]
+
+
+def test_chunked_breakdown_table_shows_kinds_and_its_csv_every_tensor():
+    b = memcalc.breakdown(impl="linear-causal-chunked", seq_len=640)  # 10 chunks of 64
+    table = b.tables()[0]
+    cells = {row[0]: row for row in table.cells()}
+    allocated = [c.header for c in table.columns].index("allocated")
+    assert cells["S0..S9 (10)"][allocated] == str(10 * 131072)  # 10 x (8 x 1 x 64 x 64 x 4 B)
+    assert sum(r.block_bytes for r in table.rows) == b.peak_bytes
+    rows = list(csv.reader(io.StringIO(b.to_csv())))
+    assert len(rows) == 1 + len(b.components)  # a header, then one row per tensor
+    assert {"S0", "S9"} <= {r[0] for r in rows}
