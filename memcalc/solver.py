@@ -88,9 +88,11 @@ class Solved(BaseModel):
 class Unsolved(Exception):
     """The solver ran out of time; what it knows so far."""
 
-    def __init__(self, lo: int, hi: int | None, seconds: float):
-        self.lo, self.hi = lo, hi
+    def __init__(self, lo: int, hi: int | None, seconds: float, estimate: int | None = None):
+        self.lo, self.hi, self.estimate = lo, hi, estimate
         bound = f"fits at {lo}" + (f", not at {hi}" if hi else "")
+        if estimate is not None:
+            bound += f"; the closed-form estimate, not replayed: {estimate:,}"
         super().__init__(f"no exact answer within {seconds:g} s ({bound})")
 
 
@@ -106,6 +108,7 @@ class _Probe:
         self.evaluations = 0
         self.deadline = None if time_limit is None else time.perf_counter() + time_limit
         self.time_limit = time_limit
+        self.estimate: int | None = None  # the latest closed-form guess, for Unsolved
 
     def __call__(self, x: int) -> bool:
         """``fits`` at ``x``: one replay under the capacity."""
@@ -127,7 +130,7 @@ class _Probe:
         except TimeUp:
             lo = max((k for k, (f, _) in self.known.items() if f), default=0)
             hi = min((k for k, (f, _) in self.known.items() if not f), default=None)
-            raise Unsolved(lo, hi, self.time_limit) from None
+            raise Unsolved(lo, hi, self.time_limit, self.estimate) from None
 
     def size(self, x: int) -> int:
         """What steers the search: the reserved peak (fits) or reserved + the failed
@@ -204,7 +207,7 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
         q = live_polynomial(config.replace(**{field: x}), field, probe.breakdowns[x])
     previous, step = x, max(1, x // 64)  # no model: 1/64 of the start
     for _ in range(3):  # Newton-like steps on rho Q(x) = budget
-        guess = _guess(probe, x, q)
+        guess = probe.estimate = _guess(probe, x, q)
         if guess is None:
             break
         if guess == x:  # converged: the model is good to a few segments of rounding

@@ -175,3 +175,14 @@ def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
     why = out[out.index("why"):]
     assert "/" not in why.split("caveat")[0]
     assert "naive: 192*N^2 + 3,168*N + 67,108,864" in why  # 6 N x N tensors x 8 x 4 B = 192
+
+
+def test_time_limit_names_the_estimate_it_could_not_replay():
+    """The chunked loop at 80 GiB: the estimate (millions of rows) is known within a
+    second, its replay takes minutes; the answer says what is known, and of what kind."""
+    with pytest.raises(Unsolved) as caught:
+        max_fitting(Config(impl="linear-causal-chunked"), GIB80, time_limit=3)
+    error = caught.value
+    assert error.lo == 16384 and error.hi is None  # the start was replayed and fits
+    assert error.estimate > 100 * error.lo
+    assert f"the closed-form estimate, not replayed: {error.estimate:,}" in str(error)
