@@ -72,13 +72,18 @@ class Quadratic(BaseModel):
 
 def live_polynomial(config: Config, field: str, breakdown=None) -> Quadratic | None:
     """The raw bytes of what is alive at ``config``'s peak, as a quadratic in ``field``
-    (None when the program's tensors change names with the field)."""
+    (None when the program's tensors change names with the field). A program whose number
+    of tensors grows with the field (a loop over chunks) is replayed at each point: its
+    live set at ``x`` does not tell which of them are alive at ``2x``."""
     b = breakdown if breakdown is not None else predict(config)
     x0 = getattr(config.shape, field)
     live = b.components
+    declared = len(tensor_sizes(config))
 
     def raw(x: int) -> int | None:
         sizes = tensor_sizes(config.replace(**{field: x}))
+        if len(sizes) != declared:  # a loop: more tensors at x, not larger ones; replay it
+            return sum(comp.nbytes for comp in predict(config.replace(**{field: x})).components)
         total = 0
         for comp in live:
             if comp.role is Role.workspace:

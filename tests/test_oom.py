@@ -14,6 +14,7 @@ from memcalc.closed_form import live_polynomial
 from memcalc.solver import Unsolved, bisect_max, max_fitting
 from memcalc.thresholds import solve
 from memcalc.tensors import Program, Role, free, new
+from memcalc.timeline import predict
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
 
@@ -186,3 +187,14 @@ def test_time_limit_names_the_estimate_it_could_not_replay():
     assert error.lo == 16384 and error.hi is None  # the start was replayed and fits
     assert error.estimate > 100 * error.lo
     assert f"the closed-form estimate, not replayed: {error.estimate:,}" in str(error)
+
+
+def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
+    """linear-causal-chunked at 640 rows (10 chunks of 64): the polynomial is fitted on
+    replays at 640, 1280 and 2560 rows and holds at 1920, where the step keeps 30 chunks'
+    tensors, not the 10 whose names it had at 640."""
+    config = Config(impl="linear-causal-chunked", shape={"seq_len": 640})
+    q = live_polynomial(config, "seq_len")
+    at_1920 = predict(config.replace(seq_len=1920))
+    assert q.exact and q(1920) == sum(c.nbytes for c in at_1920.components)
+    assert q.a == 0  # linear: each chunk adds the same tensors
