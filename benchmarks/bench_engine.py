@@ -87,11 +87,25 @@ def bench_sweep(count: int) -> None:
 
 
 def bench_latency() -> None:
-    """``predict`` at the default shape, CPU time per call (best of 7 x 200)."""
+    """``predict`` and ``memcalc.breakdown()`` at the default shape, warm, CPU time per call
+    (best of 7 x 200)."""
+    import memcalc
+
     config = Config()
-    predict(config)
-    best = min(_cpu(lambda: predict(config), 200) for _ in range(7))
-    print(f"predict(naive, B=8 H=1 N=16384 d=16 fp32): {best * 1e3:.3f} ms CPU per call")
+    for label, fn in [("predict(naive, B=8 H=1 N=16384 d=16 fp32)", lambda: predict(config)),
+                      ("memcalc.breakdown(), the same step", memcalc.breakdown)]:
+        fn()
+        best = min(_cpu(fn, 200) for _ in range(7))
+        print(f"{label}: {best * 1e3:.3f} ms CPU per call")
+
+
+def bench_cli_chunked(n: int) -> None:
+    """``memcalc breakdown --impl linear-causal-chunked --seq n`` in a fresh process, wall
+    time, the table rendered to a pipe."""
+    argv = [sys.executable, "-m", "memcalc.cli", "breakdown", "--impl",
+            "linear-causal-chunked", "--seq", str(n)]
+    wall = seconds(lambda: subprocess.run(argv, capture_output=True, check=True))
+    print(f"CLI: chunked breakdown, N = {n:,}, rendered: {wall:.2f} s")
 
 
 def _cpu(fn, calls: int) -> float:
@@ -108,6 +122,8 @@ def main() -> None:
     args = parser.parse_args()
     bench_latency()
     bench_chunked([10_000, 100_000] + ([] if args.quick else [1_000_000]))
+    if not args.quick:
+        bench_cli_chunked(1_000_000)
     bench_chunked_oom(5.0)
     bench_cli(args.repeat)
     bench_sweep(100_000 if args.quick else 1_000_000)  # first: a cold evaluator
