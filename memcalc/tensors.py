@@ -16,9 +16,8 @@ code runs its ops:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from functools import cached_property
 from math import prod
 
 from memcalc.deadline import tick
@@ -53,12 +52,14 @@ class Tensor:
     role: Role
     op: str
     storage_bytes: int | None = None  # when the storage is not shape x element (traced code)
+    # the requested bytes, computed once here: every replay reads them
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @cached_property  # read at every replay of a kept program
-    def nbytes(self) -> int:
-        if self.storage_bytes is not None:
-            return self.storage_bytes
-        return prod(self.shape) * ITEMSIZE[self.dtype]
+    def __post_init__(self) -> None:
+        nbytes = self.storage_bytes
+        if nbytes is None:
+            nbytes = prod(self.shape) * ITEMSIZE[self.dtype]
+        object.__setattr__(self, "nbytes", nbytes)  # a frozen dataclass sets its own fields so
 
 
 @dataclass(frozen=True)
