@@ -59,7 +59,7 @@ class Tensor:
         nbytes = self.storage_bytes
         if nbytes is None:
             nbytes = prod(self.shape) * ITEMSIZE[self.dtype]
-        object.__setattr__(self, "nbytes", nbytes)  # a frozen dataclass sets its own fields so
+        object.__setattr__(self, "nbytes", nbytes)  # frozen: the way dataclasses set fields
 
 
 @dataclass(frozen=True)
