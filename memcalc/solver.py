@@ -39,6 +39,7 @@ from memcalc.budget import Fit, fit, replay_within
 from memcalc.closed_form import Quadratic, live_polynomial
 from memcalc.config import Config
 from memcalc.deadline import TimeUp, deadline
+from memcalc.impls import get_impl
 from memcalc.timeline import predict
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -88,12 +89,14 @@ class Solved(BaseModel):
 class Unsolved(Exception):
     """The solver ran out of time; what it knows so far."""
 
-    def __init__(self, lo: int, hi: int | None, seconds: float, estimate: int | None = None):
+    def __init__(self, lo: int, hi: int | None, seconds: float | None,
+                 estimate: int | None = None):
         self.lo, self.hi, self.estimate = lo, hi, estimate
         bound = f"fits at {lo}" + (f", not at {hi}" if hi else "")
         if estimate is not None:
             bound += f"; the closed-form estimate, not replayed: {estimate:,}"
-        super().__init__(f"no exact answer within {seconds:g} s ({bound})")
+        within = f" within {seconds:g} s" if seconds is not None else ""
+        super().__init__(f"no exact answer{within} ({bound})")
 
 
 class _Probe:
@@ -109,28 +112,64 @@ class _Probe:
         self.deadline = None if time_limit is None else time.perf_counter() + time_limit
         self.time_limit = time_limit
         self.estimate: int | None = None  # the latest closed-form guess, for Unsolved
+        self.per_event = 0.0  # the slowest replay so far, in seconds per event
+        self._events: tuple[int, int] | None = None  # events at 256, and per 256 more
 
     def __call__(self, x: int) -> bool:
         """``fits`` at ``x``: one replay under the capacity."""
         if x not in self.known:
-            with self._limited():
+            with self._limited(x):
                 self.known[x] = replay_within(self.config.replace(**{self.field: x}),
                                               self.budget)
             self.evaluations += 1
         return self.known[x][0]
 
     @contextmanager
-    def _limited(self):
-        """Replays inside stop at the deadline, between replays or inside one."""
+    def _limited(self, x: int, timed: bool = True):
+        """A replay at ``x`` (or ``x``'s worth of events) that stops at the deadline: not
+        started when it is expected to end after it, stopped inside otherwise. ``timed``:
+        the replay's seconds per event steer the next ones."""
+        start = time.perf_counter()
         try:
-            if self.deadline is not None and time.perf_counter() > self.deadline:
+            if not self.affordable(x):
                 raise TimeUp
             with deadline(self.deadline):
                 yield
         except TimeUp:
-            lo = max((k for k, (f, _) in self.known.items() if f), default=0)
-            hi = min((k for k, (f, _) in self.known.items() if not f), default=None)
-            raise Unsolved(lo, hi, self.time_limit, self.estimate) from None
+            raise self.unsolved() from None
+        if self.deadline is not None and timed:
+            seconds = time.perf_counter() - start
+            self.per_event = max(self.per_event, seconds / self.events_at(x))
+
+    def bounds(self) -> tuple[int, int | None]:
+        """The largest value replayed that fits (0: none), the smallest that does not."""
+        lo = max((k for k, (f, _) in self.known.items() if f), default=0)
+        hi = min((k for k, (f, _) in self.known.items() if not f), default=None)
+        return lo, hi
+
+    def unsolved(self) -> Unsolved:
+        return Unsolved(*self.bounds(), self.time_limit, self.estimate)
+
+    def affordable(self, x: int) -> bool:
+        """Whether a replay at ``x`` is expected to end before the deadline: the slowest
+        time per event so far times the events at ``x``."""
+        if self.deadline is None:
+            return True
+        return self.per_event * self.events_at(x) <= self.deadline - time.perf_counter()
+
+    def events_at(self, x: int) -> int:
+        """The events of the program at ``x``, extrapolated from the programs at 256 and
+        512 (a chunked loop's grow with the length; building it at ``x`` would take about
+        as long as replaying it)."""
+        if self._events is None:
+            try:
+                small, large = (program_events(self.config.replace(**{self.field: n}))
+                                for n in (256, 512))
+            except ValueError:  # sizes the implementation rejects: take it as constant
+                small = large = program_events(self.config)
+            self._events = (small, large - small)
+        small, per_256 = self._events
+        return max(1, small + per_256 * (x - 256) // 256)
 
     def size(self, x: int) -> int:
         """What steers the search: the reserved peak (fits) or reserved + the failed
@@ -142,7 +181,7 @@ class _Probe:
         """``fit`` with its figures (an unbounded prediction, plus the capped one if needed)."""
         if x not in self.full:
             c = self.config.replace(**{self.field: x})
-            with self._limited():
+            with self._limited(x):
                 b = predict(c)
                 self.full[x] = fit(c, self.budget, b)
             self.evaluations += 1
@@ -202,8 +241,17 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
     ``N + 1``. ``Unsolved`` after ``time_limit`` seconds."""
     probe = _Probe(config, field, budget_bytes, time_limit)
     x = start or getattr(config.shape, field)
+    try:
+        return _search(probe, x, field)
+    except Unsolved:
+        raise _climb(probe) from None
+
+
+def _search(probe: _Probe, x: int, field: str) -> Solved:
+    """``max_fitting`` from ``x``: Newton-like steps on the closed form, a bracket, a bisection."""
+    config = probe.config
     probe.fit(x)
-    with probe._limited():
+    with probe._limited(9 * x, timed=False):  # a loop's closed form replays 2x, 3x and 4x
         q = live_polynomial(config.replace(**{field: x}), field, probe.breakdowns[x])
     previous, step = x, max(1, x // 64)  # no model: 1/64 of the start
     for _ in range(3):  # Newton-like steps on rho Q(x) = budget
@@ -217,6 +265,29 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
         step = max(1, abs(x - previous) // 8)
     lo, hi = _gallop(probe, x, step)
     return _solved(probe, _narrow(probe, lo, hi), field)
+
+
+def _climb(probe: _Probe) -> Unsolved:
+    """What a search cut off by its time limit knows, improved with the time left: from the
+    largest value that fits, replay doubled values (or halve the gap to one that does
+    not) while each replay is expected to end in time. A chunked loop's estimate can be
+    millions of rows, minutes of replay; its lower bound grows in seconds."""
+    try:
+        for _ in range(128):  # doubling to LIMIT, then halving a gap: 62 steps each at most
+            lo, hi = probe.bounds()
+            x = 2 * lo if hi is None else lo + (hi - lo) // 2
+            if lo == 0 or x == lo or x >= LIMIT or not probe.affordable(x):
+                break
+            probe(x)
+    except Unsolved:
+        pass
+    return probe.unsolved()
+
+
+def program_events(config: Config) -> int:
+    """How many events ``config``'s program has (allocations, frees, marks)."""
+    p = get_impl(config.impl).build(config.dims)
+    return len(p.forward) + len(p.backward)
 
 
 def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",
@@ -249,7 +320,7 @@ def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solv
         power *= 2
     q = None
     if approximate and n >= 1:
-        with probe._limited():
+        with probe._limited(9 * n, timed=False):
             q = live_polynomial(config.replace(**{field: n}), field, probe.breakdowns.get(n))
     return Solved(impl=config.impl, field=field, max_value=n,
                   first_failing_power_of_two=power, at_max=at_max, at_next=at_next,

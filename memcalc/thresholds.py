@@ -16,9 +16,9 @@ from memcalc.budget import Budget, Fit
 from memcalc.closed_form import SYMBOL
 from memcalc.config import Config
 from memcalc.errors import one_line
-from memcalc.impls import get_impl, impl_names
+from memcalc.impls import impl_names
 from memcalc.render import Column, Table
-from memcalc.solver import SolveField, Solved, Unsolved, max_fitting
+from memcalc.solver import SolveField, Solved, Unsolved, max_fitting, program_events
 from memcalc.units import GiB, _fixed
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -169,20 +169,15 @@ this at the starting point, or more events as the solved field grows (chunked lo
 their exact replays near a threshold take seconds to hours. Name them to solve them."""
 
 
-def _events(config: Config) -> int:
-    p = get_impl(config.impl).build(config.dims)
-    return len(p.forward) + len(p.backward)
-
-
 def _too_big(config: Config, field: str) -> str | None:
     """Why solving ``config``'s implementation would be slow, or None."""
-    small, large = _events(config.replace(**{field: 256})), _events(config.replace(**{field: 512}))
+    small, large = program_events(config.replace(**{field: 256})), program_events(config.replace(**{field: 512}))
     if large > small:
         return (f"its program's events grow with {field} ({small:,} at 256, {large:,} at 512), "
                 f"so exact replays near the threshold take too long; name it with --impl "
                 f"(and --time-limit) to try")
     x = getattr(config.shape, field)
-    events = _events(config)
+    events = program_events(config)
     if events > MAX_EVENTS:
         return (f"its program has {events:,} events at {field} = {x} (replays are slow); "
                 f"name it with --impl (and --time-limit) to solve it")

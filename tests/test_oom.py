@@ -11,7 +11,7 @@ from memcalc.cli import main
 from memcalc.config import Config, Device
 from memcalc.impls import IMPLS, impl_names, register
 from memcalc.closed_form import live_polynomial
-from memcalc.solver import Unsolved, bisect_max, max_fitting
+from memcalc.solver import Unsolved, _climb, _Probe, bisect_max, max_fitting
 from memcalc.thresholds import solve
 from memcalc.tensors import Program, Role, free, new
 from memcalc.timeline import predict
@@ -180,13 +180,28 @@ def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
 
 def test_time_limit_names_the_estimate_it_could_not_replay():
     """The chunked loop at 80 GiB: the estimate (millions of rows) is known within a
-    second, its replay takes minutes; the answer says what is known, and of what kind."""
+    second, its replay would take minutes, so it is not started; the time left doubles the
+    largest length that fits while a replay is expected to end in time."""
+    config = Config(impl="linear-causal-chunked")
     with pytest.raises(Unsolved) as caught:
-        max_fitting(Config(impl="linear-causal-chunked"), GIB80, time_limit=3)
+        max_fitting(config, GIB80, time_limit=3)
     error = caught.value
-    assert error.lo == 16384 and error.hi is None  # the start was replayed and fits
-    assert error.estimate > 100 * error.lo
-    assert f"the closed-form estimate, not replayed: {error.estimate:,}" in str(error)
+    assert error.hi is None and error.lo % 16384 == 0  # the start, doubled 0 or more times
+    assert fits(config.replace(seq_len=error.lo), GIB80)
+    assert error.estimate > 100 * 16384
+    assert f"fits at {error.lo}; the closed-form estimate, not replayed: {error.estimate:,}" \
+        in str(error)
+
+
+def test_climb_closes_in_on_a_threshold_with_time_left():
+    """From a value that fits, ``_climb`` doubles, then halves the gap to the first value
+    that does not, down to neighbours: a fitting value next to a failing one."""
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    assert probe(16384)  # the default step fits in 80 GiB
+    error = _climb(probe)
+    assert error.hi == error.lo + 1
+    assert fits(Config(impl="naive", shape={"seq_len": error.lo}), GIB80)
+    assert not fits(Config(impl="naive", shape={"seq_len": error.hi}), GIB80)
 
 
 def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
