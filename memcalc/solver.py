@@ -143,8 +143,10 @@ class _Probe:
 
     def bounds(self) -> tuple[int, int | None]:
         """The largest value replayed that fits (0: none), the smallest that does not."""
-        lo = max((k for k, (f, _) in self.known.items() if f), default=0)
-        hi = min((k for k, (f, _) in self.known.items() if not f), default=None)
+        fits = {x: f for x, (f, _) in self.known.items()}
+        fits |= {x: r.fits for x, r in self.full.items()}  # unbounded predictions, judged
+        lo = max((x for x, f in fits.items() if f), default=0)
+        hi = min((x for x, f in fits.items() if not f), default=None)
         return lo, hi
 
     def unsolved(self) -> Unsolved:

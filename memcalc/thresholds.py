@@ -171,7 +171,7 @@ their exact replays near a threshold take seconds to hours. Name them to solve t
 
 def _too_big(config: Config, field: str) -> str | None:
     """Why solving ``config``'s implementation would be slow, or None."""
-    small, large = program_events(config.replace(**{field: 256})), program_events(config.replace(**{field: 512}))
+    small, large = (program_events(config.replace(**{field: n})) for n in (256, 512))
     if large > small:
         return (f"its program's events grow with {field} ({small:,} at 256, {large:,} at 512), "
                 f"so exact replays near the threshold take too long; name it with --impl "
