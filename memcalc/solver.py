@@ -165,8 +165,7 @@ class _Probe:
         as long as replaying it)."""
         if self._events is None:
             try:
-                small, large = (program_events(self.config.replace(**{self.field: n}))
-                                for n in (256, 512))
+                small, large = events_growth(self.config, self.field)
             except ValueError:  # sizes the implementation rejects: take it as constant
                 small = large = program_events(self.config)
             self._events = (small, large - small)
@@ -290,6 +289,12 @@ def program_events(config: Config) -> int:
     """How many events ``config``'s program has (allocations, frees, marks)."""
     p = get_impl(config.impl).build(config.dims)
     return len(p.forward) + len(p.backward)
+
+
+def events_growth(config: Config, field: str) -> tuple[int, int]:
+    """The program's events at ``field`` = 256 and at 512: more at 512 is a loop (chunks)."""
+    small, large = (program_events(config.replace(**{field: n})) for n in (256, 512))
+    return small, large
 
 
 def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",

@@ -18,7 +18,7 @@ from memcalc.config import Config
 from memcalc.errors import one_line
 from memcalc.impls import impl_names
 from memcalc.render import Column, Table
-from memcalc.solver import SolveField, Solved, Unsolved, max_fitting, program_events
+from memcalc.solver import SolveField, Solved, Unsolved, events_growth, max_fitting, program_events
 from memcalc.units import GiB, _fixed
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -171,7 +171,7 @@ their exact replays near a threshold take seconds to hours. Name them to solve t
 
 def _too_big(config: Config, field: str) -> str | None:
     """Why solving ``config``'s implementation would be slow, or None."""
-    small, large = (program_events(config.replace(**{field: n})) for n in (256, 512))
+    small, large = events_growth(config, field)
     if large > small:
         return (f"its program's events grow with {field} ({small:,} at 256, {large:,} at 512), "
                 f"so exact replays near the threshold take too long; name it with --impl "
