@@ -1,7 +1,7 @@
 """The engine's long cases: chunked programs, their OOM solve, compare, a 1e6 grid to 16M.
 
 Each case prints wall seconds (median of ``--repeat`` runs where cheap). Run from the
-repository root: ``python benchmarks/bench_engine.py`` (a few minutes on 2 cores;
+repository root: ``python benchmarks/bench_engine.py`` (about a minute on 2 cores;
 ``--quick`` skips N = 1e6 and shrinks the grid).
 """
 
@@ -120,14 +120,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip N = 1e6, smaller grid")
     parser.add_argument("--repeat", type=int, default=3, help="runs of the CLI cases")
     args = parser.parse_args()
+    run_all(args.quick, args.repeat)
+
+
+def run_all(quick: bool, repeat: int = 3) -> None:
+    """Every case, in order (``benchmarks/run.py`` runs them too)."""
     bench_latency()
-    bench_chunked([10_000, 100_000] + ([] if args.quick else [1_000_000]))
-    if not args.quick:
+    bench_chunked([10_000, 100_000] + ([] if quick else [1_000_000]))
+    if not quick:
         bench_cli_chunked(1_000_000)
     bench_chunked_oom(5.0)
-    bench_cli(args.repeat)
-    bench_sweep(100_000 if args.quick else 1_000_000)  # first: a cold evaluator
-    bench_grid(100_000 if args.quick else 1_000_000)
+    bench_cli(repeat)
+    bench_sweep(100_000 if quick else 1_000_000)  # first: a cold evaluator
+    bench_grid(100_000 if quick else 1_000_000)
 
 
 if __name__ == "__main__":

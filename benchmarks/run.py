@@ -9,7 +9,7 @@
 6. The engine's long cases (``bench_engine``): chunked programs at N = 1e4..1e6, their OOM
    solve under a time limit, ``compare`` against ``breakdown``, a 1e6 grid and sweep to 16M.
 
-Run from the repository root: ``python benchmarks/run.py`` (about 35 s on 2 cores;
+Run from the repository root: ``python benchmarks/run.py`` (about 100 s on 2 cores;
 ``--quick`` for smaller sweep grids).
 """
 
@@ -146,12 +146,7 @@ def bench_cli(runs: int) -> float:
 
 def bench_engine_cases(quick: bool) -> None:
     """``bench_engine``'s cases, as that script runs them."""
-    bench_engine.bench_latency()
-    bench_engine.bench_chunked([10_000, 100_000] + ([] if quick else [1_000_000]))
-    bench_engine.bench_chunked_oom(5.0)
-    bench_engine.bench_cli(3)
-    bench_engine.bench_sweep(100_000 if quick else 1_000_000)
-    bench_engine.bench_grid(100_000 if quick else 1_000_000)
+    bench_engine.run_all(quick)
 
 
 def summary(latency: float, sweeps: list[float], oom: float | None, emulated: float,
