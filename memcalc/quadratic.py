@@ -32,7 +32,7 @@ def _names(impl: str, d) -> frozenset[str]:
 
 
 def _tensors(impl: str, d) -> list[Tensor]:
-    program = get_impl(impl).build(d)
+    program = get_impl(impl).program(d)
     return [e for e in (*program.forward, *program.backward) if isinstance(e, Tensor)]
 
 

@@ -26,8 +26,26 @@ class Impl:
     gqa: bool = False  # supports fewer key/value heads than query heads
     traced: bool = True  # validated against the emulated trace; False: source-derived only
 
+    def program(self, d: Dims) -> Program:
+        """The program for ``d``. Builders are pure functions of their sizes, so small
+        programs are built once per implementation and sizes (a re-registered
+        implementation is another ``Impl``, another key); long ones (chunked loops at
+        large lengths) are not kept. Every caller goes through here: the replay, the
+        solver's event counts, the N x M test, a wrapper's inner program."""
+        key = (self, d)
+        if key in _PROGRAMS:
+            return _PROGRAMS[key]
+        built = self.build(d)
+        if len(built.forward) + len(built.backward) <= CACHED_EVENTS:
+            if len(_PROGRAMS) >= CACHED_PROGRAMS:
+                del _PROGRAMS[next(iter(_PROGRAMS))]  # the oldest
+            _PROGRAMS[key] = built
+        return built
+
 
 IMPLS: dict[str, Impl] = {}
+_PROGRAMS: dict[tuple[Impl, Dims], Program] = {}
+CACHED_PROGRAMS, CACHED_EVENTS = 128, 20_000  # how many programs are kept, and how large
 
 
 def add(impl: Impl, replace: bool = False) -> Impl:

@@ -287,7 +287,7 @@ def _climb(probe: _Probe) -> Unsolved:
 
 def program_events(config: Config) -> int:
     """How many events ``config``'s program has (allocations, frees, marks)."""
-    p = get_impl(config.impl).build(config.dims)
+    p = get_impl(config.impl).program(config.dims)
     return len(p.forward) + len(p.backward)
 
 

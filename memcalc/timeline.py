@@ -25,7 +25,6 @@ from memcalc.config import Config
 from memcalc.deadline import tick
 from memcalc.dims import Dims
 from memcalc.impls import get_impl
-from memcalc.registry import Impl
 from memcalc.tensors import Cublas, Free, Program, Release, Role, Tensor
 
 
@@ -81,25 +80,6 @@ def _declared(t: Tensor, block_bytes: int) -> Component:
     return Component.model_construct(name=t.name, role=t.role, op=t.op, shape=t.shape,
                                       dtype=t.dtype, nbytes=t.nbytes, block_bytes=block_bytes,
                                       source="")
-
-
-_PROGRAMS: dict[tuple[Impl, Dims], Program] = {}
-CACHED_PROGRAMS, CACHED_EVENTS = 128, 20_000  # how many programs are kept, and how large
-
-
-def program(impl: Impl, d: Dims) -> Program:
-    """``impl``'s program for ``d``. Builders are pure functions of their sizes, so small
-    programs are built once per implementation and sizes (a re-registered implementation
-    is another ``Impl``, another key); long ones (chunked loops) are not kept."""
-    key = (impl, d)
-    if key in _PROGRAMS:
-        return _PROGRAMS[key]
-    built = impl.build(d)
-    if len(built.forward) + len(built.backward) <= CACHED_EVENTS:
-        if len(_PROGRAMS) >= CACHED_PROGRAMS:
-            del _PROGRAMS[next(iter(_PROGRAMS))]  # the oldest
-        _PROGRAMS[key] = built
-    return built
 
 
 class Ledger:
@@ -253,7 +233,7 @@ def _predict(config: Config, capacity: int | None, ledger: Ledger | None) -> Bre
     ledger = ledger or Ledger(config.workspace_bytes, capacity)
     peaks: dict[str, tuple[Component, ...]] = {}
     with _collector_paused():
-        step = replay(ledger, d, program(get_impl(config.impl), d),
+        step = replay(ledger, d, get_impl(config.impl).program(d),
                       lambda phase: peaks.update({phase: ledger.peak_live}))
     return Breakdown(config=config, forward_live=peaks["forward"],
                      backward_live=peaks.get("backward", ()),
@@ -288,7 +268,7 @@ def tensor_sizes(config: Config) -> dict[str, int]:
     """The requested bytes of every tensor the step declares, by name (inputs included;
     the first declaration of a name wins)."""
     d = config.dims
-    program = get_impl(config.impl).build(d)
+    program = get_impl(config.impl).program(d)
     sizes: dict[str, int] = {}
     for t in (*input_tensors(d), *program.forward, *program.backward):
         if isinstance(t, Tensor):

@@ -10,7 +10,7 @@ import pytest
 from memcalc.config import Config
 from memcalc.impls import IMPLS, impl_names
 from memcalc.impls.checkpoint import PREFIX, UNSUPPORTED
-from memcalc import timeline
+from memcalc import registry
 from memcalc.timeline import Ledger, predict
 from memcalc.validation import figures_of
 
@@ -116,7 +116,7 @@ def test_saved_tensors_die_before_the_engines_sum_to(monkeypatch):
     config = Config(impl="checkpoint-linear", dtype="fp16", shape=SMALL, protocol={"loss": "sum"})
     assert model_steps(config) == traced_steps(config)
     monkeypatch.setattr(checkpoint, "early_releases", lambda events: events)
-    monkeypatch.setattr(timeline, "_PROGRAMS", {})  # programs are kept: build it again
+    monkeypatch.setattr(registry, "_PROGRAMS", {})  # programs are kept: build it again
     assert model_steps(config) != traced_steps(config)
 
 
@@ -128,7 +128,7 @@ def test_recomputation_stops_early(monkeypatch):
     config = Config(impl="checkpoint-naive-softmax", dtype="fp16", shape=SMALL)
     assert model_steps(config) == traced_steps(config)
     monkeypatch.setattr(checkpoint, "stop_index", lambda name, forward: len(forward))
-    monkeypatch.setattr(timeline, "_PROGRAMS", {})  # programs are kept: build it again
+    monkeypatch.setattr(registry, "_PROGRAMS", {})  # programs are kept: build it again
     assert model_steps(config) != traced_steps(config)
 
 

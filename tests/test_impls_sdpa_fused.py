@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 
-from memcalc import timeline
+from memcalc import registry
 
 from memcalc.config import Config, Protocol
 from memcalc.impls import IMPLS, get_impl, sdpa_efficient, sdpa_flash
@@ -242,7 +242,7 @@ def test_a_missing_layout_copy_is_caught(monkeypatch):
     """Without AccumulateGrad's copies of the (B, N, H, d) grads the skeleton must differ."""
     pytest.importorskip("torch")
     monkeypatch.setattr(sdpa_efficient, "accumulate", lambda d: [])
-    monkeypatch.setattr(timeline, "_PROGRAMS", {})  # programs are kept: build it again
+    monkeypatch.setattr(registry, "_PROGRAMS", {})  # programs are kept: build it again
     config = Config(impl="sdpa-efficient", dtype="fp16",
                     shape={"batch": 2, "heads": 4, "seq_len": 1000, "head_dim": 64})
     model, trace = _check_skeleton(monkeypatch, "sdpa-efficient", sdpa_efficient,

@@ -134,7 +134,7 @@ def wrap(name: str):
     """The program builder of ``checkpoint-<name>``."""
 
     def build(d: Dims) -> Program:
-        inner = IMPLS[name].build(d)
+        inner = IMPLS[name].program(d)
         at = unpack_index(inner.backward)
         backward = [*inner.backward[:at],
                     *recomputation(inner.forward, stop_index(name, inner.forward)),
