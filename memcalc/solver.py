@@ -150,7 +150,9 @@ class _Probe:
         return lo, hi
 
     def unsolved(self) -> Unsolved:
-        return Unsolved(*self.bounds(), self.time_limit, self.estimate)
+        """What is known: the bounds, and the closed-form estimate unless it was replayed."""
+        replayed = self.estimate in self.known or self.estimate in self.full
+        return Unsolved(*self.bounds(), self.time_limit, None if replayed else self.estimate)
 
     def affordable(self, x: int) -> bool:
         """Whether a replay at ``x`` is expected to end before the deadline: the slowest
@@ -268,6 +270,17 @@ def _search(probe: _Probe, x: int, field: str) -> Solved:
     return _solved(probe, _narrow(probe, lo, hi), field)
 
 
+def _closed_form(probe: _Probe, n: int, field: str) -> Quadratic | None:
+    """The closed form at the answer, shown with it; None when the time left cannot build
+    it (a loop's is replayed at 2n, 3n and 4n): the answer stands without it."""
+    try:
+        with probe._limited(9 * n, timed=False):
+            return live_polynomial(probe.config.replace(**{field: n}), field,
+                                   probe.breakdowns.get(n))
+    except Unsolved:
+        return None
+
+
 def _climb(probe: _Probe) -> Unsolved:
     """What a search cut off by its time limit knows, improved with the time left: from the
     largest value that fits, replay doubled values (or halve the gap to one that does
@@ -325,10 +338,7 @@ def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solv
     power = 1 << max(0, n).bit_length()  # the smallest power of two above n
     while probe(power):  # only if fitting is not monotone
         power *= 2
-    q = None
-    if approximate and n >= 1:
-        with probe._limited(9 * n, timed=False):
-            q = live_polynomial(config.replace(**{field: n}), field, probe.breakdowns.get(n))
+    q = _closed_form(probe, n, field) if approximate and n >= 1 else None
     return Solved(impl=config.impl, field=field, max_value=n,
                   first_failing_power_of_two=power, at_max=at_max, at_next=at_next,
                   approximation=q, evaluations=probe.evaluations)

@@ -69,7 +69,8 @@ def _formula(r) -> str:
     fractional ones as decimals, labelled approximate (the exact fractions are in --json)."""
     q = r.approximation
     if q is None:
-        return "-"
+        return ("none (tensors that change names with the field, or no time left to replay "
+                "a loop at 2x, 3x and 4x the answer)")
     if all(c.denominator == 1 for c in (q.a, q.b, q.c)):
         return q.text()
     x = q.symbol

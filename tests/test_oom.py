@@ -11,7 +11,7 @@ from memcalc.cli import main
 from memcalc.config import Config, Device
 from memcalc.impls import IMPLS, impl_names, register
 from memcalc.closed_form import live_polynomial
-from memcalc.solver import Unsolved, _climb, _Probe, bisect_max, max_fitting
+from memcalc.solver import Unsolved, _climb, _closed_form, _Probe, bisect_max, max_fitting
 from memcalc.thresholds import solve
 from memcalc.tensors import Program, Role, free, new
 from memcalc.timeline import predict
@@ -213,3 +213,21 @@ def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
     at_1920 = predict(config.replace(seq_len=1920))
     assert q.exact and q(1920) == sum(c.nbytes for c in at_1920.components)
     assert q.a == 0  # linear: each chunk adds the same tensors
+
+
+def test_closed_form_is_left_out_when_no_time_is_left():
+    """The answer stands without its closed form (a loop's is replayed at 2n, 3n and 4n);
+    with time, the naive step's is the one above."""
+    late = _Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=1e-9)
+    assert _closed_form(late, 4096, "seq_len") is None
+    q = _closed_form(_Probe(Config(impl="naive"), "seq_len", GIB80), 4096, "seq_len")
+    assert q.text() == "192*N^2 + 3,168*N + 67,108,864"
+
+
+def test_an_estimate_that_was_replayed_is_not_called_unreplayed():
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=60)
+    probe.estimate = 16384
+    assert probe(16384)
+    assert probe.unsolved().estimate is None and "estimate" not in str(probe.unsolved())
+    probe.estimate = 19000
+    assert probe.unsolved().estimate == 19000
