@@ -150,9 +150,9 @@ class FreeBlocks:
     """One pool's free blocks, ordered by (size, address) like ``BlockPool::blocks`` and
     searched by bisection (``Sizes.key`` orders them).
 
-    Kept as a list of sorted runs of at most ``RUN`` blocks (``keys[j]`` are ``blocks[j]``'s
-    keys, ``last[j]`` the largest of them), so that adding or taking a block moves at most
-    one run: a flat list made a long chunked loop quadratic (its pools hold thousands of
+    Kept as a list of sorted runs (``keys[j]`` are ``blocks[j]``'s keys, ``last[j]`` the
+    largest of them; a run past ``2 * RUN`` blocks is halved), so that adding or taking a
+    block moves at most one run: a flat list made a long chunked loop quadratic (its pools hold thousands of
     free blocks). A pool that fits in one run is searched exactly as a flat list."""
 
     RUN = 256

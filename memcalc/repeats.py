@@ -39,8 +39,12 @@ class Repeated:
     def formula(self) -> str:
         return f"{len(self.members):,} x ({self.members[0].formula})"
 
-    def __getattr__(self, field: str):  # op, role, dtype, shape, source: the members'
-        return getattr(self.members[0], field)
+    # what the members share
+    op = property(lambda self: self.members[0].op)
+    role = property(lambda self: self.members[0].role)
+    dtype = property(lambda self: self.members[0].dtype)
+    shape = property(lambda self: self.members[0].shape)
+    source = property(lambda self: self.members[0].source)
 
 
 def _kind(component) -> tuple:
