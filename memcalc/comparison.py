@@ -12,6 +12,7 @@ from pydantic import computed_field
 from memcalc.breakdown import Breakdown, Result
 from memcalc.budget import Budget
 from memcalc.config import Config
+from memcalc.progress import say
 from memcalc.quadratic import quadratic_saved
 from memcalc.render import Column, Table
 from memcalc.timeline import shared_predictions
@@ -157,6 +158,7 @@ def _reason(error: ValueError) -> str:
 def _row(base: Config, impl: str, threshold: tuple[int | None, str]) -> Row:
     from memcalc.timeline import predict
 
+    say(f"replaying {impl}")
     try:
         b = predict(Config.model_validate({**base.model_dump(), "impl": impl}))
     except ValueError as error:  # the implementation rejects these options

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from memcalc.dims import Dims
+from memcalc.progress import detail
 from memcalc.tensors import Program
 
 
@@ -35,6 +36,7 @@ class Impl:
         key = (self, d)
         if key in _PROGRAMS:
             return _PROGRAMS[key]
+        detail("building the program")  # a loop at millions of rows: seconds
         built = self.build(d)
         if len(built.forward) + len(built.backward) <= CACHED_EVENTS:
             if len(_PROGRAMS) >= CACHED_PROGRAMS:

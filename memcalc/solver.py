@@ -40,6 +40,7 @@ from memcalc.closed_form import Quadratic, live_polynomial
 from memcalc.config import Config
 from memcalc.deadline import TimeUp, deadline
 from memcalc.impls import get_impl
+from memcalc.progress import listening, say
 from memcalc.timeline import predict
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -118,6 +119,7 @@ class _Probe:
     def __call__(self, x: int) -> bool:
         """``fits`` at ``x``: one replay under the capacity."""
         if x not in self.known:
+            self.say(f"trying {self.field}={x:,}")
             with self._limited(x):
                 self.known[x] = replay_within(self.config.replace(**{self.field: x}),
                                               self.budget)
@@ -140,6 +142,20 @@ class _Probe:
         if self.deadline is not None and timed:
             seconds = time.perf_counter() - start
             self.per_event = max(self.per_event, seconds / self.events_at(x))
+
+    def say(self, doing: str) -> None:
+        """Tell an open status line (``memcalc.progress``) what the search does now, with
+        the bounds known so far and the seconds spent."""
+        if not listening():
+            return
+        lo, hi = self.bounds()
+        known = [f"fits at {lo:,}"] if lo else []
+        if hi is not None and hi > lo:  # near a threshold, fitting is not monotone
+            known.append(f"not at {hi:,}")
+        if self.deadline is not None:
+            spent = self.time_limit - (self.deadline - time.perf_counter())
+            known.append(f"{spent:.0f} of {self.time_limit:g} s")
+        say("; ".join([f"{self.config.impl}: {doing}", *known]))
 
     def bounds(self) -> tuple[int, int | None]:
         """The largest value replayed that fits (0: none), the smallest that does not."""
@@ -184,6 +200,7 @@ class _Probe:
         """``fit`` with its figures (an unbounded prediction, plus the capped one if needed)."""
         if x not in self.full:
             c = self.config.replace(**{self.field: x})
+            self.say(f"trying {self.field}={x:,}")
             with self._limited(x):
                 b = predict(c)
                 self.full[x] = fit(c, self.budget, b)
@@ -254,6 +271,7 @@ def _search(probe: _Probe, x: int, field: str) -> Solved:
     """``max_fitting`` from ``x``: Newton-like steps on the closed form, a bracket, a bisection."""
     config = probe.config
     probe.fit(x)
+    probe.say(f"closed form from {field}={x:,}")
     with probe._limited(9 * x, timed=False):  # a loop's closed form replays 2x, 3x and 4x
         q = live_polynomial(config.replace(**{field: x}), field, probe.breakdowns[x])
     previous, step = x, max(1, x // 64)  # no model: 1/64 of the start
@@ -274,6 +292,7 @@ def _closed_form(probe: _Probe, n: int, field: str) -> Quadratic | None:
     """The closed form at the answer, shown with it; None when the time left cannot build
     it (a loop's is replayed at 2n, 3n and 4n): the answer stands without it."""
     try:
+        probe.say(f"closed form at {field}={n:,}")
         with probe._limited(9 * n, timed=False):
             return live_polynomial(probe.config.replace(**{field: n}), field,
                                    probe.breakdowns.get(n))

@@ -25,6 +25,7 @@ from memcalc.config import Config
 from memcalc.deadline import tick
 from memcalc.dims import Dims
 from memcalc.impls import get_impl
+from memcalc.progress import detail, listening
 from memcalc.tensors import Cublas, Free, Program, Release, Role, Tensor
 
 
@@ -173,21 +174,21 @@ def replay(ledger: Ledger, d: Dims, program: Program, on_phase=None) -> Step:
     grad = not d.forward_only
     for t in input_tensors(d):
         ledger.alloc(t.name, t)
-    ledger.phase("warm-up")
+    _phase(ledger, "warm-up", len(program.forward) + grad * len(program.backward))
     _run(ledger, program.forward, "main", grad)  # creates the workspaces, fills the cache
     if grad:
         _run(ledger, program.backward, "autograd", grad)
     _release(ledger, Role.output, Role.gradient)  # del out; q.grad = k.grad = v.grad = None
     ledger.reset_peak()
     before = set(ledger.live)
-    ledger.phase("forward")
+    _phase(ledger, "forward", len(program.forward))
     _run(ledger, program.forward, "main", grad)
     (on_phase or _ignore)("forward")
     reserved = ledger.allocator.peak_reserved
     saved = [v for k, v in ledger.live.items() if k not in before and v.role is not Role.output]
     ledger.reset_peak()
     if grad:
-        ledger.phase("backward")
+        _phase(ledger, "backward", len(program.backward))
         _run(ledger, program.backward, "autograd", grad)
         (on_phase or _ignore)("backward")
     reserved = ledger.allocator.sizes.top(reserved, ledger.allocator.peak_reserved)
@@ -198,6 +199,18 @@ def replay(ledger: Ledger, d: Dims, program: Program, on_phase=None) -> Step:
 
 def _ignore(phase: str) -> None:
     return None
+
+
+_SAID = {"warm-up": "warm-up step", "forward": "measured forward",
+         "backward": "measured backward"}
+
+
+def _phase(ledger: Ledger, label: str, events: int) -> None:
+    """Mark a protocol phase of ``events`` events in the ledger, and on an open status
+    line (a long loop's replay takes seconds per phase)."""
+    ledger.phase(label)
+    if listening():
+        detail(f"{_SAID[label]} ({events:,} events)")
 
 
 _SHARED: ContextVar[dict | None] = ContextVar("shared_predictions", default=None)

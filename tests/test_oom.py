@@ -1,10 +1,13 @@
 """OOM thresholds: each answer fits and one more does not, by ``memcalc breakdown`` too."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+
+from memcalc import progress
 
 from memcalc.budget import Budget, fits
 from memcalc.cli import main
@@ -191,6 +194,22 @@ def test_time_limit_names_the_estimate_it_could_not_replay():
     assert error.estimate > 100 * 16384
     assert f"fits at {error.lo}; the closed-form estimate, not replayed: {error.estimate:,}" \
         in str(error)
+
+
+def test_a_search_says_what_it_replays_and_what_it_knows():
+    """On a terminal, ``memcalc oom`` shows a status line: each replay, with the bounds
+    found so far and the seconds spent of the limit."""
+    heard: list[str] = []
+    with progress.listen(heard.append):
+        s = max_fitting(Config(impl="naive"), GIB80, time_limit=60)
+    # without a replay's phase (" - measured forward ..."), and the clock's seconds
+    said = [re.sub(r"; \d+ of 60 s$", "; _ of 60 s", h.split(" - ")[0]) for h in heard]
+    assert said[0] == "naive: trying seq_len=16,384; _ of 60 s"
+    n = s.max_value
+    assert f"naive: trying seq_len={n + 1:,}; fits at {n:,}; _ of 60 s" in said
+    assert said[-1] == f"naive: closed form at seq_len={n:,}; fits at {n:,}; _ of 60 s"
+    assert any(h.startswith("naive: closed form from seq_len=16,384; fits at 16,384; ")
+               for h in said)
 
 
 def test_climb_closes_in_on_a_threshold_with_time_left():

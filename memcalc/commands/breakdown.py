@@ -18,10 +18,12 @@ def run(args) -> int:
     """Check the options, compute, draw the plot if asked (so that a failure to write it
     prints nothing else), then print."""
     from memcalc.budget import check
+    from memcalc.progress import status
 
     check_output(args.plot, "--plot")
     config = config_from(args)
-    result = check(config, budget_from(args))
+    with status(f"replaying {config.impl}"):  # a chunked loop at a million rows: seconds
+        result = check(config, budget_from(args))
     if args.plot:
         from memcalc.plots import plot_timeline
 

@@ -51,11 +51,13 @@ def base_config(args, names: list[str] | None):
 def run(args) -> int:
     """Check the options, compare, draw the plot if asked, then print."""
     from memcalc.comparison import compare
+    from memcalc.progress import status
 
     check_output(args.plot, "--plot")
     names = impl_list(args.impl)
     check_baseline(args.baseline, names)
-    result = compare(base_config(args, names), budget_from(args), names, args.baseline)
+    with status("comparing"):  # chunked loops at a million rows replay for seconds each
+        result = compare(base_config(args, names), budget_from(args), names, args.baseline)
     if args.plot:
         from memcalc.plots import plot_components
 

@@ -24,6 +24,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from memcalc.progress import status
     from memcalc.thresholds import solve
 
     field = SOLVE.get(args.solve)
@@ -33,7 +34,9 @@ def run(args) -> int:
         raise ValueError(f"--time-limit: must be positive (got {args.time_limit})")
     impls = _impls(args)
     base = config_from(args, impl=impls[0] if impls else "naive")
-    emit(solve(base, budget_from(args), field, impls, args.time_limit), args.format)
+    with status(f"solving {field}"):  # a chunked loop's search replays for a minute
+        report = solve(base, budget_from(args), field, impls, args.time_limit)
+    emit(report, args.format)
     return 0
 
 
