@@ -14,7 +14,8 @@ from memcalc.cli import main
 from memcalc.config import Config, Device
 from memcalc.impls import IMPLS, impl_names, register
 from memcalc.closed_form import live_polynomial
-from memcalc.solver import Unsolved, _climb, _closed_form, _Probe, bisect_max, max_fitting
+from memcalc.solver import (Unsolved, _climb, _closed_form, _estimate_again, _guess, _Probe,
+                            bisect_max, max_fitting)
 from memcalc.thresholds import solve
 from memcalc.tensors import Program, Role, free, new
 from memcalc.timeline import predict
@@ -221,6 +222,22 @@ def test_climb_closes_in_on_a_threshold_with_time_left():
     assert error.hi == error.lo + 1
     assert fits(Config(impl="naive", shape={"seq_len": error.lo}), GIB80)
     assert not fits(Config(impl="naive", shape={"seq_len": error.hi}), GIB80)
+
+
+def test_a_climb_estimates_again_from_the_largest_value_that_fits():
+    """The estimate scales the closed form by the reserved/raw ratio measured at one
+    value; after a climb it is taken again at the largest value that fits, once that is a
+    tenth of the estimate or more (naive at 80 GiB: 20,951 from 1,024; 19,510 from 16,384,
+    where 19,511 is the answer)."""
+    q = live_polynomial(Config(impl="naive", shape={"seq_len": 1024}), "seq_len")
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    probe.model, probe.estimate = q, _guess(probe, 1024, q)
+    assert probe(1024) and probe(2048)  # 2,048 is under a tenth of 20,951: no change
+    _estimate_again(probe)
+    assert probe.estimate == _guess(probe, 1024, q) == 20951
+    assert probe(16384)
+    _estimate_again(probe)
+    assert probe.estimate == _guess(probe, 16384, q) == 19510
 
 
 def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
