@@ -28,8 +28,9 @@ def _fraction_text(q: Fraction) -> str:
 class Quadratic(BaseModel):
     """``a x^2 + b x + c``: the raw bytes of the tensors alive at the peak (requested sizes,
     before the allocator rounds them to blocks), as a function of the solved field. Exact
-    (``exact``) when the quadratic through ``x``, ``2x`` and ``4x`` also holds at ``3x``; else
-    that quadratic is a fit (sizes with ``ceil`` in them, such as rows padded to 32)."""
+    (``exact``) when the quadratic through ``x``, ``2x`` and ``4x`` (``x/4``, ``x/2`` and
+    ``x``: ``below``) also holds at ``3x`` (``3x/4``); else that quadratic is a fit (sizes
+    with ``ceil`` in them, such as rows padded to 32)."""
 
     model_config = _FROZEN
     symbol: str
@@ -37,7 +38,8 @@ class Quadratic(BaseModel):
     b: Fraction
     c: Fraction
     exact: bool
-    at: int = Field(description="where the live set was taken (x; fitted at x, 2x, 4x)")
+    at: int = Field(description="where the live set was taken (x; fitted at x, 2x, 4x, or "
+                                "at x/4, x/2, x)")
     components: tuple[str, ...]
 
     def __call__(self, x: int) -> Fraction:
@@ -70,18 +72,22 @@ class Quadratic(BaseModel):
                 "at": self.at, "text": self.text(), "components": list(self.components)}
 
 
-def live_polynomial(config: Config, field: str, breakdown=None) -> Quadratic | None:
+def live_polynomial(config: Config, field: str, breakdown=None,
+                    below: bool = False) -> Quadratic | None:
     """The raw bytes of what is alive at ``config``'s peak, as a quadratic in ``field``
     (None when the program's tensors change names with the field). A program whose number
     of tensors grows with the field (a loop over chunks) is replayed at each point: its
-    live set at ``x`` does not tell which of them are alive at ``2x``."""
+    live set at ``x`` does not tell which of them are alive at ``2x``. ``below``: fitted
+    at ``x/4``, ``x/2`` and ``x`` (for a loop at a large ``x``: replays of 1.5x rows in
+    all, instead of 9x at 2x, 3x and 4x, each larger than the one at ``x``)."""
     b = breakdown if breakdown is not None else predict(config)
     x0 = getattr(config.shape, field)
     live = b.components
-    declared = len(tensor_sizes(config))
+    at_x0 = tensor_sizes(config)
+    declared = len(at_x0)
 
     def raw(x: int) -> int | None:
-        sizes = tensor_sizes(config.replace(**{field: x}))
+        sizes = at_x0 if x == x0 else tensor_sizes(config.replace(**{field: x}))
         if len(sizes) != declared:  # a loop: more tensors at x, not larger ones; replay it
             return sum(comp.nbytes for comp in predict(config.replace(**{field: x})).components)
         total = 0
@@ -94,9 +100,11 @@ def live_polynomial(config: Config, field: str, breakdown=None) -> Quadratic | N
                 return None
         return total
 
+    xs, check_x = ((x0 // 4, x0 // 2, x0), 3 * x0 // 4) if below else ((x0, 2 * x0, 4 * x0), 3 * x0)
+    if len({*xs, check_x}) < 4 or xs[0] < 1:
+        return None
     try:
-        points = [(x, raw(x)) for x in (x0, 2 * x0, 4 * x0)]
-        check_x = 3 * x0
+        points = [(x, raw(x)) for x in xs]
         check = raw(check_x)
     except TimeUp:
         raise

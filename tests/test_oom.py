@@ -13,6 +13,7 @@ from memcalc.budget import Budget, fits
 from memcalc.cli import main
 from memcalc.config import Config, Device
 from memcalc.impls import IMPLS, impl_names, register
+from memcalc import closed_form
 from memcalc.closed_form import live_polynomial
 from memcalc.solver import (Unsolved, _climb, _closed_form, _estimate_again, _guess, _Probe,
                             bisect_max, max_fitting)
@@ -249,6 +250,22 @@ def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
     at_1920 = predict(config.replace(seq_len=1920))
     assert q.exact and q(1920) == sum(c.nbytes for c in at_1920.components)
     assert q.a == 0  # linear: each chunk adds the same tensors
+
+
+def test_closed_form_of_a_loop_at_the_answer_is_fitted_below_it(monkeypatch):
+    """At the answer, a loop's closed form is fitted at n/4, n/2 and n (checked at 3n/4):
+    replays of 1.5n rows, not 9n above it. The same line as fitted at 640, 1280, 2560."""
+    config = Config(impl="linear-causal-chunked", shape={"seq_len": 640})
+    up = live_polynomial(config, "seq_len")
+    probe = _Probe(config, "seq_len", GIB80)
+    assert probe.grows() and not _Probe(Config(impl="naive"), "seq_len", GIB80).grows()
+    replayed = []
+    monkeypatch.setattr(closed_form, "predict",
+                        lambda c: replayed.append(c.shape.seq_len) or predict(c))
+    below = _closed_form(probe, 2560, "seq_len")  # 640, 1280, 2560; checked at 1920
+    assert sorted(replayed) == [640, 1280, 1920, 2560]
+    assert below.exact and below.at == 2560
+    assert (below.a, below.b, below.c) == (up.a, up.b, up.c)
 
 
 def test_closed_form_is_left_out_when_no_time_is_left():
