@@ -1,0 +1,26 @@
+"""The closed form of a step: the raw bytes alive at its peak as a quadratic in a field."""
+
+from memcalc.config import Config
+from memcalc.closed_form import live_polynomial
+from memcalc.timeline import predict
+
+
+def test_closed_form_of_the_seeds_step():
+    """Alive at the naive backward peak (B=8, H=1, d=16, fp32): six N x N fp32 tensors,
+    8 x 4 x 6 = 192 B per N^2; argmax (8 x 8 B), row sum (8 x 4 B) and six (8, N, 16) fp32
+    tensors (q, k, v, grad_out, out, dv: 6 x 512 B) = 3,168 B per N; two 32 MiB workspaces."""
+    q = live_polynomial(Config(impl="naive", shape={"seq_len": 4096}), "seq_len")
+    assert (q.a, q.b, q.c) == (192, 3168, 67_108_864) and q.exact
+    assert q.text() == "192*N^2 + 3,168*N + 67,108,864"
+    assert q(16384) == 51_658_620_928  # the peak at N=16384: every tensor a multiple of 512 B
+
+
+def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
+    """linear-causal-chunked at 640 rows (10 chunks of 64): the polynomial is fitted on
+    replays at 640, 1280 and 2560 rows and holds at 1920, where the step keeps 30 chunks'
+    tensors, not the 10 whose names it had at 640."""
+    config = Config(impl="linear-causal-chunked", shape={"seq_len": 640})
+    q = live_polynomial(config, "seq_len")
+    at_1920 = predict(config.replace(seq_len=1920))
+    assert q.exact and q(1920) == sum(c.nbytes for c in at_1920.components)
+    assert q.a == 0  # linear: each chunk adds the same tensors

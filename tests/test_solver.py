@@ -1,0 +1,152 @@
+"""The threshold search: each answer fits and one more does not, by ``fits`` too."""
+
+import re
+
+import pytest
+
+from memcalc import closed_form, progress
+from memcalc.budget import fits
+from memcalc.closed_form import live_polynomial
+from memcalc.config import Config
+from memcalc.solver import (Unsolved, _climb, _closed_form, _estimate_again, _guess, _Probe,
+                            bisect_max, max_fitting)
+from memcalc.timeline import predict
+
+GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
+
+
+def test_naive_threshold_at_80_gib():
+    s = max_fitting(Config(impl="naive"), GIB80)
+    n = s.max_value
+    assert fits(Config(impl="naive").replace(seq_len=n), GIB80)
+    assert not fits(Config(impl="naive").replace(seq_len=n + 1), GIB80)
+    assert s.at_max.fits and not s.at_next.fits
+    assert s.first_failing_power_of_two == 32768  # 2^15, the first power above 19,511
+    assert n == 19511  # reserved peak 85,354,086,400 <= budget < 85,389,737,984 at 19,512
+
+
+def test_fitting_is_not_monotone_near_the_threshold():
+    """Why the answer is a threshold searched from the top: at 80 GiB the seeds' step fits
+    at 19,509, not at 19,510, again at 19,511, and not at 19,512."""
+    naive = Config(impl="naive")
+    assert [fits(naive.replace(seq_len=n), GIB80) for n in range(19509, 19513)] == [
+        True, False, True, False]
+    assert bisect_max(naive, GIB80).max_value == 19509  # doubling then halving stops early
+
+
+def test_bisection_finds_a_threshold_too():
+    config = Config(impl="naive-softmax")
+    s = bisect_max(config, GIB80)
+    assert s.max_value == max_fitting(config, GIB80).max_value == 25807
+    assert s.evaluations > max_fitting(config, GIB80).evaluations
+
+
+@pytest.mark.parametrize("field, fixed", [("batch", {"seq_len": 4096}),
+                                          ("head_dim", {"seq_len": 4096, "batch": 1})])
+def test_other_fields(field, fixed):
+    config = Config(impl="naive-weights", shape=fixed)
+    s = max_fitting(config, GIB80, field)
+    assert fits(config.replace(**{field: s.max_value}), GIB80)
+    assert not fits(config.replace(**{field: s.max_value + 1}), GIB80)
+
+
+def test_nothing_fits():
+    s = max_fitting(Config(impl="naive"), 1 << 20)  # 1 MiB: not even the workspaces
+    assert s.max_value == 0 and s.at_max is None and s.first_failing_power_of_two == 1
+
+
+def test_time_limit():
+    with pytest.raises(Unsolved, match="no exact answer within"):
+        max_fitting(Config(impl="naive"), GIB80, time_limit=1e-9)
+
+
+def test_time_limit_names_the_estimate_it_could_not_replay():
+    """The chunked loop at 80 GiB: the estimate (millions of rows) is known within a
+    second, its replay would take minutes, so it is not started; the time left doubles the
+    largest length that fits while a replay is expected to end in time."""
+    config = Config(impl="linear-causal-chunked")
+    with pytest.raises(Unsolved) as caught:
+        max_fitting(config, GIB80, time_limit=3)
+    error = caught.value
+    assert error.hi is None and error.lo % 16384 == 0  # the start, doubled 0 or more times
+    assert fits(config.replace(seq_len=error.lo), GIB80)
+    assert error.estimate > 100 * 16384
+    assert f"fits at {error.lo}; the closed-form estimate, not replayed: {error.estimate:,}" \
+        in str(error)
+
+
+def test_a_search_says_what_it_replays_and_what_it_knows():
+    """On a terminal, ``memcalc oom`` shows a status line: each replay, with the bounds
+    found so far and the seconds spent of the limit."""
+    heard: list[str] = []
+    with progress.listen(heard.append):
+        s = max_fitting(Config(impl="naive"), GIB80, time_limit=60)
+    # without a replay's phase (" - measured forward ..."), and the clock's seconds
+    said = [re.sub(r"; \d+ of 60 s$", "; _ of 60 s", h.split(" - ")[0]) for h in heard]
+    assert said[0] == "naive: trying seq_len=16,384; _ of 60 s"
+    n = s.max_value
+    assert f"naive: trying seq_len={n + 1:,}; fits at {n:,}; _ of 60 s" in said
+    assert said[-1] == f"naive: closed form at seq_len={n:,}; fits at {n:,}; _ of 60 s"
+    assert any(h.startswith("naive: closed form from seq_len=16,384; fits at 16,384; ")
+               for h in said)
+
+
+def test_climb_closes_in_on_a_threshold_with_time_left():
+    """From a value that fits, ``_climb`` doubles, then halves the gap to the first value
+    that does not, down to neighbours: a fitting value next to a failing one."""
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    assert probe(16384)  # the default step fits in 80 GiB
+    error = _climb(probe)
+    assert error.hi == error.lo + 1
+    assert fits(Config(impl="naive", shape={"seq_len": error.lo}), GIB80)
+    assert not fits(Config(impl="naive", shape={"seq_len": error.hi}), GIB80)
+
+
+def test_a_climb_estimates_again_from_the_largest_value_that_fits():
+    """The estimate scales the closed form by the reserved/raw ratio measured at one
+    value; after a climb it is taken again at the largest value that fits, once that is a
+    tenth of the estimate or more (naive at 80 GiB: 20,951 from 1,024; 19,510 from 16,384,
+    where 19,511 is the answer)."""
+    q = live_polynomial(Config(impl="naive", shape={"seq_len": 1024}), "seq_len")
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    probe.model, probe.estimate = q, _guess(probe, 1024, q)
+    assert probe(1024) and probe(2048)  # 2,048 is under a tenth of 20,951: no change
+    _estimate_again(probe)
+    assert probe.estimate == _guess(probe, 1024, q) == 20951
+    assert probe(16384)
+    _estimate_again(probe)
+    assert probe.estimate == _guess(probe, 16384, q) == 19510
+
+
+def test_closed_form_of_a_loop_at_the_answer_is_fitted_below_it(monkeypatch):
+    """At the answer, a loop's closed form is fitted at n/4, n/2 and n (checked at 3n/4):
+    replays of 1.5n rows, not 9n above it. The same line as fitted at 640, 1280, 2560."""
+    config = Config(impl="linear-causal-chunked", shape={"seq_len": 640})
+    up = live_polynomial(config, "seq_len")
+    probe = _Probe(config, "seq_len", GIB80)
+    assert probe.grows() and not _Probe(Config(impl="naive"), "seq_len", GIB80).grows()
+    replayed = []
+    monkeypatch.setattr(closed_form, "predict",
+                        lambda c: replayed.append(c.shape.seq_len) or predict(c))
+    below = _closed_form(probe, 2560, "seq_len")  # 640, 1280, 2560; checked at 1920
+    assert sorted(replayed) == [640, 1280, 1920, 2560]
+    assert below.exact and below.at == 2560
+    assert (below.a, below.b, below.c) == (up.a, up.b, up.c)
+
+
+def test_closed_form_is_left_out_when_no_time_is_left():
+    """The answer stands without its closed form (a loop's is replayed at 2n, 3n and 4n);
+    with time, the naive step's is the one above."""
+    late = _Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=1e-9)
+    assert _closed_form(late, 4096, "seq_len") is None
+    q = _closed_form(_Probe(Config(impl="naive"), "seq_len", GIB80), 4096, "seq_len")
+    assert q.text() == "192*N^2 + 3,168*N + 67,108,864"
+
+
+def test_an_estimate_that_was_replayed_is_not_called_unreplayed():
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=60)
+    probe.estimate = 16384
+    assert probe(16384)
+    assert probe.unsolved().estimate is None and "estimate" not in str(probe.unsolved())
+    probe.estimate = 19000
+    assert probe.unsolved().estimate == 19000

@@ -1,0 +1,53 @@
+"""The report over every implementation: what is solved, what is skipped and why."""
+
+import pytest
+
+from memcalc.budget import Budget
+from memcalc.config import Config, Device
+from memcalc.impls import IMPLS, impl_names, register
+from memcalc.tensors import Program, Role, free, new
+from memcalc.thresholds import solve
+
+
+@pytest.fixture
+def growing_impl():
+    before = set(impl_names())  # every module loaded first: nothing wraps the test program
+    @register("test-growing", "one event per 64 rows", traced=False)
+    def growing(d):
+        events = []
+        for i in range(d.N // 64):
+            events += [new(f"c{i}", (d.B, 64, d.D), d.dtype, Role.temporary, "mm"), free(f"c{i}")]
+        return Program(tuple(events + [new("out", (d.B, d.N, d.D), d.dtype, Role.output, "mm")]), ())
+
+    yield
+    for name in set(IMPLS) - before:
+        IMPLS.pop(name)
+
+
+def test_all_implementations_skip_growing_programs(growing_impl):
+    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    report = solve(Config(), budget, impls=None)
+    skipped = {k.impl: k.reason for k in report.skipped}
+    assert "events grow with seq_len" in skipped["test-growing"]
+    assert "test-growing" not in {r.impl for r in report.results}
+    small = Budget(device="test", memory_bytes=8 * 2**20, reserve_bytes=0)  # 8 MiB
+    named = solve(Config(protocol={"forward_only": True}), small, impls=["test-growing"])
+    n = named.results[0].max_value  # named: solved anyway; out (8, N, 16) fp32 is 512 B per row
+    assert 512 * n <= 8 * 2**20 - 2 * 2**20 < 512 * (n + 1) + 2 * 2**20 + 20 * 2**20
+
+
+def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
+    """Every row: the reserved peak at N (replayed under the budget, with release-and-retry)
+    is within the budget and what N+1 needs is over it; closed forms print no fractions."""
+    import memcalc
+    from memcalc.render import text
+
+    report = memcalc.oom(gpu_gb=80, impls=["naive", "linear", "sdpa-efficient"])
+    budget = report.budget.budget_bytes  # 80 x 2^30 - 512 x 2^20 = 85,362,475,008
+    assert budget == 85_362_475_008
+    for r in report.to_dict()["results"]:
+        assert r["reserved_bytes_at_max"] <= budget < r["needed_bytes_at_next"], r["impl"]
+    out = text(report, 140)
+    why = out[out.index("why"):]
+    assert "/" not in why.split("caveat")[0]
+    assert "naive: 192*N^2 + 3,168*N + 67,108,864" in why  # 6 N x N tensors x 8 x 4 B = 192
