@@ -8,7 +8,7 @@ from memcalc.config import Config
 from memcalc.impls import IMPLS, impl_names, register
 from memcalc.tensors import Program, Role, free, new
 from memcalc.timeline import predict
-from memcalc.vectorized import SizeDependent, Sym, classify, evaluate
+from memcalc.vectorized import classify, evaluate
 
 FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
            "reserved_peak_bytes")
@@ -32,25 +32,6 @@ def assert_exact(base, figures, axes):
     for i in range(len(figures)):
         b = predict(at(base, **{k: int(np.ravel(v)[i]) for k, v in axes.items()}))
         assert {k: int(getattr(figures, k)[i]) for k in FIGURES} == b.figures(), (base.impl, i)
-
-
-# --- symbolic sizes -----------------------------------------------------------------------
-
-def test_products_are_canonical():
-    b, h, n, m = (Sym.leaf(x) for x in "BHNM")
-    assert ((b * h) * n * m * 4).key == (b * (h * n) * m * 4).key  # (B*H, N, M) == (B, H, N, M)
-    assert (n + n).key == (2 * n).key
-    assert V.evaluate_sym(-(-n // 128) * 128, {"N": 129}) == 256  # round up to 128
-
-
-def test_decisions_on_sizes_raise():
-    n, d = Sym.leaf("N"), Sym.leaf("D")
-    with pytest.raises(SizeDependent) as error:
-        max(n, d)
-    assert error.value.leaves == {"N", "D"}
-    with pytest.raises(SizeDependent):
-        bool(n > 1024)
-    assert (n == n) and not (n != n)  # the same expression compares without a value
 
 
 # --- exactness ----------------------------------------------------------------------------
