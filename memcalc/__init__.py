@@ -171,10 +171,14 @@ def _impl_names() -> list[str]:
     return impl_names()
 
 
-@_signature(_kw("gpu_gb"), _kw("reserve"), _kw("impls"), _kw("solve", "seq_len"))
-def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **options):
+@_signature(_kw("gpu_gb"), _kw("reserve"), _kw("impls"), _kw("solve", "seq_len"),
+            _kw("time_limit", 60.0))
+def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_limit=60.0,
+        **options):
     """The largest seq_len (or ``solve="batch"``, ``"head_dim"``) whose step fits, per
-    implementation: an ``OomReport``.
+    implementation: an ``OomReport``. ``time_limit``: seconds per implementation, as
+    ``memcalc oom --time-limit`` (None: none); a chunked loop's search past it is listed
+    as skipped with what it found (its replays take seconds per million rows).
 
     >>> report = memcalc.oom(gpu_gb=80, impls=["naive"])
     >>> r = report.results[0]
@@ -187,8 +191,10 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", **opti
         raise ValueError(f"solve: seq_len, batch or head_dim (got {solve!r})")
     if impls is not None:
         impls = _names(impls, "impls", _impl_names())
+    if time_limit is not None and not 0 < time_limit < float("inf"):
+        raise ValueError(f"time_limit: must be positive (got {time_limit})")
     config = make_config(**_options("oom", options))
-    return run(config, _budget(config, gpu_gb, reserve), solve, impls)
+    return run(config, _budget(config, gpu_gb, reserve), solve, impls, time_limit)
 
 
 @_signature(*(_kw(n, d) for n, d in (("seq_lens", (256, 1024, 4096, 8192, 16384)),

@@ -203,7 +203,7 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
                 results.append(solver(config, budget.budget_bytes, field, time_limit=time_limit))
                 continue
         except Unsolved as error:
-            reason = f"{error}; raise --time-limit"
+            reason = f"{error}; raise the time limit (--time-limit, time_limit=)"
         except ValueError as error:  # pydantic's ValidationError is one
             if named:
                 raise

@@ -1,5 +1,7 @@
 """The report over every implementation: what is solved, what is skipped and why."""
 
+import inspect
+
 import pytest
 
 from memcalc.budget import Budget
@@ -51,3 +53,18 @@ def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
     why = out[out.index("why"):]
     assert "/" not in why.split("caveat")[0]
     assert "naive: 192*N^2 + 3,168*N + 67,108,864" in why  # 6 N x N tensors x 8 x 4 B = 192
+
+
+def test_the_api_has_the_commands_time_limit():
+    """``memcalc.oom`` stops a search at ``time_limit`` seconds (60 by default, as
+    ``memcalc oom``): a chunked loop's is listed as skipped with what it found."""
+    import memcalc
+
+    assert inspect.signature(memcalc.oom).parameters["time_limit"].default == 60
+    # 0.75 GB: without the limit, an exact answer in seconds (28,672)
+    report = memcalc.oom(gpu_gb=0.75, impls=["linear-causal-chunked"], time_limit=1)
+    (skipped,) = report.skipped
+    assert skipped.reason.startswith("no exact answer within 1 s (fits at ")
+    assert skipped.reason.endswith("raise the time limit (--time-limit, time_limit=)")
+    with pytest.raises(ValueError, match="time_limit: must be positive"):
+        memcalc.oom(time_limit=0)
