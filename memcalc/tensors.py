@@ -56,24 +56,10 @@ class Tensor:
     nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        nbytes = _nbytes(self.shape, self.dtype, self.storage_bytes)
+        nbytes = self.storage_bytes
+        if nbytes is None:
+            nbytes = prod(self.shape) * ITEMSIZE[self.dtype]
         object.__setattr__(self, "nbytes", nbytes)  # frozen: the way dataclasses set fields
-
-    @classmethod
-    def declared(cls, name: str, shape: tuple[int, ...], dtype: str, role: Role,
-                 op: str) -> "Tensor":
-        """``Tensor(name, shape, dtype, role, op)``, built without the frozen dataclass's
-        ``object.__setattr__`` per field: a long loop's program declares millions, and that
-        was half the time of building one."""
-        t = object.__new__(cls)
-        t.__dict__.update(name=name, shape=shape, dtype=dtype, role=role, op=op,
-                          storage_bytes=None, nbytes=_nbytes(shape, dtype, None))
-        return t
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str, storage_bytes: int | None) -> int:
-    """The bytes a tensor requests: its storage where given, else shape x element size."""
-    return prod(shape) * ITEMSIZE[dtype] if storage_bytes is None else storage_bytes
 
 
 @dataclass(frozen=True)
@@ -108,7 +94,7 @@ Event = Tensor | Free | Release | Cublas | Mark
 def new(name: str, shape: tuple[int, ...], dtype: str, role: Role, op: str) -> Tensor:
     """Declare that ``op`` allocates tensor ``name``."""
     tick()  # a program of millions of tensors stops at a time limit while it is built
-    return Tensor.declared(name, tuple(shape), dtype, role, op)
+    return Tensor(name, tuple(shape), dtype, role, op)
 
 
 def free(*names: str) -> Free:
