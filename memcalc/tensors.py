@@ -42,7 +42,7 @@ class Role(str, Enum):
     buffer = "buffer"  # registered buffers and module-level tensors: resident as well
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Tensor:
     """A tensor an implementation allocates: name, shape, dtype, role and the op."""
 
