@@ -6,24 +6,13 @@ import pytest
 
 from memcalc.budget import Budget
 from memcalc.config import Config, Device
-from memcalc.impls import IMPLS, impl_names, register
-from memcalc.tensors import Program, Role, free, new
 from memcalc.thresholds import solve
+from toy_programs import one_event_pair_per_64_rows
 
 
 @pytest.fixture
-def growing_impl():
-    before = set(impl_names())  # every module loaded first: nothing wraps the test program
-    @register("test-growing", "one event per 64 rows", traced=False)
-    def growing(d):
-        events = []
-        for i in range(d.N // 64):
-            events += [new(f"c{i}", (d.B, 64, d.D), d.dtype, Role.temporary, "mm"), free(f"c{i}")]
-        return Program(tuple(events + [new("out", (d.B, d.N, d.D), d.dtype, Role.output, "mm")]), ())
-
-    yield
-    for name in set(IMPLS) - before:
-        IMPLS.pop(name)
+def growing_impl(scratch_register):
+    scratch_register("test-growing", "one event per 64 rows", one_event_pair_per_64_rows)
 
 
 def test_all_implementations_skip_growing_programs(growing_impl):

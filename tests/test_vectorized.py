@@ -5,10 +5,11 @@ import pytest
 
 import memcalc.vectorized as V
 from memcalc.config import Config
-from memcalc.impls import IMPLS, impl_names, register
-from memcalc.tensors import Program, Role, free, new
+from memcalc.impls import impl_names
+from memcalc.tensors import Program, Role, new
 from memcalc.timeline import predict
 from memcalc.vectorized import classify, evaluate
+from toy_programs import one_event_pair_per_64_rows
 
 FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
            "reserved_peak_bytes")
@@ -96,25 +97,14 @@ def test_overflow_in_a_large_grid(eager):
 # --- the fallbacks, with programs made for the purpose -------------------------------------
 
 @pytest.fixture
-def toy_impls():
+def toy_impls(scratch_register):
     """Two programs: one loops over N // 64 chunks, one pads the head dim with max()."""
-    before = set(impl_names())  # every module loaded first: nothing wraps the test programs
-
-    @register("test-chunked", "loops over chunks", traced=False)
-    def chunked(d):
-        events = []
-        for i in range(d.N // 64):  # the number of events depends on N
-            events += [new(f"c{i}", (d.B, 64, d.D), d.dtype, Role.temporary, "mm"), free(f"c{i}")]
-        return Program(tuple(events + [new("out", (d.B, d.N, d.D), d.dtype, Role.output, "mm")]), ())
-
-    @register("test-padded", "pads D to 32", traced=False)
     def padded(d):
         width = max(d.D, 32)  # a decision on D only: the grid is split by D
         return Program((new("out", (d.B, d.N, width), d.dtype, Role.output, "mm"),), ())
 
-    yield
-    for name in set(IMPLS) - before:
-        IMPLS.pop(name)
+    scratch_register("test-chunked", "loops over chunks", one_event_pair_per_64_rows)
+    scratch_register("test-padded", "pads D to 32", padded)
 
 
 def test_structure_depending_on_n_falls_back(eager, toy_impls):
