@@ -9,10 +9,10 @@ from pydantic import ValidationError
 from memcalc.allocator import MiB
 from memcalc.budget import (DEFAULT_RESERVE_BYTES, Budget, check, fit, fits, parse_gb,
                             parse_size)
-from memcalc.cli import main
 from memcalc.config import Config, Device
 from memcalc.gpus import gpu_presets
 from memcalc.timeline import predict
+from cli_helpers import assert_refused, run
 
 GiB = 1024 * MiB
 
@@ -128,12 +128,6 @@ def test_check_wraps_a_breakdown():
 
 # --- CLI ----------------------------------------------------------------------------------
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_breakdown_reports_the_fit(capsys):
     code, out, _ = run(capsys, "breakdown", "--seq", "20000", "--gpu-gb", "80", "--json")
     data = json.loads(out)
@@ -152,5 +146,4 @@ def test_breakdown_reports_the_fit(capsys):
 ])
 def test_bad_budget_options(capsys, argv, option):
     code, out, err = run(capsys, "breakdown", "--seq", "1024", *argv)
-    assert code == 2 and out == ""
-    assert err.count("\n") == 1 and option in err and "Traceback" not in err
+    assert_refused(code, out, err, option)

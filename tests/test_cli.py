@@ -6,13 +6,7 @@ import sys
 
 import pytest
 
-from memcalc.cli import main
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from cli_helpers import assert_refused, run
 
 
 def test_breakdown_json_has_figures_and_components(capsys):
@@ -52,8 +46,7 @@ def test_huge_sizes_stay_exact(capsys):
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, field):
     code, out, err = run(capsys, "breakdown", *argv)
-    assert code == 2 and out == ""
-    assert err.count("\n") == 1 and field in err and "Traceback" not in err
+    assert_refused(code, out, err, field)
 
 
 def test_malformed_grid_file(capsys, tmp_path):

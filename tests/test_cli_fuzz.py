@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memcalc.cli import build_parser, main
+from memcalc.cli import build_parser
 from memcalc.impls import impl_names
+from cli_helpers import run
 
 IMPLS = set(impl_names())
 
@@ -130,16 +131,6 @@ def fast(argv: list[str]) -> list[str]:
     return argv
 
 
-def run(capsys, argv: list[str]) -> tuple[int, str, str]:
-    """Exit status, stdout and stderr of ``memcalc argv`` (``--help`` exits via SystemExit)."""
-    try:
-        code = main(argv)
-    except SystemExit as stop:  # argparse's --help: exit 0
-        code = stop.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def check(code: int, out: str, err: str, argv: list[str]) -> None:
     """The contract: 0, 1 (validate only) or 2 with one line naming an option."""
     assert code in (0, 1, 2), (argv, code, err)
@@ -160,7 +151,7 @@ def test_random_arguments(capsys, command):
     @given(argvs(command))
     def fuzz(argv):
         argv = fast(argv)
-        check(*run(capsys, argv), argv)
+        check(*run(capsys, *argv), argv)
 
     fuzz()
 
@@ -182,7 +173,7 @@ def test_every_option_with_every_odd_value(capsys, user_files, command):
             if command == "sweep" and odd == HUGE:
                 continue  # see test_sweep_huge_sizes
             try:
-                check(*run(capsys, argv), argv)
+                check(*run(capsys, *argv), argv)
             except Exception as error:  # noqa: BLE001 - collected, reported below
                 failures.append(f"{argv}: {type(error).__name__}: {str(error)[:300]}")
     assert not failures, "\n".join(failures)
@@ -197,7 +188,7 @@ def test_random_words(capsys, argv):
         argv = fast(argv)
         if argv[0] == "validate":
             return  # the full grid: validate has its own tests below
-    check(*run(capsys, argv), argv or ["(none)"])
+    check(*run(capsys, *argv), argv or ["(none)"])
 
 
 @pytest.mark.parametrize("argv, option", [
@@ -227,7 +218,7 @@ def test_random_words(capsys, argv):
     (["gpus", "extra"], "extra"),
 ])
 def test_malformed_examples(capsys, argv, option):
-    code, out, err = run(capsys, argv)
+    code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert option in err and "Traceback" not in err
 
@@ -235,19 +226,19 @@ def test_malformed_examples(capsys, argv, option):
 def test_plot_unsupported_format(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     argv = ["breakdown", "--seq", "64", "--plot", str(tmp_path / "x.unknownext")]
-    code, out, err = run(capsys, argv)
+    code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and "--plot" in err, err
 
 
 def test_sweep_plot(capsys):
-    code, out, err = run(capsys, ["sweep", "--seq", "64", "--plot", "/nonexistent-dir/x.png"])
+    code, out, err = run(capsys, "sweep", "--seq", "64", "--plot", "/nonexistent-dir/x.png")
     assert code == 2 and out == "" and "--plot" in err
 
 
 @pytest.mark.parametrize("option", ["--seq", "--head-dim", "--batch", "--heads"])
 def test_sweep_huge_sizes(capsys, option):
     argv = fast(["sweep", option, HUGE])
-    check(*run(capsys, argv), argv)
+    check(*run(capsys, *argv), argv)
 
 
 GRIDS = {
@@ -273,7 +264,7 @@ def test_malformed_grid_files(capsys, tmp_path, kind):
     grid = tmp_path / "grid.json"
     text = GRIDS[kind]
     grid.write_bytes(text if isinstance(text, bytes) else text.encode())
-    code, out, err = run(capsys, ["validate", "--grid", str(grid)])
+    code, out, err = run(capsys, "validate", "--grid", str(grid))
     assert code == 2 and out == "" and err.count("\n") == 1, (kind, err)
     assert "--grid" in err and "Traceback" not in err
 
@@ -286,7 +277,7 @@ def tiny_grid(path, **product) -> str:
 
 
 def test_tiny_grid_validates(capsys, tmp_path):
-    code, out, err = run(capsys, ["validate", "--grid", tiny_grid(tmp_path / "g.json"), "--json"])
+    code, out, err = run(capsys, "validate", "--grid", tiny_grid(tmp_path / "g.json"), "--json")
     assert (code, err) == (0, "") and json.loads(out)["mismatches"] == 0
 
 
@@ -296,7 +287,7 @@ def test_validate_random_arguments(capsys, tmp_path, argv):
     """``validate`` options at random, always on a tiny grid (the last --grid wins)."""
     argv = [a for a in argv if a not in ("--backend", "cuda")]
     argv += ["--grid", tiny_grid(tmp_path / "g.json")]
-    check(*run(capsys, argv), argv)
+    check(*run(capsys, *argv), argv)
 
 
 TARGETS = ["", ":", "x", "x:", ":f", "nope.py:f", "os:nope", "os:getcwd", "os.path:sep",
@@ -323,13 +314,13 @@ def user_files(tmp_path):
 @pytest.mark.parametrize("target", TARGETS)
 def test_trace_bad_targets(capsys, user_files, target):
     argv = ["trace", target.format(**user_files), "--seq", "16", "--batch", "1"]
-    code, out, err = run(capsys, argv)
+    code, out, err = run(capsys, *argv)
     assert code == 2, (target, code, err)
     check(code, out, err, argv)
 
 
 def test_trace_good_target(capsys, user_files):
-    code, out, err = run(capsys, ["trace", f"{user_files['file']}:f", "--seq", "16", "--json"])
+    code, out, err = run(capsys, "trace", f"{user_files['file']}:f", "--seq", "16", "--json")
     assert (code, err) == (0, "") and json.loads(out)["saved_bytes"] > 0
 
 
@@ -337,13 +328,13 @@ def test_trace_good_target(capsys, user_files):
 @given(argv=argvs("trace"))
 def test_trace_random_options(capsys, user_files, argv):
     argv = fast(["trace", f"{user_files['file']}:f", *argv[1:]])
-    check(*run(capsys, argv), argv)
+    check(*run(capsys, *argv), argv)
 
 
 def test_compare_gqa_options_are_not_rejected_by_naive(capsys):
     """--kv-heads is fine for compare: implementations without GQA get a row note."""
-    code, out, err = run(capsys, ["compare", "--seq", "64", "--heads", "4", "--kv-heads", "2",
-                                  "--only", "sdpa-math,naive", "--baseline", "sdpa-math", "--json"])
+    code, out, err = run(capsys, "compare", "--seq", "64", "--heads", "4", "--kv-heads", "2",
+                                 "--only", "sdpa-math,naive", "--baseline", "sdpa-math", "--json")
     rows = {r["impl"]: r for r in json.loads(out)["rows"]}
     assert (code, err) == (0, "") and rows["sdpa-math"]["peak_bytes"] > 0
     assert "peak_bytes" not in rows["naive"]

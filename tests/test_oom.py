@@ -6,15 +6,9 @@ import sys
 
 import pytest
 
-from memcalc.cli import main
+from cli_helpers import assert_refused, run
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_oom_json_rows_check_out_with_breakdown(capsys):
@@ -57,8 +51,7 @@ def test_oom_table_in_a_terminal(capsys):
 ])
 def test_oom_bad_input(capsys, argv, option):
     code, out, err = run(capsys, "oom", *argv)
-    assert code == 2 and out == ""
-    assert err.count("\n") == 1 and option in err and "Traceback" not in err
+    assert_refused(code, out, err, option)
 
 
 def test_oom_and_sweep_import_no_torch():

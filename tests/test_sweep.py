@@ -8,21 +8,15 @@ from fractions import Fraction
 import pytest
 
 from memcalc.budget import Budget
-from memcalc.cli import main
 from memcalc.config import Config, Device
 from memcalc.scaling import sweep
+from cli_helpers import assert_refused, run
 
 SEQ = (256, 1024, 4096, 8192, 16384)
 DIMS = (16, 32, 64, 128)
 NN = 8_589_934_592  # 8 x 16384^2 x 4 B: one N x N fp32 tensor of the seeds' benchmark
 ND = 8_388_608  # 8 x 16384 x 16 x 4 B
 WS = 33_554_432  # one H100 cuBLAS workspace
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def seeds(**kw):
@@ -107,8 +101,7 @@ def test_all_implementations_skip_unsupported_dtypes(capsys):
 ])
 def test_bad_input(capsys, argv, option):
     code, out, err = run(capsys, "sweep", *argv)
-    assert code == 2 and out == ""
-    assert err.count("\n") == 1 and option in err and "Traceback" not in err
+    assert_refused(code, out, err, option)
 
 
 def test_ranges(capsys):
