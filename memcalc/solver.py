@@ -91,11 +91,14 @@ class Unsolved(Exception):
     """The solver ran out of time; what it knows so far."""
 
     def __init__(self, lo: int, hi: int | None, seconds: float | None,
-                 estimate: int | None = None):
-        self.lo, self.hi, self.estimate = lo, hi, estimate
+                 estimate: int | None = None, ceiling: int | None = None):
+        self.lo, self.hi, self.estimate, self.ceiling = lo, hi, estimate, ceiling
         bound = f"fits at {lo}" + (f", not at {hi}" if hi else "")
         if estimate is not None:
             bound += f"; the closed-form estimate, not replayed: {estimate:,}"
+        if ceiling is not None:
+            bound += (f"; at most {ceiling:,}, past which the tensors alive at the peak alone "
+                      f"exceed the budget")
         within = f" within {seconds:g} s" if seconds is not None else ""
         super().__init__(f"no exact answer{within} ({bound})")
 
@@ -167,9 +170,27 @@ class _Probe:
         return lo, hi
 
     def unsolved(self) -> Unsolved:
-        """What is known: the bounds, and the closed-form estimate unless it was replayed."""
+        """What is known: the bounds, the closed-form estimate unless it was replayed, and
+        the ceiling of an exact closed form where it says more than the bounds."""
         replayed = self.estimate in self.known or self.estimate in self.full
-        return Unsolved(*self.bounds(), self.time_limit, None if replayed else self.estimate)
+        lo, hi = self.bounds()
+        estimate = None if replayed else self.estimate
+        ceiling = self.ceiling()
+        if ceiling is not None and (ceiling <= max(lo, estimate or 0) or hi and hi <= ceiling):
+            ceiling = None
+        return Unsolved(lo, hi, self.time_limit, estimate, ceiling)
+
+    def ceiling(self) -> int | None:
+        """The largest value at which the exact closed form of the bytes alive at the peak
+        stays within the budget: past it, those bytes alone exceed it, and allocated memory
+        (never less) cannot fit. The estimate scales the closed form by the reserved
+        memory of a replay, which the allocator's release-and-retry can undercut near the
+        budget (linear-causal-chunked at 80 GiB: estimated 10,247,644 from 2,097,152 rows;
+        the threshold is past 11.2M; the ceiling 12,499,320)."""
+        if self.model is None or not self.model.exact:
+            return None
+        root = self.model.root(Fraction(self.budget))
+        return None if root is None else int(root)
 
     def affordable(self, x: int) -> bool:
         """Whether a replay at ``x`` is expected to end before the deadline: the slowest

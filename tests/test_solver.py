@@ -71,8 +71,23 @@ def test_time_limit_names_the_estimate_it_could_not_replay():
     assert error.hi is None and error.lo % 16384 == 0  # the start, doubled 0 or more times
     assert fits(config.replace(seq_len=error.lo), GIB80)
     assert error.estimate > 100 * 16384
-    assert f"fits at {error.lo}; the closed-form estimate, not replayed: {error.estimate:,}" \
-        in str(error)
+    assert f"fits at {error.lo}; the closed-form estimate, not replayed: {error.estimate:,}; " \
+        f"at most {error.ceiling:,}, past which the tensors alive at the peak alone exceed " \
+        "the budget" in str(error)
+    assert error.estimate < error.ceiling
+
+
+def test_the_ceiling_is_where_the_bytes_alive_at_the_peak_exceed_the_budget():
+    """Past the ceiling, the tensors alive at the peak alone exceed the budget, so no
+    replay can fit: the exact answer is never above it. linear-causal-chunked in 0.75 GB
+    less the 512 MiB reserve: 268,435,456 B; its closed form 6,824*N + 67,110,912 gives
+    (268,435,456 - 67,110,912) // 6,824 = 29,502; the answer is 28,672."""
+    config, budget = Config(impl="linear-causal-chunked"), 268_435_456
+    probe = _Probe(config, "seq_len", budget)
+    probe.model = q = live_polynomial(config, "seq_len")  # fitted at 16,384, 32,768, 65,536
+    assert q.text() == "6,824*N + 67,110,912"
+    assert probe.ceiling() == 29502 and q(29502) <= budget < q(29503)
+    assert max_fitting(config, budget).max_value == 28672 <= probe.ceiling()
 
 
 def test_a_search_says_what_it_replays_and_what_it_knows():
