@@ -85,8 +85,14 @@ def status(first: str, stream=None) -> Iterator[None]:
     from rich.console import Console
     from rich.text import Text
 
-    with Console(file=stream).status(first) as line:
-        # one line, cut at the terminal's width
-        with listen(lambda text: line.update(Text(text, no_wrap=True, overflow="ellipsis"))):
+    console = Console(file=stream)
+
+    def show(text: str) -> None:  # one line: cut to the terminal's width, less the spinner
+        cut = Text(text)
+        cut.truncate(console.width - 2, overflow="ellipsis")
+        line.update(cut)
+
+    with console.status(first) as line:
+        with listen(show):
             say(first)
             yield

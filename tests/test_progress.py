@@ -60,3 +60,12 @@ def test_a_replay_says_its_phases_and_its_program_build(monkeypatch):
                      f"warm-up step ({forward + backward:,} events)",
                      f"measured forward ({forward:,} events)",
                      f"measured backward ({backward:,} events)"]
+
+
+def test_the_status_line_is_cut_to_the_terminal_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")
+    stream = Terminal()
+    with progress.status("working", stream):
+        progress.say("x" * 100)
+    drawn = stream.getvalue()
+    assert "x" * 37 + "…" in drawn and "x" * 39 not in drawn  # 40 less the spinner and a space
