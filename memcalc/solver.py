@@ -186,7 +186,8 @@ class _Probe:
         (never less) cannot fit. The estimate scales the closed form by the reserved
         memory of a replay, which the allocator's release-and-retry can undercut near the
         budget (linear-causal-chunked at 80 GiB: estimated 10,247,644 from 2,097,152 rows;
-        the threshold is past 11.2M; the ceiling 12,499,320)."""
+        58 minutes of replays find 11,587,487 fitting and 11,587,611 not; the ceiling is
+        12,499,320)."""
         if self.model is None or not self.model.exact:
             return None
         root = self.model.root(Fraction(self.budget))
@@ -351,9 +352,9 @@ def _estimate_again(probe: _Probe) -> None:
     """After a climb, the estimate from the largest value that fits, once that is a tenth
     of the estimate or more. The closed form is scaled by the ratio of reserved to raw
     bytes measured at one value, and a loop's ratio settles only when it has run for a
-    while: linear-causal-chunked at 80 GiB (exact: over 10.2M rows) is estimated at
-    9,871,642 from 16,384 rows, 10,956,627 from 131,072, 10,294,289 from 1,048,576 and
-    10,247,644 from 2,097,152."""
+    while: linear-causal-chunked at 80 GiB is estimated at 9,871,642 from 16,384 rows,
+    10,956,627 from 131,072, 10,294,289 from 1,048,576 and 10,247,644 from 2,097,152 (the
+    capped replays fit further, to 11.58M: ``ceiling``)."""
     lo, _ = probe.bounds()
     if probe.model is None or probe.estimate is None or lo not in probe.known:
         return
