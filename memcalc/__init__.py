@@ -191,8 +191,6 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_l
         raise ValueError(f"solve: seq_len, batch or head_dim (got {solve!r})")
     if impls is not None:
         impls = _names(impls, "impls", _impl_names())
-    if time_limit is not None and not 0 < time_limit < float("inf"):
-        raise ValueError(f"time_limit: must be positive (got {time_limit})")
     config = make_config(**_options("oom", options))
     return run(config, _budget(config, gpu_gb, reserve), solve, impls, time_limit)
 

@@ -7,6 +7,7 @@ FLAGS = {
     "batch": "--batch", "heads": "--heads", "seq_len": "--seq", "head_dim": "--head-dim",
     "kv_len": "--kv-len", "kv_heads": "--kv-heads", "chunk": "--chunk", "dtype": "--dtype", "impl": "--impl", "gpu": "--gpu",
     "loss": "--loss", "cublas_workspace_config": "--cublas-workspace-config",
+    "time_limit": "--time-limit",
 }
 
 

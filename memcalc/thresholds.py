@@ -193,6 +193,8 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
     (fp32 for a kernel that has none, say) or whose replays are too slow (``MAX_EVENTS``)
     are listed as skipped with the reason; named ones are solved or raise. ``time_limit``:
     seconds per implementation."""
+    if time_limit is not None and not 0 < time_limit < float("inf"):
+        raise ValueError(f"time_limit: must be positive (got {time_limit})")
     named = list(impls) if impls else None
     results, skipped = [], []
     for name in named or impl_names():
