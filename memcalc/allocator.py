@@ -30,7 +30,7 @@ guard, so that one set of rules serves a single configuration and a whole grid.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -46,7 +46,7 @@ def round_size(nbytes: int) -> int:
     """Block size the allocator hands out for a request of ``nbytes`` (0 for none)."""
     if nbytes <= 0:
         return 0
-    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # at least MIN_BLOCK: nbytes >= 1
 
 
 def round_segment(block: int) -> int:
@@ -73,9 +73,8 @@ class Sizes:
     sizes another type with ``+``, ``-`` and integer constants (``memcalc.vectorized``'s
     forms), and must then answer the three questions below for it."""
 
-    def block(self, nbytes):
-        """The rounded block of a request of ``nbytes`` (``round_size``)."""
-        return round_size(nbytes)
+    # the rounded block of a request of ``nbytes``
+    block = staticmethod(round_size)
 
     def large_segment(self, nbytes, block):
         """The segment of a request of 10 MiB or more: ``block`` rounded up to 2 MiB."""
@@ -92,6 +91,11 @@ class Sizes:
     # keys are plain values: comparing them decides nothing that must be recorded, so a
     # free block can be found by its key
     plain_keys = True
+
+    # the measured step may repeat the warm-up's small-pool decisions without making them
+    # again (``CachingAllocator.mirror_small_pool``); a subclass that records every
+    # decision must make them all
+    may_mirror = True
 
     def top(self, peak, value):
         """The new peak after ``value`` (the grid path takes its peaks elsewhere)."""
@@ -234,17 +238,102 @@ class FreeBlocks:
         self.last[j:j + 1] = [keys[half - 1], keys[-1]]
 
 
+class SmallFreeBlocks:
+    """The small pool's free blocks when sizes are integers: one address-sorted list per
+    size (a multiple of 512 B up to 2 MiB, so at most 4,096 sizes) and a bit per size that
+    has a free block. The best fit is the lowest set bit at or above the request's size,
+    then that size's lowest address: the order of ``FreeBlocks``, found without comparing
+    keys. A long chunked loop leaves thousands of free small blocks of a few sizes."""
+
+    def __init__(self):
+        self.addrs: dict[int, list[int]] = {}  # by size in units of 512 B
+        self.blocks: dict[int, Block] = {}  # by address
+        self.sizes = 0  # bit u set: a free block of u * 512 B
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self):
+        return (self.blocks[a] for u in sorted(self.addrs) for a in self.addrs[u])
+
+    def add(self, block: Block) -> None:
+        unit, addr = block.size // MIN_BLOCK, block.addr
+        self.blocks[addr] = block
+        addrs = self.addrs.get(unit)
+        if addrs is None:
+            self.addrs[unit] = [addr]
+            self.sizes |= 1 << unit
+        else:
+            insort(addrs, addr)
+
+    def remove(self, block: Block) -> None:
+        unit, addrs = block.size // MIN_BLOCK, self.addrs[block.size // MIN_BLOCK]
+        del addrs[bisect_left(addrs, block.addr)], self.blocks[block.addr]
+        if not addrs:
+            del self.addrs[unit]
+            self.sizes &= ~(1 << unit)
+
+    def take_best_fit(self, size: int) -> Block | None:
+        """Take out the smallest free block of at least ``size``, lowest address first."""
+        larger = self.sizes >> (size // MIN_BLOCK)
+        if not larger:
+            return None
+        unit = size // MIN_BLOCK + (larger & -larger).bit_length() - 1
+        block = self.blocks[self.addrs[unit][0]]
+        self.remove(block)
+        return block
+
+
+# stands for the small pool while the measured step mirrors the warm-up's decisions
+_MIRRORED = Segment(-1, 0, small=True)
+
+
 class CachingAllocator:
     """Replays allocations and frees; tracks allocated and reserved bytes and their peaks
     exactly as ``torch.cuda.memory_stats`` does."""
 
     def __init__(self, capacity: int | None = None, sizes: Sizes = INTEGERS):
         self.capacity, self.sizes = capacity, sizes
-        self.pools = {True: FreeBlocks(sizes), False: FreeBlocks(sizes)}  # small, large
+        small = SmallFreeBlocks() if sizes.plain_keys else FreeBlocks(sizes)
+        self.pools = {True: small, False: FreeBlocks(sizes)}
         self.segments: list[Segment] = []
         self._next_addr = 0
         self.allocated = self.reserved = 0
         self.peak_allocated = self.peak_reserved = 0
+        self._marked: tuple | None = None  # the small pool's layout when the warm-up began
+        self._mirrored: dict | None = None  # a block per size, while mirroring
+
+    def mark_warm_up(self) -> None:
+        """The warm-up step starts: note the small pool's layout, for ``mirror_small_pool``."""
+        self._marked = self._small_layout()
+
+    def mirror_small_pool(self) -> bool:
+        """The measured step starts. If it will make the warm-up's small-pool decisions,
+        stop making them: a small request then only counts its block. Returns whether it
+        does.
+
+        It does when the small pool is as the warm-up found it plus the segments the warm-up
+        reserved, all wholly free now, and nothing was released since (no capacity: no
+        release-and-retry). Then, by induction over the same requests and frees, the
+        measured step's pool is the warm-up's at the same point plus wholly free segments
+        at higher addresses than any the warm-up had reserved by then: a request the warm-up
+        served from a cached block finds that same block best (a spare 2 MiB segment is no
+        smaller, and loses a tie by address); one for which it reserved a segment takes the
+        spare at the lowest address, which is that segment. So no small segment is
+        reserved, and a small block is always exactly its rounded request: the rest of a
+        split, a multiple of 512 B, is either 0 or kept (``should_split``). The chunked
+        implementations' measured step makes a million small requests; this halves them."""
+        if (self.capacity is not None or not self.sizes.may_mirror
+                or self._marked is None or self._small_layout() != self._marked):
+            return False
+        self._mirrored = {}
+        return True
+
+    def _small_layout(self) -> tuple:
+        """The small pool's segments that hold an allocated block, as (address, size, free)
+        of each block."""
+        return tuple(tuple((b.addr, b.size, b.free) for b in s.blocks)
+                     for s in self.segments if s.small and not s.is_free())
 
     def reset_peaks(self) -> None:
         """``reset_peak_memory_stats()``: peaks restart from the current values."""
@@ -256,9 +345,12 @@ class CachingAllocator:
         if not self.sizes.ge0(size - 1):
             return None
         small = self.sizes.ge0(SMALL_SIZE - size)
-        block = self.pools[small].take_best_fit(size) or self._new_segment(nbytes, size, small)
-        self._split(block, size)
-        block.free = False
+        if small and self._mirrored is not None:
+            block = self._mirror_block(size)
+        else:
+            block = self.pools[small].take_best_fit(size) or self._new_segment(nbytes, size, small)
+            self._split(block, size)
+            block.free = False
         self.allocated = self.allocated + block.size
         self.peak_allocated = self.sizes.top(self.peak_allocated, self.allocated)
         return block
@@ -267,8 +359,10 @@ class CachingAllocator:
         """Return a block to its pool, merging it with free neighbours."""
         if block is None:
             return
-        block.free = True
         self.allocated = self.allocated - block.size
+        if block.segment is _MIRRORED:
+            return
+        block.free = True
         pool = self.pools[block.segment.small]
         for neighbour in (block.next, block.prev):
             if neighbour is not None and neighbour.free:
@@ -276,8 +370,19 @@ class CachingAllocator:
                 block = self._merge(block, neighbour)
         pool.add(block)
 
+    def _mirror_block(self, size) -> Block:
+        """The block a mirrored small request counts: one per size, shared (never split,
+        merged or freed into a pool)."""
+        block = self._mirrored.get(size)
+        if block is None:
+            block = self._mirrored[size] = Block(-1, size, _MIRRORED, free=False)
+        return block
+
     def empty_cache(self) -> None:
         """Release every wholly free segment (``torch.cuda.empty_cache``)."""
+        if self._mirrored is not None:
+            raise RuntimeError("empty_cache while the small pool is mirrored")
+        self._marked = None  # the warm-up's segments may be gone
         for segment in [s for s in self.segments if s.is_free()]:
             self.pools[segment.small].remove(segment.head)
             self.segments.remove(segment)

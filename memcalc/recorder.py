@@ -69,6 +69,7 @@ class FormSizes(Sizes):
         return holds
 
     plain_keys = False  # comparing two keys records a guard
+    may_mirror = False  # the measured step's decisions are guards too
 
     def key(self, size, addr) -> "_Key":
         return _Key(self, size, addr)

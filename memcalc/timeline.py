@@ -174,11 +174,13 @@ def replay(ledger: Ledger, d: Dims, program: Program, on_phase=None) -> Step:
     grad = not d.forward_only
     for t in input_tensors(d):
         ledger.alloc(t.name, t)
+    ledger.allocator.mark_warm_up()
     _phase(ledger, "warm-up", len(program.forward) + grad * len(program.backward))
     _run(ledger, program.forward, "main", grad)  # creates the workspaces, fills the cache
     if grad:
         _run(ledger, program.backward, "autograd", grad)
     _release(ledger, Role.output, Role.gradient)  # del out; q.grad = k.grad = v.grad = None
+    ledger.allocator.mirror_small_pool()  # the same small-pool decisions as the warm-up's
     ledger.reset_peak()
     before = set(ledger.live)
     _phase(ledger, "forward", len(program.forward))
@@ -297,17 +299,23 @@ def _release(ledger: Ledger, *roles: Role) -> None:
 
 def _run(ledger: Ledger, events, thread: str, grad: bool) -> None:
     """Apply events in order. Under no_grad, ``saved`` tensors die with their last reference."""
-    for event in events:
-        tick()
-        if isinstance(event, Tensor):
-            ledger.alloc(event.name, event)
-        elif isinstance(event, Cublas):
-            ledger.ensure_workspace(thread)
-        elif isinstance(event, Release):
+    alloc, free, live = ledger.alloc, ledger.free, ledger.live
+    for i, event in enumerate(events):
+        if not i % _BATCH:
+            tick(_BATCH)
+        kind = type(event)
+        if kind is Tensor:
+            alloc(event.name, event)
+        elif kind is Free:
+            for name in event.names:
+                if not (grad and live[name].role is Role.saved):
+                    free(name)
+        elif kind is Release:
             if grad:
                 for name in event.names:
-                    ledger.free(name)
-        elif isinstance(event, Free):
-            for name in event.names:
-                if not (grad and ledger.live[name].role is Role.saved):
-                    ledger.free(name)
+                    free(name)
+        elif kind is Cublas:
+            ledger.ensure_workspace(thread)
+
+
+_BATCH = 1024  # events counted at once towards the time limit

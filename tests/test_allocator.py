@@ -5,7 +5,7 @@ import random
 import pytest
 
 from memcalc.allocator import (
-    MiB, CachingAllocator, FreeBlocks, OutOfMemory, round_size, segment_size,
+    INTEGERS, MiB, CachingAllocator, FreeBlocks, OutOfMemory, round_size, segment_size,
 )
 
 
@@ -92,13 +92,16 @@ def test_oom_releases_cache_then_raises():
         a.malloc(10 * MiB)  # 32 + 10 > 40 and nothing left to release
 
 
-@pytest.mark.parametrize("run", [1, 2, 3, 256])
-def test_free_blocks_in_runs_give_the_best_fit(monkeypatch, run):
-    """Free lists split into short runs (here of ``run`` blocks) choose exactly what one
-    sorted list would: the smallest free block of at least the request, lowest address
-    first. The oracle is a scan of every free block of the small pool."""
-    monkeypatch.setattr(FreeBlocks, "RUN", run)
+@pytest.mark.parametrize("run", [None, 1, 2, 3, 256])
+def test_free_blocks_give_the_best_fit(monkeypatch, run):
+    """The small pool's index (per size, ``run=None``) and the sorted runs (here of ``run``
+    blocks, which serve the large pool and symbolic sizes) choose exactly what one sorted
+    list would: the smallest free block of at least the request, lowest address first.
+    The oracle is a scan of every free block of the small pool."""
     allocator, live = CachingAllocator(), []
+    if run is not None:
+        monkeypatch.setattr(FreeBlocks, "RUN", run)
+        allocator.pools[True] = FreeBlocks(INTEGERS)
     rng = random.Random(7)
     for step in range(3000):
         if live and rng.random() < 0.45:
@@ -115,3 +118,48 @@ def test_free_blocks_in_runs_give_the_best_fit(monkeypatch, run):
     pool = allocator.pools[True]
     keys = [(b.size, b.addr) for b in pool]
     assert keys == sorted(keys) and len(pool) == len(keys)
+
+
+def _step(allocator, rng_seed=3):
+    """A step of small and large requests and frees, all freed at its end; returns the
+    allocated peak and the sizes of the blocks it got, in order."""
+    rng, live, blocks = random.Random(rng_seed), [], []
+    for _ in range(400):
+        if live and rng.random() < 0.4:
+            allocator.free(live.pop(rng.randrange(len(live))))
+            continue
+        live.append(allocator.malloc(rng.choice([700, 4096, 131072, 600_000, 3 * MiB])))
+        blocks.append(live[-1].size)
+    for block in live:
+        allocator.free(block)
+    return blocks
+
+
+def test_measured_step_mirrors_the_warm_ups_small_pool():
+    """After a warm-up that freed all it allocated, a second step makes the same small-pool
+    decisions: mirrored, it reserves nothing and counts the blocks a full replay counts."""
+    runs = []
+    for mirror in (False, True):
+        allocator = CachingAllocator()
+        held = allocator.malloc(1000)  # an input: stays in the small pool throughout
+        allocator.mark_warm_up()
+        _step(allocator)
+        reserved = allocator.reserved
+        if mirror:  # else the full replay, for comparison
+            assert allocator.mirror_small_pool() is True
+        allocator.reset_peaks()
+        runs.append((_step(allocator), allocator.peak_allocated, allocator.peak_reserved))
+        assert allocator.reserved == reserved and held.size == 1024
+    assert runs[0] == runs[1]
+
+
+def test_no_mirror_unless_the_small_pool_is_as_the_warm_up_found_it():
+    """Not mirrored: a small block the warm-up allocated is still held; nothing was marked;
+    the allocator has a capacity (release-and-retry could free the warm-up's segments)."""
+    kept = CachingAllocator()
+    kept.mark_warm_up()
+    kept.malloc(4096)
+    unmarked = CachingAllocator()
+    capped = CachingAllocator(capacity=1 << 40)
+    capped.mark_warm_up()
+    assert [a.mirror_small_pool() for a in (kept, unmarked, capped)] == [False] * 3

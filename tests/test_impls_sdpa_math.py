@@ -80,7 +80,7 @@ def test_a_missing_upcast_is_caught(monkeypatch):
 
     def broken(d):
         program = original(d)
-        fix = lambda e: dataclasses.replace(e, dtype=d.dtype) if (
+        fix = lambda e: Tensor(e.name, e.shape, d.dtype, e.role, e.op) if (
             isinstance(e, Tensor) and e.name == "p") else e
         return type(program)(tuple(map(fix, program.forward)), program.backward)
 

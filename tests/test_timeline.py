@@ -6,8 +6,11 @@ ROW = 8 x 16384 x 4 B = 524,288 (a row statistic); IDX = 8 x 16384 x 8 B = 1,048
 (int64 argmax); WS = 32 MiB = 33,554,432 (one H100 cuBLAS workspace; two threads hold one).
 """
 
+import pytest
 
+from memcalc.allocator import CachingAllocator
 from memcalc.config import Config, Protocol
+from memcalc.registry import IMPLS
 from memcalc.timeline import Ledger, predict
 
 NN, ND, ROW, IDX, WS = 8_589_934_592, 8_388_608, 524_288, 1_048_576, 33_554_432
@@ -74,3 +77,20 @@ def test_ledger_history_records_every_event():
     assert ledger.history[-1].allocated == 7 * (8 * 256 * 16 * 4) + 2 * WS  # 7 x 8 x 256 x 16 x 4 B
     assert [e.label for e in ledger.history if e.kind == "phase"] == [
         "warm-up", "forward", "backward", "end"]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_mirrored_measured_step_gives_the_full_replays_figures(impl, monkeypatch):
+    """The measured step repeats the warm-up's small-pool decisions without making them
+    again (``CachingAllocator.mirror_small_pool``); with a capacity it makes them all.
+    Both give the same breakdown, to every block of every live set, for each
+    implementation: at a length whose tensors are all small (one chunk of 64 rows at
+    seq_len 100, so the chunked loop runs twice) and at one with large ones."""
+    mirrored = []
+    spy = CachingAllocator.mirror_small_pool
+    monkeypatch.setattr(CachingAllocator, "mirror_small_pool",
+                        lambda self: mirrored.append(spy(self)) or mirrored[-1])
+    for seq_len in (100, 1500):
+        config = Config(impl=impl, dtype="fp16", shape={"seq_len": seq_len})  # chunks of 64
+        assert predict(config) == predict(config, capacity=1 << 50)
+    assert mirrored == [True, False] * 2  # unbounded: mirrored; with a capacity: not

@@ -28,7 +28,6 @@ later (``memcalc trace``) are not. Implementations without marks: the recomputat
 
 from __future__ import annotations
 
-import dataclasses
 
 from memcalc.registry import IMPLS, Impl, register
 from memcalc.tensors import (
@@ -82,7 +81,7 @@ def unpack_index(backward: tuple[Event, ...]) -> int:
 def unsaved_forward(forward: tuple[Event, ...]) -> list[Event]:
     """The inner forward with nothing saved: saved tensors become activations, so their
     Python frees take effect."""
-    demote = lambda e: dataclasses.replace(e, role=Role.activation) if (
+    demote = lambda e: e.replace(role=Role.activation) if (
         isinstance(e, Tensor) and e.role is Role.saved) else e
     return [demote(e) for e in forward if not isinstance(e, Mark)]
 
@@ -97,7 +96,7 @@ def recomputation(forward: tuple[Event, ...], stop: int) -> list[Event]:
     for e in forward[:stop]:
         if isinstance(e, Tensor):
             if e.name in outputs:
-                e = dataclasses.replace(e, name=recomputed(e.name), role=Role.temporary)
+                e = e.replace(name=recomputed(e.name), role=Role.temporary)
             live[e.name] = e
         elif isinstance(e, Free):
             e = free(*[recomputed(n) if n in outputs else n for n in e.names])
