@@ -279,8 +279,11 @@ class SmallFreeBlocks:
         if not larger:
             return None
         unit = size // MIN_BLOCK + (larger & -larger).bit_length() - 1
-        block = self.blocks[self.addrs[unit][0]]
-        self.remove(block)
+        addrs = self.addrs[unit]
+        block = self.blocks.pop(addrs.pop(0))
+        if not addrs:
+            del self.addrs[unit]
+            self.sizes ^= 1 << unit
         return block
 
 
@@ -341,18 +344,20 @@ class CachingAllocator:
 
     def malloc(self, nbytes) -> Block | None:
         """Allocate a block for ``nbytes``; None for a 0-byte request."""
-        size = self.sizes.block(nbytes)
-        if not self.sizes.ge0(size - 1):
+        sizes = self.sizes
+        size = sizes.block(nbytes)
+        if not sizes.ge0(size - 1):
             return None
-        small = self.sizes.ge0(SMALL_SIZE - size)
+        small = sizes.ge0(SMALL_SIZE - size)
         if small and self._mirrored is not None:
-            block = self._mirror_block(size)
+            block = self._mirrored.get(size) or self._mirror_block(size)
         else:
-            block = self.pools[small].take_best_fit(size) or self._new_segment(nbytes, size, small)
-            self._split(block, size)
+            pool = self.pools[small]
+            block = pool.take_best_fit(size) or self._new_segment(nbytes, size, small)
+            self._split(block, size, pool)
             block.free = False
-        self.allocated = self.allocated + block.size
-        self.peak_allocated = self.sizes.top(self.peak_allocated, self.allocated)
+        self.allocated = allocated = self.allocated + block.size
+        self.peak_allocated = sizes.top(self.peak_allocated, allocated)
         return block
 
     def free(self, block: Block | None) -> None:
@@ -373,9 +378,7 @@ class CachingAllocator:
     def _mirror_block(self, size) -> Block:
         """The block a mirrored small request counts: one per size, shared (never split,
         merged or freed into a pool)."""
-        block = self._mirrored.get(size)
-        if block is None:
-            block = self._mirrored[size] = Block(-1, size, _MIRRORED, free=False)
+        block = self._mirrored[size] = Block(-1, size, _MIRRORED, free=False)
         return block
 
     def empty_cache(self) -> None:
@@ -418,14 +421,14 @@ class CachingAllocator:
         self.peak_reserved = self.sizes.top(self.peak_reserved, self.reserved)
         return segment.head
 
-    def _split(self, block: Block, size) -> None:
-        """Cut ``size`` off a block taken from its pool; the rest goes back to the pool."""
-        rest = block.size - size
-        if not self.sizes.ge0(rest - MIN_BLOCK if block.segment.small else rest - SMALL_SIZE - 1):
+    def _split(self, block: Block, size, pool) -> None:
+        """Cut ``size`` off a block taken from ``pool``; the rest goes back to the pool."""
+        rest, segment, after = block.size - size, block.segment, block.next
+        if not self.sizes.ge0(rest - MIN_BLOCK if segment.small else rest - SMALL_SIZE - 1):
             return
-        remainder = Block(block.addr + size, rest, block.segment)
-        remainder.prev, remainder.next = block, block.next
-        if block.next is not None:
-            block.next.prev = remainder
+        remainder = Block(block.addr + size, rest, segment)
+        remainder.prev, remainder.next = block, after
+        if after is not None:
+            after.prev = remainder
         block.next, block.size = remainder, size
-        self.pools[block.segment.small].add(remainder)
+        pool.add(remainder)

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from memcalc.config import Config
-from memcalc.deadline import CHECK_EVERY, TimeUp, deadline
+from memcalc.deadline import CHECK_EVERY, TimeUp, deadline, tick
 from memcalc.impls import get_impl
 from memcalc.timeline import Ledger, predict, replay
 
@@ -30,3 +30,11 @@ def test_no_deadline_no_limit():
     small = Config(impl="naive", shape={"seq_len": 64})
     with deadline(None):
         assert predict(small).peak_bytes == predict(small).peak_bytes
+
+
+def test_steps_counted_in_batches_still_reach_the_clock():
+    """``tick(n)`` counts n steps at once (the replay's batches): the clock is read
+    whenever a multiple of ``CHECK_EVERY`` is crossed, even when none is landed on."""
+    with deadline(time.perf_counter() - 1), pytest.raises(TimeUp):
+        for _ in range(3):
+            tick(CHECK_EVERY - 1)

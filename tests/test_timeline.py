@@ -94,3 +94,13 @@ def test_mirrored_measured_step_gives_the_full_replays_figures(impl, monkeypatch
         config = Config(impl=impl, dtype="fp16", shape={"seq_len": seq_len})  # chunks of 64
         assert predict(config) == predict(config, capacity=1 << 50)
     assert mirrored == [True, False] * 2  # unbounded: mirrored; with a capacity: not
+
+
+def test_the_live_set_at_a_peak_is_kept_from_the_first_reset():
+    """The ledger logs changes for the live set at a peak only once the peak was reset:
+    the protocol reads it after a reset, and a warm-up's changes would all be discarded."""
+    ledger = Ledger(WS)
+    with pytest.raises(RuntimeError, match="first reset_peak"):
+        ledger.peak_live
+    ledger.reset_peak()
+    assert ledger.peak_live == ()
