@@ -304,7 +304,7 @@ class CachingAllocator:
         self.allocated = self.reserved = 0
         self.peak_allocated = self.peak_reserved = 0
         self._marked: tuple | None = None  # the small pool's layout when the warm-up began
-        self._mirrored: dict | None = None  # a block per size, while mirroring
+        self._mirrored: dict | None = None  # while mirroring: a block per small request
 
     def mark_warm_up(self) -> None:
         """The warm-up step starts: note the small pool's layout, for ``mirror_small_pool``."""
@@ -344,20 +344,30 @@ class CachingAllocator:
 
     def malloc(self, nbytes) -> Block | None:
         """Allocate a block for ``nbytes``; None for a 0-byte request."""
+        mirrored = self._mirrored
+        block = mirrored.get(nbytes) if mirrored is not None else None
+        if block is None:
+            block = self._take(nbytes)
+            if block is None:
+                return None
+        self.allocated = allocated = self.allocated + block.size
+        self.peak_allocated = self.sizes.top(self.peak_allocated, allocated)
+        return block
+
+    def _take(self, nbytes) -> Block | None:
+        """The block a request gets: the best-fitting free one or a new segment's, split
+        (or, mirrored, a small request's block); None for 0 bytes."""
         sizes = self.sizes
         size = sizes.block(nbytes)
         if not sizes.ge0(size - 1):
             return None
         small = sizes.ge0(SMALL_SIZE - size)
         if small and self._mirrored is not None:
-            block = self._mirrored.get(size) or self._mirror_block(size)
-        else:
-            pool = self.pools[small]
-            block = pool.take_best_fit(size) or self._new_segment(nbytes, size, small)
-            self._split(block, size, pool)
-            block.free = False
-        self.allocated = allocated = self.allocated + block.size
-        self.peak_allocated = sizes.top(self.peak_allocated, allocated)
+            return self._mirror_block(nbytes, size)
+        pool = self.pools[small]
+        block = pool.take_best_fit(size) or self._new_segment(nbytes, size, small)
+        self._split(block, size, pool)
+        block.free = False
         return block
 
     def free(self, block: Block | None) -> None:
@@ -375,10 +385,10 @@ class CachingAllocator:
                 block = self._merge(block, neighbour)
         pool.add(block)
 
-    def _mirror_block(self, size) -> Block:
-        """The block a mirrored small request counts: one per size, shared (never split,
-        merged or freed into a pool)."""
-        block = self._mirrored[size] = Block(-1, size, _MIRRORED, free=False)
+    def _mirror_block(self, nbytes, size) -> Block:
+        """The block a mirrored small request of ``nbytes`` counts, ``size`` bytes: one per
+        request size, shared (never split, merged or freed into a pool)."""
+        block = self._mirrored[nbytes] = Block(-1, size, _MIRRORED, free=False)
         return block
 
     def empty_cache(self) -> None:

@@ -70,12 +70,14 @@ class Tensor(_TensorFields):
         return self._replace(name=name or self.name, role=role or self.role)
 
 
-@dataclass(frozen=True)
+# Events are values; not frozen, so that a million of them are made at the speed of
+# plain objects (no program changes its events once built)
+@dataclass(slots=True, unsafe_hash=True)
 class Free:
     names: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Release:
     names: tuple[str, ...]
 
