@@ -32,11 +32,19 @@ def seconds(fn, repeat: int = 1) -> float:
     return statistics.median(runs)
 
 
-def bench_chunked(lengths: list[int]) -> None:
-    """``predict`` of linear-causal-chunked (chunks of 64) at each length."""
+def best(fn, repeat: int) -> float:
+    """The fastest of ``repeat`` runs of ``fn()``, wall seconds: what else the machine does
+    only slows a run (single runs of the same replay here spread over +-30 %)."""
+    return min(seconds(fn) for _ in range(repeat))
+
+
+def bench_chunked(lengths: list[int], repeat: int = 3) -> None:
+    """``predict`` of linear-causal-chunked (chunks of 64) at each length, best of
+    ``repeat``."""
     for n in lengths:
         config = make_config(impl="linear-causal-chunked", seq_len=n)
-        print(f"chunked breakdown, N = {n:>9,}: {seconds(lambda: predict(config)):7.2f} s")
+        took = best(lambda: predict(config), repeat)
+        print(f"chunked breakdown, N = {n:>9,}: {took:7.2f} s (best of {repeat})")
 
 
 def bench_chunked_oom(time_limit: float) -> None:
@@ -105,13 +113,13 @@ def bench_latency() -> None:
         print(f"{label}: {best * 1e3:.3f} ms CPU per call")
 
 
-def bench_cli_chunked(n: int) -> None:
+def bench_cli_chunked(n: int, repeat: int = 3) -> None:
     """``memcalc breakdown --impl linear-causal-chunked --seq n`` in a fresh process, wall
-    time, the table rendered to a pipe."""
+    time, the table rendered to a pipe, best of ``repeat``."""
     argv = [sys.executable, "-m", "memcalc.cli", "breakdown", "--impl",
             "linear-causal-chunked", "--seq", str(n)]
-    wall = seconds(lambda: subprocess.run(argv, capture_output=True, check=True))
-    print(f"CLI: chunked breakdown, N = {n:,}, rendered: {wall:.2f} s")
+    wall = best(lambda: subprocess.run(argv, capture_output=True, check=True), repeat)
+    print(f"CLI: chunked breakdown, N = {n:,}, rendered: {wall:.2f} s (best of {repeat})")
 
 
 def _cpu(fn, calls: int) -> float:
