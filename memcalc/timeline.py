@@ -307,22 +307,22 @@ def _release(ledger: Ledger, *roles: Role) -> None:
 def _run(ledger: Ledger, events, thread: str, grad: bool) -> None:
     """Apply events in order. Under no_grad, ``saved`` tensors die with their last reference."""
     alloc, free, live = ledger.alloc, ledger.free, ledger.live
-    for i, event in enumerate(events):
-        if not i % _BATCH:
-            tick(_BATCH)
-        kind = type(event)
-        if kind is Tensor:
-            alloc(event.name, event)
-        elif kind is Free:
-            for name in event.names:
-                if not (grad and live[name].role is Role.saved):
-                    free(name)
-        elif kind is Release:
-            if grad:
+    for start in range(0, len(events), _BATCH):
+        tick(_BATCH)
+        for event in events[start:start + _BATCH]:
+            kind = type(event)
+            if kind is Tensor:
+                alloc(event.name, event)
+            elif kind is Free:
                 for name in event.names:
-                    free(name)
-        elif kind is Cublas:
-            ledger.ensure_workspace(thread)
+                    if not (grad and live[name].role is Role.saved):
+                        free(name)
+            elif kind is Release:
+                if grad:
+                    for name in event.names:
+                        free(name)
+            elif kind is Cublas:
+                ledger.ensure_workspace(thread)
 
 
 _BATCH = 1024  # events counted at once towards the time limit
