@@ -24,6 +24,7 @@ of place in every trace here).
 
 from __future__ import annotations
 
+from memcalc.deadline import tick
 from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.tensors import (
@@ -224,7 +225,9 @@ def linear_causal_chunked(d: Dims) -> Program:
         new("ksum_init", (d.B, d.H, d.D, 1), d.dtype, S, "new_zeros"),  # (B, H, D, 1)
     ]
     for i, c in enumerate(sizes):
-        forward += chunk_forward(d, i, c, last=i == len(sizes) - 1)
+        events = chunk_forward(d, i, c, last=i == len(sizes) - 1)
+        forward += events
+        tick(len(events))  # a million rows build for a second: the time limit holds inside
     last = len(sizes) - 1
     forward += [
         new("out", (d.B, d.H, d.N, d.D), d.dtype, O, "cat"),  # (B, H, N, D)
@@ -233,7 +236,9 @@ def linear_causal_chunked(d: Dims) -> Program:
     ]
     backward = [first_unpack()]
     for i in reversed(range(len(sizes))):
-        backward += chunk_backward(d, i, sizes[i], last=i == last)
+        events = chunk_backward(d, i, sizes[i], last=i == last)
+        backward += events
+        tick(len(events))
     backward += split_backward(d, len(sizes)) + elu_backward(d, "dq_cat", "dk_cat")
     return Program(tuple(forward), tuple(with_loss(d, backward)))
 
