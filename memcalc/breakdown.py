@@ -185,13 +185,16 @@ class Breakdown(Result):
     @property
     def workspace_bytes(self) -> int:
         """cuBLAS workspaces alive at the peak (one per thread that ran a matmul)."""
-        return _total(tuple(c for c in self.components if c.role is Role.workspace))
+        return _total(tuple(c for c in self._peak_live if c.role is Role.workspace))
 
     @property
     def components(self) -> tuple[Component, ...]:
         """Everything alive at the peak, largest first."""
-        live = self.backward_live if self.peak_phase == "backward" else self.forward_live
-        return tuple(sorted(live, key=lambda c: -c.block_bytes))
+        return tuple(sorted(self._peak_live, key=lambda c: -c.block_bytes))
+
+    @property
+    def _peak_live(self) -> tuple[Component, ...]:
+        return self.backward_live if self.peak_phase == "backward" else self.forward_live
 
     def figures(self) -> dict[str, int]:
         """The phase figures by name, for comparisons and tables."""
@@ -242,7 +245,8 @@ class Breakdown(Result):
         """One row per tensor alive at the peak (the tables show a loop's tensors by kind)."""
         from memcalc.render_results import components_table
 
-        return components_table(self, self.components)
+        live = self.components
+        return components_table(self, live, live)
 
     def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats

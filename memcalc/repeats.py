@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 _NUMBER = re.compile(r"\d+")
 FEW = 3  # a kind with fewer members stays one row per tensor
@@ -27,11 +28,11 @@ class Repeated:
     def name(self) -> str:
         return f"{self.members[0].name}..{self.members[-1].name} ({len(self.members):,})"
 
-    @property
+    @cached_property  # a table reads it per column: summed once
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.members)
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         return sum(c.block_bytes for c in self.members)
 
