@@ -9,7 +9,7 @@ Rules read from ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13, default confi
 * a request takes the best-fitting free block of its pool, the smallest one that is big
   enough, ties broken by address (``BlockComparatorSize``); each pool keeps its free blocks
   ordered by (size, address) and finds that block by bisection (``get_free_block``'s
-  ``lower_bound``);
+  ``lower_bound``), or, for the small pool's integer sizes, by a bit per size;
 * with no fitting block a new segment is reserved (``get_allocation_size``): 2 MiB for
   small requests, 20 MiB below 10 MiB, else the size rounded up to 2 MiB;
 * the chosen block is split when the rest is >= 512 B (small pool) or > 1 MiB (large
@@ -26,6 +26,10 @@ if segments were handed out in order.
 The allocator is generic over its size arithmetic (``Sizes``): plain integers for a
 replay, or the linear forms of ``memcalc.vectorized`` that record every decision as a
 guard, so that one set of rules serves a single configuration and a whole grid.
+
+The measured step of the protocol makes the warm-up's small-pool decisions again; the
+allocator checks that it will (``mirror_small_pool``) and then only counts its small
+blocks: a chunked loop's measured step is a million small requests.
 """
 
 from __future__ import annotations
@@ -283,7 +287,7 @@ class SmallFreeBlocks:
         block = self.blocks.pop(addrs.pop(0))
         if not addrs:
             del self.addrs[unit]
-            self.sizes ^= 1 << unit
+            self.sizes &= ~(1 << unit)
         return block
 
 
