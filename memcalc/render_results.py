@@ -88,11 +88,10 @@ FIGURE_COLUMNS = [
 ]
 
 
-def components_table(b, rows, live=None) -> Table:
+def components_table(b, rows, live) -> Table:
     """What is alive at the peak, one row each of ``rows``, with the legend of the short
-    names; ``live``: ``b.components`` when the caller has them (sorted at each access: a
-    chunked loop's live set has 100,000 tensors)."""
-    live = b.components if live is None else live
+    names; ``live`` is ``b.components``, sorted once by the caller (a chunked loop's live
+    set has 100,000 tensors)."""
     columns = component_columns(b.peak_bytes, any(c.source for c in live))
     return Table(f"{breakdown_title(b)}\nalive at the peak", columns, rows, legend(live))
 

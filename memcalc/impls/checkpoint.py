@@ -28,7 +28,6 @@ later (``memcalc trace``) are not. Implementations without marks: the recomputat
 
 from __future__ import annotations
 
-
 from memcalc.registry import IMPLS, Impl, register
 from memcalc.tensors import (
     FIRST_UNPACK,
