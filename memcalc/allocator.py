@@ -383,10 +383,13 @@ class CachingAllocator:
             return
         block.free = True
         pool = self.pools[block.segment.small]
-        for neighbour in (block.next, block.prev):
-            if neighbour is not None and neighbour.free:
-                pool.remove(neighbour)
-                block = self._merge(block, neighbour)
+        after, before = block.next, block.prev
+        if after is not None and after.free:
+            pool.remove(after)
+            block = self._merge(block, after)
+        if before is not None and before.free:
+            pool.remove(before)
+            block = self._merge(block, before)
         pool.add(block)
 
     def _mirror_block(self, nbytes, size) -> Block:

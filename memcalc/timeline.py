@@ -47,9 +47,12 @@ class Live:
     __slots__ = ("item", "role", "block", "block_bytes", "_component")
 
     def __init__(self, item, block: Block | None):
-        self.item, self.role, self.block, self._component = item, item.role, block, None
+        self.item = item
+        self.role = item.role
+        self.block = block
         # taken now: a block's size is fixed while it is allocated, not once it is freed
         self.block_bytes = block.size if block is not None else 0
+        self._component = None
 
     @property
     def component(self) -> Component:
