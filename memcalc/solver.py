@@ -93,7 +93,7 @@ class Unsolved(Exception):
     def __init__(self, lo: int, hi: int | None, seconds: float | None,
                  estimate: int | None = None, ceiling: int | None = None):
         self.lo, self.hi, self.estimate, self.ceiling = lo, hi, estimate, ceiling
-        bound = f"fits at {lo}" + (f", not at {hi}" if hi else "")
+        bound = f"fits at {lo:,}" + (f", not at {hi:,}" if hi else "")
         if estimate is not None:
             bound += f"; the closed-form estimate, not replayed: {estimate:,}"
         if ceiling is not None:

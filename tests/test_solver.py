@@ -71,7 +71,7 @@ def test_time_limit_names_the_estimate_it_could_not_replay():
     assert error.hi is None and error.lo % 16384 == 0  # the start, doubled 0 or more times
     assert fits(config.replace(seq_len=error.lo), GIB80)
     assert error.estimate > 100 * 16384
-    assert f"fits at {error.lo}; the closed-form estimate, not replayed: {error.estimate:,}; " \
+    assert f"fits at {error.lo:,}; the closed-form estimate, not replayed: {error.estimate:,}; " \
         f"at most {error.ceiling:,}, past which the tensors alive at the peak alone exceed " \
         "the budget" in str(error)
     assert error.estimate < error.ceiling
@@ -165,3 +165,10 @@ def test_an_estimate_that_was_replayed_is_not_called_unreplayed():
     assert probe.unsolved().estimate is None and "estimate" not in str(probe.unsolved())
     probe.estimate = 19000
     assert probe.unsolved().estimate == 19000
+
+
+def test_an_unsolved_search_writes_its_bounds_as_the_other_figures():
+    """The bounds in thousands like the estimate and the ceiling beside them (the hour-long
+    chunked search at 80 GiB ended between these two)."""
+    message = str(Unsolved(11_587_487, 11_587_611, 3600))
+    assert message == "no exact answer within 3600 s (fits at 11,587,487, not at 11,587,611)"
