@@ -120,7 +120,7 @@ def test_free_blocks_give_the_best_fit(monkeypatch, run):
     assert keys == sorted(keys) and len(pool) == len(keys)
 
 
-def _step(allocator, rng_seed=3):
+def _step(allocator, rng_seed):
     """A step of small and large requests and frees, all freed at its end; returns the
     allocated peak and the sizes of the blocks it got, in order."""
     rng, live, blocks = random.Random(rng_seed), [], []
@@ -135,7 +135,8 @@ def _step(allocator, rng_seed=3):
     return blocks
 
 
-def test_measured_step_mirrors_the_warm_ups_small_pool():
+@pytest.mark.parametrize("seed", [3, 5, 11, 17])
+def test_measured_step_mirrors_the_warm_ups_small_pool(seed):
     """After a warm-up that freed all it allocated, a second step makes the same small-pool
     decisions: mirrored, it reserves nothing and counts the blocks a full replay counts."""
     runs = []
@@ -143,12 +144,12 @@ def test_measured_step_mirrors_the_warm_ups_small_pool():
         allocator = CachingAllocator()
         held = allocator.malloc(1000)  # an input: stays in the small pool throughout
         allocator.mark_warm_up()
-        _step(allocator)
+        _step(allocator, seed)
         reserved = allocator.reserved
         if mirror:  # else the full replay, for comparison
             assert allocator.mirror_small_pool() is True
         allocator.reset_peaks()
-        runs.append((_step(allocator), allocator.peak_allocated, allocator.peak_reserved))
+        runs.append((_step(allocator, seed), allocator.peak_allocated, allocator.peak_reserved))
         assert allocator.reserved == reserved and held.size == 1024
     assert runs[0] == runs[1]
 

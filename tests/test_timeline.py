@@ -104,3 +104,19 @@ def test_the_live_set_at_a_peak_is_kept_from_the_first_reset():
         ledger.peak_live
     ledger.reset_peak()
     assert ledger.peak_live == ()
+
+
+def test_a_small_workspace_made_in_the_warm_up_is_not_mirrored(monkeypatch):
+    """A cuBLAS workspace of 16 KiB x 8 = 131,072 B comes from the small pool and is made
+    in the warm-up only: the measured step's small requests then differ from the
+    warm-up's, the allocator sees a block the warm-up left (its premise fails) and replays
+    every decision, with the figures of a capped replay."""
+    mirrored = []
+    spy = CachingAllocator.mirror_small_pool
+    monkeypatch.setattr(CachingAllocator, "mirror_small_pool",
+                        lambda self: mirrored.append(spy(self)) or mirrored[-1])
+    config = Config(impl="naive", shape={"seq_len": 300},
+                    protocol=Protocol(cublas_workspace_config=":16:8"))
+    assert config.workspace_bytes == 16 * 1024 * 8
+    assert predict(config) == predict(config, capacity=1 << 50)
+    assert mirrored == [False, False]
