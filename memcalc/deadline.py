@@ -1,8 +1,9 @@
 """A time limit that holds inside long computations: program builds and replays.
 
 ``memcalc oom --time-limit`` must answer within its limit even when one program has
-millions of events (a chunked loop at a large length); the builders and the replay look
-at the clock every ``CHECK_EVERY`` steps through ``tick``.
+millions of events (a chunked loop at a large length); a loop's builder (per iteration)
+and the replay (per batch of events) count their steps through ``tick``, which looks at
+the clock every ``CHECK_EVERY`` steps.
 """
 
 from __future__ import annotations
