@@ -48,7 +48,7 @@ class Live:
 
     def __init__(self, item, block: Block | None):
         self.item = item
-        self.role = item.role
+        self.role = item.role  # read per name of every free; the item is immutable
         self.block = block
         # taken now: a block's size is fixed while it is allocated, not once it is freed
         self.block_bytes = block.size if block is not None else 0
