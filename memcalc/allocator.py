@@ -35,6 +35,7 @@ blocks: a chunked loop's measured step is a million small requests.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from functools import lru_cache
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -88,6 +89,13 @@ class Sizes:
         """``x >= 0``: every decision of the allocator is one of these."""
         return x >= 0
 
+    def request(self, nbytes) -> tuple | None:
+        """A request's block and whether the small pool serves it; None for 0 bytes."""
+        size = self.block(nbytes)
+        if not self.ge0(size - 1):
+            return None
+        return size, self.ge0(SMALL_SIZE - size)
+
     def key(self, size, addr):
         """What orders free blocks: by size, then address (``BlockComparatorSize``)."""
         return size, addr
@@ -106,7 +114,16 @@ class Sizes:
         return value if value > peak else peak
 
 
-INTEGERS = Sizes()
+class IntegerSizes(Sizes):
+    """Plain integers, each request's answer kept: a long loop makes a million requests of
+    a few dozen sizes."""
+
+    @lru_cache(maxsize=4096)
+    def request(self, nbytes) -> tuple | None:
+        return super().request(nbytes)
+
+
+INTEGERS = IntegerSizes()
 
 
 class OutOfMemory(Exception):
@@ -244,50 +261,50 @@ class FreeBlocks:
 
 class SmallFreeBlocks:
     """The small pool's free blocks when sizes are integers: one address-sorted list per
-    size (a multiple of 512 B up to 2 MiB, so at most 4,096 sizes) and a bit per size that
-    has a free block. The best fit is the lowest set bit at or above the request's size,
-    then that size's lowest address: the order of ``FreeBlocks``, found without comparing
-    keys. A long chunked loop leaves thousands of free small blocks of a few sizes."""
+    size and the ascending list of sizes that have a free block (a multiple of 512 B up to
+    2 MiB: at most 4,096, in practice a few dozen). The best fit is the first size at or
+    above the request's, then that size's lowest address: the order of ``FreeBlocks``,
+    found without comparing keys. A long chunked loop leaves thousands of free small
+    blocks of a few sizes."""
 
     def __init__(self):
-        self.addrs: dict[int, list[int]] = {}  # by size in units of 512 B
+        self.addrs: dict[int, list[int]] = {}  # by size
         self.blocks: dict[int, Block] = {}  # by address
-        self.sizes = 0  # bit u set: a free block of u * 512 B
+        self.sizes: list[int] = []  # the sizes that have a free block, ascending
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __iter__(self):
-        return (self.blocks[a] for u in sorted(self.addrs) for a in self.addrs[u])
+        return (self.blocks[a] for size in self.sizes for a in self.addrs[size])
 
     def add(self, block: Block) -> None:
-        unit, addr = block.size // MIN_BLOCK, block.addr
+        size, addr = block.size, block.addr
         self.blocks[addr] = block
-        addrs = self.addrs.get(unit)
+        addrs = self.addrs.get(size)
         if addrs is None:
-            self.addrs[unit] = [addr]
-            self.sizes |= 1 << unit
+            self.addrs[size] = [addr]
+            insort(self.sizes, size)
         else:
             insort(addrs, addr)
 
     def remove(self, block: Block) -> None:
-        unit, addrs = block.size // MIN_BLOCK, self.addrs[block.size // MIN_BLOCK]
+        size, addrs = block.size, self.addrs[block.size]
         del addrs[bisect_left(addrs, block.addr)], self.blocks[block.addr]
         if not addrs:
-            del self.addrs[unit]
-            self.sizes &= ~(1 << unit)
+            del self.addrs[size], self.sizes[bisect_left(self.sizes, size)]
 
     def take_best_fit(self, size: int) -> Block | None:
         """Take out the smallest free block of at least ``size``, lowest address first."""
-        larger = self.sizes >> (size // MIN_BLOCK)
-        if not larger:
+        sizes = self.sizes
+        j = bisect_left(sizes, size)
+        if j == len(sizes):
             return None
-        unit = size // MIN_BLOCK + (larger & -larger).bit_length() - 1
-        addrs = self.addrs[unit]
+        fit = sizes[j]
+        addrs = self.addrs[fit]
         block = self.blocks.pop(addrs.pop(0))
         if not addrs:
-            del self.addrs[unit]
-            self.sizes &= ~(1 << unit)
+            del self.addrs[fit], sizes[j]
         return block
 
 
@@ -361,11 +378,10 @@ class CachingAllocator:
     def _take(self, nbytes) -> Block | None:
         """The block a request gets: the best-fitting free one or a new segment's, split
         (or, mirrored, a small request's block); None for 0 bytes."""
-        sizes = self.sizes
-        size = sizes.block(nbytes)
-        if not sizes.ge0(size - 1):
+        request = self.sizes.request(nbytes)
+        if request is None:
             return None
-        small = sizes.ge0(SMALL_SIZE - size)
+        size, small = request
         if small and self._mirrored is not None:
             return self._mirror_block(nbytes, size)
         pool = self.pools[small]

@@ -21,6 +21,17 @@ def test_round_size(request_bytes, block):
     assert round_size(request_bytes) == block
 
 
+@pytest.mark.parametrize("request_bytes, answer", [
+    (0, None),  # allocates nothing
+    (1, (512, True)),  # kMinBlockSize, small pool
+    (MiB, (MiB, True)),  # kSmallSize is still small
+    (MiB + 1, (MiB + 512, False)),  # ceil((MiB + 1) / 512) * 512 > kSmallSize: large pool
+])
+def test_request_gives_block_and_pool(request_bytes, answer):
+    assert INTEGERS.request(request_bytes) == answer
+    assert INTEGERS.request(request_bytes) == answer  # the kept answer, asked again
+
+
 @pytest.mark.parametrize("block, segment", [
     (512, 2 * MiB),  # small pool: kSmallBuffer
     (MiB, 2 * MiB),  # 1 MiB is still small
