@@ -120,3 +120,15 @@ def test_a_small_workspace_made_in_the_warm_up_is_not_mirrored(monkeypatch):
     assert config.workspace_bytes == 16 * 1024 * 8
     assert predict(config) == predict(config, capacity=1 << 50)
     assert mirrored == [False, False]
+
+
+def test_reported_components_keep_their_declarations():
+    """Each saved tensor is reported with its own name and its kind's fields: p and exp_x
+    are both (8, 1, 16384, 16384) fp32 tensors, and each keeps its op."""
+    saved = {c.name: c for c in predict(Config(impl="naive")).saved}
+    exp_x, p = saved["exp_x"], saved["p"]
+    assert (exp_x.op, p.op) == ("exp", "div")
+    for c in (exp_x, p):
+        assert (c.shape, c.dtype, c.role.value, c.source) == ((8, 1, 16384, 16384), "float32",
+                                                              "saved", "")
+        assert c.nbytes == c.block_bytes == NN  # already a multiple of 512 B: its own block
