@@ -1,7 +1,7 @@
 """The engine's long cases: chunked programs, their OOM solve, compare, a 1e6 grid to 16M.
 
 Each case prints wall seconds (median of ``--repeat`` runs where cheap). Run from the
-repository root: ``python benchmarks/bench_engine.py`` (about a minute on 2 cores;
+repository root: ``python benchmarks/bench_engine.py`` (about two minutes on 2 cores;
 ``--quick`` skips N = 1e6 and shrinks the grid).
 """
 
@@ -32,19 +32,24 @@ def seconds(fn, repeat: int = 1) -> float:
     return statistics.median(runs)
 
 
-def best(fn, repeat: int) -> float:
-    """The fastest of ``repeat`` runs of ``fn()``, wall seconds: what else the machine does
-    only slows a run (single runs of the same replay here spread over +-30 %)."""
-    return min(seconds(fn) for _ in range(repeat))
+def runs(fn, repeat: int) -> list[float]:
+    """Wall seconds of each of ``repeat`` runs of ``fn()``."""
+    return [seconds(fn) for _ in range(repeat)]
 
 
-def bench_chunked(lengths: list[int], repeat: int = 3) -> None:
-    """``predict`` of linear-causal-chunked (chunks of 64) at each length, best of
-    ``repeat``."""
+def spread(times: list[float], unit: str = "s", scale: float = 1.0, digits: int = 2) -> str:
+    """"median M, best B of R": targets are medians; the best shows how much
+    of a run was the machine (single runs of the same replay here spread over +-30 %)."""
+    median, fastest = statistics.median(times) * scale, min(times) * scale
+    return f"median {median:.{digits}f} {unit}, best {fastest:.{digits}f} {unit} of {len(times)}"
+
+
+def bench_chunked(lengths: list[int], repeat: int = 5) -> None:
+    """``predict`` of linear-causal-chunked (chunks of 64) at each length, ``repeat``
+    runs."""
     for n in lengths:
         config = make_config(impl="linear-causal-chunked", seq_len=n)
-        took = best(lambda: predict(config), repeat)
-        print(f"chunked breakdown, N = {n:>9,}: {took:7.2f} s (best of {repeat})")
+        print(f"chunked breakdown, N = {n:>9,}: {spread(runs(lambda: predict(config), repeat))}")
 
 
 def bench_chunked_oom(time_limit: float) -> None:
@@ -62,21 +67,20 @@ def bench_chunked_oom(time_limit: float) -> None:
 
 def bench_cli(repeat: int) -> None:
     """``memcalc compare --seq 16384`` against ``memcalc breakdown --seq 16384``, fresh
-    processes, wall time: the best of ``repeat`` runs each, interleaved (a fresh process's
-    time only grows with what else the machine does, so the fastest is the least noisy)."""
+    processes, wall time: ``repeat`` runs each, interleaved, and the ratio of the medians."""
     def run(*argv):
         return lambda: subprocess.run([sys.executable, "-m", "memcalc.cli", *argv],
                                       capture_output=True, check=True)
 
     cases = {"breakdown": run("breakdown", "--seq", "16384"),
              "compare": run("compare", "--seq", "16384")}
-    best = dict.fromkeys(cases, float("inf"))
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):
         for name, fn in cases.items():
-            best[name] = min(best[name], seconds(fn))
-    breakdown, compare = best["breakdown"], best["compare"]
-    print(f"CLI: breakdown {breakdown:.2f} s, compare {compare:.2f} s "
-          f"({compare / breakdown:.1f}x, best of {repeat} each)")
+            times[name].append(seconds(fn))
+    ratio = statistics.median(times["compare"]) / statistics.median(times["breakdown"])
+    print(f"CLI: breakdown {spread(times['breakdown'])}; compare {spread(times['compare'])}; "
+          f"{ratio:.1f}x")
 
 
 def bench_grid(count: int) -> None:
@@ -102,24 +106,24 @@ def bench_sweep(count: int) -> None:
 
 def bench_latency() -> None:
     """``predict`` and ``memcalc.breakdown()`` at the default shape, warm, CPU time per call
-    (best of 7 x 200)."""
+    (7 batches of 200)."""
     import memcalc
 
     config = Config()
     for label, fn in [("predict(naive, B=8 H=1 N=16384 d=16 fp32)", lambda: predict(config)),
                       ("memcalc.breakdown(), the same step", memcalc.breakdown)]:
         fn()
-        best = min(_cpu(fn, 200) for _ in range(7))
-        print(f"{label}: {best * 1e3:.3f} ms CPU per call")
+        per_call = [_cpu(fn, 200) for _ in range(7)]
+        print(f"{label}: {spread(per_call, 'ms', 1e3, 3)} CPU per call")
 
 
 def bench_cli_chunked(n: int, repeat: int = 3) -> None:
     """``memcalc breakdown --impl linear-causal-chunked --seq n`` in a fresh process, wall
-    time, the table rendered to a pipe, best of ``repeat``."""
+    time, the table rendered to a pipe, ``repeat`` runs."""
     argv = [sys.executable, "-m", "memcalc.cli", "breakdown", "--impl",
             "linear-causal-chunked", "--seq", str(n)]
-    wall = best(lambda: subprocess.run(argv, capture_output=True, check=True), repeat)
-    print(f"CLI: chunked breakdown, N = {n:,}, rendered: {wall:.2f} s (best of {repeat})")
+    walls = runs(lambda: subprocess.run(argv, capture_output=True, check=True), repeat)
+    print(f"CLI: chunked breakdown, N = {n:,}, rendered: {spread(walls)}")
 
 
 def _cpu(fn, calls: int) -> float:

@@ -48,16 +48,19 @@ class Repeated:
     source = property(lambda self: self.members[0].source)
 
 
-def _kind(component) -> tuple:
+def _kind(component) -> tuple | None:
+    """What a numbered tensor shares with the others of its kind; None without a number."""
     c = component
-    return (_NUMBER.sub("#", c.name), c.op, c.role, c.dtype, c.shape, c.nbytes, c.block_bytes,
-            c.source)
+    pattern = _NUMBER.sub("#", c.name)
+    if pattern == c.name:
+        return None
+    return pattern, c.op, c.role, c.dtype, c.shape, c.nbytes, c.block_bytes, c.source
 
 
 def collapse(components) -> list:
     """The rows of a table of ``components``: each kind of at least ``FEW`` numbered tensors
     as one ``Repeated`` row where its first member was; the rest as they are."""
-    kinds = [_kind(c) if _NUMBER.search(c.name) else None for c in components]
+    kinds = [_kind(c) for c in components]
     members: dict[tuple, list] = {}
     for kind, c in zip(kinds, components):
         if kind is not None:
