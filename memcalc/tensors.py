@@ -51,6 +51,11 @@ class _TensorFields(NamedTuple):
     nbytes: int  # the requested bytes, computed once: every replay reads them
 
 
+def dense_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """The bytes of a dense tensor: ``shape x element``."""
+    return prod(shape) * ITEMSIZE[dtype]
+
+
 class Tensor(_TensorFields):
     """A tensor an implementation allocates: name, shape, dtype, role and the op; its
     requested bytes are ``shape x element`` unless ``storage_bytes`` says otherwise
@@ -61,7 +66,7 @@ class Tensor(_TensorFields):
 
     def __new__(cls, name: str, shape: tuple[int, ...], dtype: str, role: Role, op: str,
                 storage_bytes: int | None = None) -> "Tensor":
-        nbytes = prod(shape) * ITEMSIZE[dtype] if storage_bytes is None else storage_bytes
+        nbytes = dense_bytes(shape, dtype) if storage_bytes is None else storage_bytes
         return tuple.__new__(cls, (name, shape, dtype, role, op, nbytes))
 
     def replace(self, *, name: str | None = None, role: Role | None = None) -> "Tensor":
@@ -101,8 +106,11 @@ Event = Tensor | Free | Release | Cublas | Mark
 
 
 def new(name: str, shape: tuple[int, ...], dtype: str, role: Role, op: str) -> Tensor:
-    """Declare that ``op`` allocates tensor ``name``."""
-    return Tensor(name, tuple(shape), dtype, role, op)
+    """Declare that ``op`` allocates tensor ``name``. Made as ``Tensor.__new__`` makes it,
+    without calling it: a class call through a Python ``__new__`` takes longer than making
+    the tuple (a million-row chunked loop declares 600,000 tensors; 0.96 -> 0.69 us each)."""
+    shape = tuple(shape)
+    return tuple.__new__(Tensor, (name, shape, dtype, role, op, dense_bytes(shape, dtype)))
 
 
 def free(*names: str) -> Free:
@@ -117,7 +125,10 @@ def release(*names: str) -> Release:
 
 def cublas() -> Cublas:
     """The op just declared calls cuBLAS."""
-    return Cublas()
+    return _CUBLAS
+
+
+_CUBLAS = Cublas()  # a value without fields: one serves every declaration
 
 
 def last_save() -> Mark:
