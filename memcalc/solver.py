@@ -46,6 +46,12 @@ from memcalc.timeline import predict
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 SolveField = Literal["seq_len", "batch", "head_dim"]
 LIMIT = 1 << 62  # no answer above this: the sizes would not be addressable anyway
+# a loop's replay is expected to end in time only from the pace of one at least 1/REACH as
+# long: its time per event grows with the length (linear-causal-chunked: 2.8 us at 16,384
+# rows, 4.3 us at 3 million, 5.7 us capped), and a 10-million-row replay judged from
+# 16,384 rows took twice its time, past the limit
+REACH = 4
+STRETCH = 0.8  # the share of the time left a climb's step is planned to take
 
 
 class Solved(BaseModel):
@@ -118,6 +124,7 @@ class _Probe:
         self.estimate: int | None = None  # the latest closed-form guess, for Unsolved
         self.model: Quadratic | None = None  # the closed form the estimate solves
         self.per_event = 0.0  # the slowest replay so far, in seconds per event
+        self.timed = 0  # the longest value replayed and timed
         self._events: tuple[int, int] | None = None  # events at 256, and per 256 more
 
     def __call__(self, x: int) -> bool:
@@ -137,7 +144,7 @@ class _Probe:
         the replay's seconds per event steer the next ones."""
         start = time.perf_counter()
         try:
-            if not self.affordable(x):
+            if not self.affordable(x, single=timed):
                 raise TimeUp
             with deadline(self.deadline):
                 yield
@@ -146,6 +153,7 @@ class _Probe:
         if self.deadline is not None and timed:
             seconds = time.perf_counter() - start
             self.per_event = max(self.per_event, seconds / self.events_at(x))
+            self.timed = max(self.timed, x)
 
     def say(self, doing: str) -> None:
         """Tell an open status line (``memcalc.progress``) what the search does now, with
@@ -193,12 +201,30 @@ class _Probe:
         root = self.model.root(Fraction(self.budget))
         return None if root is None else int(root)
 
-    def affordable(self, x: int) -> bool:
-        """Whether a replay at ``x`` is expected to end before the deadline: the slowest
-        time per event so far times the events at ``x``."""
+    def affordable(self, x: int, single: bool = True, share: float = 1.0) -> bool:
+        """Whether a replay at ``x`` (``single``: one replay of that length; else ``x``'s
+        worth of events) is expected to end before the deadline, within ``share`` of the
+        time left: the slowest time per event so far times the events at ``x``; for a
+        loop, within ``REACH`` times the longest replay timed."""
         if self.deadline is None:
             return True
-        return self.per_event * self.events_at(x) <= self.deadline - time.perf_counter()
+        if single and self.timed and x > REACH * self.timed and self.grows():
+            return False
+        left = self.deadline - time.perf_counter()
+        return self.per_event * self.events_at(x) <= share * left
+
+    def reachable(self, lo: int, top: int) -> int:
+        """The largest value in ``(lo, top]`` whose replay is expected to take at most
+        ``STRETCH`` of the time left (a replay's pace varies by a tenth or more here), or
+        ``lo`` when none is."""
+        hi = top + 1
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if self.affordable(mid, share=STRETCH):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def events_at(self, x: int) -> int:
         """The events of the program at ``x``, extrapolated from the programs at 256 and
@@ -219,7 +245,9 @@ class _Probe:
 
     def size(self, x: int) -> int:
         """What steers the search: the reserved peak (fits) or reserved + the failed
-        segment (does not)."""
+        segment (does not), of the capped replay, or of the prediction judged at ``x``."""
+        if x not in self.known and x in self.full:
+            return self.full[x].reserved_bytes
         self(x)
         return self.known[x][1]
 
@@ -332,20 +360,36 @@ def _closed_form(probe: _Probe, n: int, field: str) -> Quadratic | None:
 
 def _climb(probe: _Probe) -> Unsolved:
     """What a search cut off by its time limit knows, improved with the time left: from the
-    largest value that fits, replay doubled values (or halve the gap to one that does
-    not) while each replay is expected to end in time. A chunked loop's estimate can be
-    millions of rows, minutes of replay; its lower bound grows in seconds."""
+    largest value that fits, step up as far as a replay is expected to end in time (up to
+    ``REACH`` times, and not past the estimate while below it), or halve the gap to one
+    that does not fit. A chunked loop's estimate can be millions of rows, minutes of
+    replay; its lower bound grows in seconds. A step is a prediction judged by ``fit``:
+    below the budget it proves a fit without a capped replay (which makes every decision
+    of the allocator again, a third slower)."""
     try:
-        for _ in range(128):  # doubling to LIMIT, then halving a gap: 62 steps each at most
+        for _ in range(128):  # steps up, then halvings; the time limit ends them first
             lo, hi = probe.bounds()
-            x = 2 * lo if hi is None else lo + (hi - lo) // 2
-            if lo == 0 or x == lo or x >= LIMIT or not probe.affordable(x):
+            if lo == 0:
                 break
-            probe(x)
+            x = probe.reachable(lo, _step_top(probe, lo, hi))
+            if x == lo:
+                break
+            probe.fit(x)
     except Unsolved:
         pass
     _estimate_again(probe)
     return probe.unsolved()
+
+
+def _step_top(probe: _Probe, lo: int, hi: int | None) -> int:
+    """Where a climb's next step may go from ``lo``: halfway to ``hi``; without one,
+    ``REACH`` times ``lo``, but not past an estimate above ``lo``."""
+    if hi is not None:
+        return lo + (hi - lo) // 2
+    top = min(REACH * lo, LIMIT - 1)
+    if probe.estimate is not None and lo < probe.estimate:
+        top = min(top, probe.estimate)
+    return top
 
 
 def _estimate_again(probe: _Probe) -> None:
@@ -356,7 +400,7 @@ def _estimate_again(probe: _Probe) -> None:
     10,956,627 from 131,072, 10,294,289 from 1,048,576 and 10,247,644 from 2,097,152 (the
     capped replays fit further, to 11.58M: ``ceiling``)."""
     lo, _ = probe.bounds()
-    if probe.model is None or probe.estimate is None or lo not in probe.known:
+    if probe.model is None or probe.estimate is None or lo not in {**probe.known, **probe.full}:
         return
     if 10 * lo >= probe.estimate:
         probe.estimate = _guess(probe, lo, probe.model) or probe.estimate

@@ -8,8 +8,8 @@ from memcalc import closed_form, progress
 from memcalc.budget import fits
 from memcalc.closed_form import live_polynomial
 from memcalc.config import Config
-from memcalc.solver import (Unsolved, _climb, _closed_form, _estimate_again, _guess, _Probe,
-                            bisect_max, max_fitting)
+from memcalc.solver import (REACH, Unsolved, _climb, _closed_form, _estimate_again, _guess,
+                            _Probe, _step_top, bisect_max, max_fitting)
 from memcalc.timeline import predict
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
@@ -62,20 +62,43 @@ def test_time_limit():
 
 def test_time_limit_names_the_estimate_it_could_not_replay():
     """The chunked loop at 80 GiB: the estimate (millions of rows) is known within a
-    second, its replay would take minutes, so it is not started; the time left doubles the
-    largest length that fits while a replay is expected to end in time. (A 3 s limit left
-    no time for the estimate once, with two other heavy processes on the machine's 2 cores.)"""
+    second, its replay would take minutes, so it is not started; the time left steps up
+    from the largest length that fits while a replay is expected to end in time. (A 3 s
+    limit left no time for the estimate once, with two other heavy processes on the
+    machine's 2 cores.)"""
     config = Config(impl="linear-causal-chunked")
     with pytest.raises(Unsolved) as caught:
         max_fitting(config, GIB80, time_limit=5)
     error = caught.value
-    assert error.hi is None and error.lo % 16384 == 0  # the start, doubled 0 or more times
+    assert error.hi is None and error.lo >= 16384  # the start, or a step up from it
     assert fits(config.replace(seq_len=error.lo), GIB80)
     assert error.estimate > 100 * 16384
     assert f"fits at {error.lo:,}; the closed-form estimate, not replayed: {error.estimate:,}; " \
         f"at most {error.ceiling:,}, past which the tensors alive at the peak alone exceed " \
         "the budget" in str(error)
     assert error.estimate < error.ceiling
+
+
+def test_a_loop_is_timed_only_near_the_lengths_replayed():
+    """A loop's time per event grows with its length, so its replay is expected to end in
+    time only within ``REACH`` times the longest one timed, however much time is left;
+    a program of constant length has no such bound."""
+    chunked = _Probe(Config(impl="linear-causal-chunked"), "seq_len", GIB80, time_limit=3600)
+    chunked.fit(1024)  # timed: 1,024 rows
+    assert chunked.affordable(REACH * 1024) and not chunked.affordable(REACH * 1024 + 1)
+    assert chunked.affordable(10 * 1024, single=False)  # a closed form's worth of events
+    naive = _Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=3600)
+    naive.fit(1024)
+    assert naive.affordable(1 << 20)
+
+
+def test_a_climb_steps_up_to_the_reach_and_not_past_the_estimate():
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    assert _step_top(probe, 1000, None) == REACH * 1000  # nothing known above
+    probe.estimate = 2500
+    assert _step_top(probe, 1000, None) == 2500  # the estimate first
+    assert _step_top(probe, 3000, None) == REACH * 3000  # past the estimate: it was low
+    assert _step_top(probe, 1000, 1301) == 1150  # halfway to a value that does not fit
 
 
 def test_the_ceiling_is_where_the_bytes_alive_at_the_peak_exceed_the_budget():
@@ -173,3 +196,14 @@ def test_an_unsolved_search_writes_its_bounds_as_the_other_figures():
     chunked search at 80 GiB ended between these two)."""
     message = str(Unsolved(11_587_487, 11_587_611, 3600))
     assert message == "no exact answer within 3600 s (fits at 11,587,487, not at 11,587,611)"
+
+
+def test_the_size_of_a_judged_prediction_needs_no_second_replay():
+    """A value judged by ``fit`` (an unbounded prediction, capped only above the budget)
+    steers the search with the figure a capped replay would give: no replay more."""
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    fitted = probe.fit(16384)  # fits, reserved peak below the budget: no capped replay
+    assert probe.evaluations == 1
+    assert probe.size(16384) == fitted.reserved_peak_bytes == probe.full[16384].reserved_bytes
+    assert probe.evaluations == 1
+    assert probe(16384) and probe.known[16384][1] == fitted.reserved_peak_bytes  # the same
