@@ -44,12 +44,13 @@ def spread(times: list[float], unit: str = "s", scale: float = 1.0, digits: int 
     return f"median {median:.{digits}f} {unit}, best {fastest:.{digits}f} {unit} of {len(times)}"
 
 
-def bench_chunked(lengths: list[int], repeat: int = 5) -> None:
-    """``predict`` of linear-causal-chunked (chunks of 64) at each length, ``repeat``
+def bench_chunked(lengths: list[int], repeat: int = 5, impl: str = "linear-causal-chunked",
+                  label: str = "chunked breakdown") -> None:
+    """``predict`` of a chunked implementation (chunks of 64) at each length, ``repeat``
     runs."""
     for n in lengths:
-        config = make_config(impl="linear-causal-chunked", seq_len=n)
-        print(f"chunked breakdown, N = {n:>9,}: {spread(runs(lambda: predict(config), repeat))}")
+        config = make_config(impl=impl, seq_len=n)
+        print(f"{label}, N = {n:>9,}: {spread(runs(lambda: predict(config), repeat))}")
 
 
 def bench_chunked_oom(time_limit: float) -> None:
@@ -145,6 +146,8 @@ def run_all(quick: bool, repeat: int = 7) -> None:
     """Every case, in order (``benchmarks/run.py`` runs them too)."""
     bench_latency()
     bench_chunked([10_000, 100_000] + ([] if quick else [1_000_000]))
+    bench_chunked([100_000 if quick else 1_000_000], 3, "checkpoint-linear-causal-chunked",
+                  "checkpointed chunked breakdown")
     if not quick:
         bench_cli_chunked(1_000_000)
     bench_chunked_oom(5.0)

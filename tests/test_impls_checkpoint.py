@@ -120,6 +120,19 @@ def test_saved_tensors_die_before_the_engines_sum_to(monkeypatch):
     assert model_steps(config) != traced_steps(config)
 
 
+def test_a_release_moves_before_the_frees_and_sums_that_end_its_node():
+    """Each release moves before the frees and ``sum`` allocations right before it, and
+    no further: not past an allocation of another op, nor past another release."""
+    from memcalc.impls.checkpoint import early_releases
+    from memcalc.tensors import Role, free, new, release
+
+    a, b = (new(n, (2,), "float32", Role.temporary, "mm") for n in "ab")
+    s = new("s", (1,), "float32", Role.temporary, "sum")
+    fx, fy, r1, r2, r3 = free("x"), free("y"), release("r1"), release("r2"), release("r3")
+    assert early_releases([a, fx, s, r1, b, r2, fy, r3]) == [a, r1, fx, s, b, r2, r3, fy]
+    assert early_releases([fx, r1, r2]) == [r1, r2, fx]  # the second stops at the first
+
+
 def test_recomputation_stops_early(monkeypatch):
     """The recomputation stops once the last saved tensor is packed again (``early_stop``):
     recomputing the whole forward, ``out = p @ v`` included, disagrees with the trace."""

@@ -118,14 +118,22 @@ def early_releases(backward: list[Event]) -> list[Event]:
     the recomputed tensor and drops its own reference, so the tensor dies when the node's
     ``apply`` returns, before those sums. Programs declare a ``sum_to`` as a ``sum`` right
     before the node's release (e.g. ``DivBackward0``'s grad of a ``(..., 1)`` divisor)."""
-    events = list(backward)
-    for j in [j for j, e in enumerate(events) if isinstance(e, Release)]:
-        i = j
-        while i > 0 and (isinstance(events[i - 1], Free) or (
-                isinstance(events[i - 1], Tensor) and events[i - 1].op == "sum")):
+    events: list[Event] = []
+    for e in backward:
+        if not isinstance(e, Release):
+            events.append(e)
+            continue
+        i = len(events)
+        while i > 0 and _precedes_release(events[i - 1]):
             i -= 1
-        events.insert(i, events.pop(j))
+        events.insert(i, e)  # a few places from the end: linear in the events (a chunked
+        # loop's backward has a release per chunk)
     return events
+
+
+def _precedes_release(e: Event) -> bool:
+    """Whether a release moves before ``e``: a free, or a node's ``sum_to``."""
+    return isinstance(e, Free) or (isinstance(e, Tensor) and e.op == "sum")
 
 
 def wrap(name: str):
