@@ -90,10 +90,15 @@ def budget_from(args):
     return Budget.of(Device(gpu=args.gpu), reserve, memory, size_note(args.reserve or ""))
 
 
+FORMATS = {"json": "print the result as JSON (every figure; bytes as integers)",
+           "csv": "print the table's rows as CSV, for a spreadsheet",
+           "markdown": "print the tables as Markdown"}
+
+
 def format_options(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    for fmt in ("json", "csv", "markdown"):
-        g.add_argument(f"--{fmt}", dest="format", action="store_const", const=fmt)
+    for fmt, help in FORMATS.items():
+        g.add_argument(f"--{fmt}", dest="format", action="store_const", const=fmt, help=help)
 
 
 def config_from(args, **overrides):

@@ -25,6 +25,15 @@ def test_breakdown_csv_and_markdown(capsys):
     assert "| saved for backward | " in md
 
 
+@pytest.mark.parametrize("command", ["breakdown", "compare", "oom", "sweep"])
+def test_help_says_what_each_output_format_prints(capsys, command):
+    from memcalc.cli import FORMATS
+
+    code, out, _ = run(capsys, command, "--help")
+    said = " ".join(out.split())  # argparse wraps the lines
+    assert code == 0 and all(f"--{f} {text}" in said for f, text in FORMATS.items())
+
+
 def test_huge_sizes_stay_exact(capsys):
     _, out, _ = run(capsys, "breakdown", "--seq", str(2**22), "--batch", "4096",
                     "--impl", "naive-softmax", "--json")
