@@ -72,6 +72,12 @@ CUDA_COMPOSITES = {op.default: _safe_softmax for op in
                    [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
 
 
+# whether a storage behind a weak reference died: ``StorageWeakRef.expired`` calls this
+# through ``TypedStorage._expired``, which looks the class up with ``eval`` on every call
+# (torch/storage.py); every op polls every live storage, thousands in a chunked loop
+_EXPIRED = torch.UntypedStorage._expired
+
+
 class Tracer(TorchDispatchMode):
     """Dispatch mode that replays a meta-device run through the allocator model."""
 
@@ -115,11 +121,11 @@ class Tracer(TorchDispatchMode):
 
     def collect_frees(self) -> None:
         """Free the blocks of every storage that died since the last op."""
-        for key, ref in list(self.refs.items()):
-            if ref.expired():
-                del self.refs[key]
-                self.ledger.free(key)
-                self.events.append(("free", key))
+        expired = _EXPIRED
+        for key in [key for key, ref in self.refs.items() if expired(ref.cdata)]:
+            del self.refs[key]
+            self.ledger.free(key)
+            self.events.append(("free", key))
 
     def _track(self, t: torch.Tensor, op: str) -> None:
         role = Role.input if op == "randn" else (
