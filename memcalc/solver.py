@@ -400,7 +400,8 @@ def _estimate_again(probe: _Probe) -> None:
     10,956,627 from 131,072, 10,294,289 from 1,048,576 and 10,247,644 from 2,097,152 (the
     capped replays fit further, to 11.58M: ``ceiling``)."""
     lo, _ = probe.bounds()
-    if probe.model is None or probe.estimate is None or lo not in {**probe.known, **probe.full}:
+    replayed = lo in probe.known or lo in probe.full
+    if probe.model is None or probe.estimate is None or not replayed:
         return
     if 10 * lo >= probe.estimate:
         probe.estimate = _guess(probe, lo, probe.model) or probe.estimate
