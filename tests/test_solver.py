@@ -207,3 +207,15 @@ def test_the_size_of_a_judged_prediction_needs_no_second_replay():
     assert probe.size(16384) == fitted.reserved_peak_bytes == probe.full[16384].reserved_bytes
     assert probe.evaluations == 1
     assert probe(16384) and probe.known[16384][1] == fitted.reserved_peak_bytes  # the same
+
+
+def test_a_climb_of_predictions_estimates_again_too():
+    """The climb steps with ``fit`` (predictions judged against the budget): the estimate
+    is taken again from the largest of those as well (naive at 80 GiB: 19,510 from
+    16,384, as from a capped replay there)."""
+    q = live_polynomial(Config(impl="naive", shape={"seq_len": 1024}), "seq_len")
+    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    probe.model, probe.estimate = q, 20951
+    assert probe.fit(16384).fits and 16384 not in probe.known
+    _estimate_again(probe)
+    assert probe.estimate == 19510
