@@ -20,6 +20,7 @@ import linecache
 import os
 import sys
 from contextlib import contextmanager
+from itertools import compress
 from typing import Callable
 
 import torch
@@ -85,6 +86,9 @@ class Tracer(TorchDispatchMode):
         super().__init__()
         self.ledger = Ledger(workspace_bytes, capacity, record=True)
         self.refs: dict[int, StorageWeakRef] = {}
+        # refs[key].cdata by key, for ``collect_frees`` to check them all in one call
+        # (the StorageWeakRef objects stay in refs: they free their handles when dropped)
+        self._handles: dict[int, int] = {}
         # ``memcalc.tracing.cuda_paths.CudaPaths`` for ``memcalc trace`` (the GPU's code
         # paths); None for validation, which checks the models of what meta runs
         self.paths = paths
@@ -121,9 +125,9 @@ class Tracer(TorchDispatchMode):
 
     def collect_frees(self) -> None:
         """Free the blocks of every storage that died since the last op."""
-        expired = _EXPIRED
-        for key in [key for key, ref in self.refs.items() if expired(ref.cdata)]:
-            del self.refs[key]
+        handles = self._handles  # thousands per op in a loop: checked without a Python loop
+        for key in list(compress(handles.keys(), map(_EXPIRED, handles.values()))):
+            del self.refs[key], handles[key]
             self.ledger.free(key)
             self.events.append(("free", key))
 
@@ -143,7 +147,8 @@ class Tracer(TorchDispatchMode):
         where, code = _where() if located else ("", "")
         name = f"{part.name} ({where})" if located else part.name
         named = part.model_copy(update={"name": name, "source": code, "nbytes": storage.nbytes()})
-        self.refs[key] = StorageWeakRef(storage)
+        self.refs[key] = ref = StorageWeakRef(storage)
+        self._handles[key] = ref.cdata
         self.ledger.alloc(key, named)
         self.events.append(("alloc", key, self.ledger.live[key].component))
 
