@@ -51,3 +51,42 @@ def test_trace_memory_does_not_depend_on_seq_len():
                          protocol=Protocol(forward_only=True)))
     # two 8 x 2^20 x 2^20 x 4 B = 32 TiB tensors (s and p) alive at once, traced on meta
     assert big.forward_peak_bytes > 2 * 8 * 2**20 * 2**20 * 4
+
+
+def test_a_storages_python_object_lives_exactly_as_long_as_the_storage():
+    """What the tracer's frees rest on: torch keeps a storage's Python object while a view
+    or autograd holds the storage, and frees it with the storage (the tracer's weak
+    reference to it then tells the death)."""
+    import weakref
+
+    import torch
+
+    died = []
+    x = torch.randn(4, 4, device="meta", requires_grad=True)
+    y = x.exp()  # ExpBackward0 saves its output
+    weakref.finalize(y.untyped_storage(), died.append, "y")
+    view = y.view(16)
+    del y
+    assert died == []  # the view holds it
+    loss = view.sum()
+    del view
+    assert died == []  # autograd holds it (saved for backward)
+    loss.backward()
+    assert died == ["y"]  # released by its node
+
+
+def test_trace_frees_the_dead_in_the_order_they_were_tracked():
+    """Several storages that die between two ops are freed in the order they were made."""
+    import torch
+
+    from memcalc.validation.emulated import Tracer
+
+    tracer = Tracer(workspace_bytes=0)
+    with tracer:
+        a, b, c = (torch.empty(256, device="meta") for _ in range(3))  # 1 KiB each
+        del c, a  # between two ops
+        torch.empty(1, device="meta")
+    frees = [e[1] for e in tracer.events if e[0] == "free"]
+    allocs = [e[1] for e in tracer.events if e[0] == "alloc"]
+    assert frees[:2] == [allocs[0], allocs[2]]  # a, then c
+    assert [e[0] for e in tracer.events[:5]] == ["alloc"] * 3 + ["free"] * 2  # at the next op
