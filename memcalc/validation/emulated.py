@@ -3,15 +3,16 @@ the caching allocator.
 
 A ``TorchDispatchMode`` sees every aten op below autograd. Each op's outputs that own a
 storage not seen before are handed to the ``Ledger`` (the same one the analytical model
-replays through); a weak reference to the storage tells when it dies (a Python ``del``,
-autograd releasing a saved tensor, a grad reset), and its block is freed before the next
-op runs. The cuBLAS workspace of a thread is allocated right after the outputs of that
+replays through); a weak reference to the storage's Python object, which torch keeps as
+long as the storage, tells when it dies (a Python ``del``, autograd releasing a saved
+tensor, a grad reset), and its block is freed before the next op runs. The cuBLAS workspace of a thread is allocated right after the outputs of that
 thread's first cuBLAS op (``getCurrentCUDABlasHandle`` runs inside the blas call, after
 the output exists: ``aten/src/ATen/cuda/CublasHandlePool.cpp``). On CUDA, backward ops run
 on the autograd engine's device thread (``torch/csrc/autograd/engine.cpp``), which gets its
 own handle and workspace; the tracer knows it is in backward from ``_current_graph_task_id``.
 
-Nothing is materialized: memory and time do not depend on seq_len.
+Nothing is materialized: memory does not depend on seq_len, and time only through the ops
+a loop runs (linear in them: a chunked loop at 65,536 rows traces in about 20 s).
 """
 
 from __future__ import annotations
