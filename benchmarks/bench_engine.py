@@ -53,6 +53,17 @@ def bench_chunked(lengths: list[int], repeat: int = 5, impl: str = "linear-causa
         print(f"{label}, N = {n:>9,}: {spread(runs(lambda: predict(config), repeat))}")
 
 
+def bench_trace_chunked(lengths: list[int]) -> None:
+    """The emulated trace (the reference code on the meta device, through the tracer) of
+    linear-causal-chunked at each length, one run: its time grows with the loop's ops."""
+    from memcalc.validation.emulated import measure
+
+    measure(make_config(impl="linear-causal-chunked", seq_len=256))  # torch's first calls
+    for n in lengths:
+        config = make_config(impl="linear-causal-chunked", seq_len=n)
+        print(f"chunked emulated trace, N = {n:>9,}: {seconds(lambda: measure(config)):.2f} s")
+
+
 def bench_chunked_oom(time_limit: float) -> None:
     """The OOM solve of linear-causal-chunked at 80 GiB, under ``time_limit``."""
     config = Config(impl="linear-causal-chunked")
@@ -150,6 +161,7 @@ def run_all(quick: bool, repeat: int = 7) -> None:
                   "checkpointed chunked breakdown")
     if not quick:
         bench_cli_chunked(1_000_000)
+    bench_trace_chunked([4096, 16384] + ([] if quick else [65536]))
     bench_chunked_oom(5.0)
     bench_cli(repeat)
     bench_sweep(100_000 if quick else 1_000_000)  # first: a cold evaluator

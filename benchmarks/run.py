@@ -9,7 +9,7 @@
 6. The engine's long cases (``bench_engine``): chunked programs at N = 1e4..1e6, their OOM
    solve under a time limit, ``compare`` against ``breakdown``, a 1e6 grid and sweep to 16M.
 
-Run from the repository root: ``python benchmarks/run.py`` (about 100 s on 2 cores;
+Run from the repository root: ``python benchmarks/run.py`` (under three minutes on 2 cores;
 ``--quick`` for smaller sweep grids).
 """
 
