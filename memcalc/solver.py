@@ -332,6 +332,7 @@ def _search(probe: _Probe, x: int, field: str) -> Solved:
                                           probe.breakdowns[x])
     previous, step = x, max(1, x // 64)  # no model: 1/64 of the start
     for _ in range(3):  # Newton-like steps on rho Q(x) = budget
+        _approach(probe, x)  # a step replays at x
         guess = probe.estimate = _guess(probe, x, q)
         if guess is None:
             break
@@ -340,8 +341,20 @@ def _search(probe: _Probe, x: int, field: str) -> Solved:
             break
         previous, x = x, guess
         step = max(1, abs(x - previous) // 8)
+    _approach(probe, x)
     lo, hi = _gallop(probe, x, step)
     return _solved(probe, _narrow(probe, lo, hi), field)
+
+
+def _approach(probe: _Probe, x: int) -> None:
+    """Before a time-limited search replays a loop at ``x``: predictions at lengths growing
+    ``REACH``-fold up to it, since a replay's pace is known only near the lengths timed
+    (each also a lower bound when it fits). Without them a loop's estimate, millions of
+    rows from a start of 16,384, could never be replayed, whatever the time limit."""
+    if probe.deadline is None or not probe.grows():
+        return
+    while probe.timed and REACH * probe.timed < x:
+        probe.fit(REACH * probe.timed)
 
 
 def _closed_form(probe: _Probe, n: int, field: str) -> Quadratic | None:

@@ -219,3 +219,12 @@ def test_a_climb_of_predictions_estimates_again_too():
     assert probe.fit(16384).fits and 16384 not in probe.known
     _estimate_again(probe)
     assert probe.estimate == 19510
+
+
+def test_a_time_limited_search_approaches_a_far_estimate():
+    """A loop started far below its estimate times replays at 4x steps up to it, then
+    searches from it: with time enough, the exact answer, as without a limit (chunked in
+    268,435,456 B: 28,672, estimated at about 28,900 from 1,024 rows)."""
+    config, budget = Config(impl="linear-causal-chunked"), 268_435_456
+    s = max_fitting(config, budget, start=1024, time_limit=600)
+    assert s.max_value == max_fitting(config, budget, start=1024).max_value == 28_672
