@@ -354,7 +354,10 @@ def _approach(probe: _Probe, x: int) -> None:
     if probe.deadline is None or not probe.grows():
         return
     while probe.timed and REACH * probe.timed < x:
-        probe.fit(REACH * probe.timed)
+        step = REACH * probe.timed
+        probe.fit(step)
+        if probe.timed < step:  # not timed (already known): no pace learnt, stop
+            return
 
 
 def _closed_form(probe: _Probe, n: int, field: str) -> Quadratic | None:
