@@ -9,7 +9,8 @@ Rules read from ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13, default confi
 * a request takes the best-fitting free block of its pool, the smallest one that is big
   enough, ties broken by address (``BlockComparatorSize``); each pool keeps its free blocks
   ordered by (size, address) and finds that block by bisection (``get_free_block``'s
-  ``lower_bound``), or, for the small pool's integer sizes, by a bit per size;
+  ``lower_bound``); for the small pool's integer sizes, a list of addresses per size and
+  a bisection over the sizes that have a free block (``SmallFreeBlocks``);
 * with no fitting block a new segment is reserved (``get_allocation_size``): 2 MiB for
   small requests, 20 MiB below 10 MiB, else the size rounded up to 2 MiB;
 * the chosen block is split when the rest is >= 512 B (small pool) or > 1 MiB (large
