@@ -111,7 +111,7 @@ class Budget(BaseModel):
     def of(cls, device: Device, reserve_bytes: int | None = None,
            memory_bytes: int | None = None, reserve_source: str = "") -> "Budget":
         """The budget of ``device`` (its preset's memory unless ``memory_bytes``)."""
-        from memcalc.gpus import MEMORY_KINDS, gpu_preset
+        from memcalc.gpus import MEMORY_KINDS
 
         spec = device.spec
         reserve = DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes
@@ -124,10 +124,9 @@ class Budget(BaseModel):
                        memory_bytes=memory_bytes, reserve_bytes=reserve,
                        memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B",
                        reserve_source=reserve_source)
-        preset = device.memory_bytes is None and device.gpu is not None
-        kind = gpu_preset(device.gpu).memory_kind if preset else "given"
         return cls(device=spec.label, memory_bytes=spec.memory_bytes, reserve_bytes=reserve,
-                   memory_source=f"{spec.name}: {spec.source}", memory_kind=MEMORY_KINDS[kind],
+                   memory_source=f"{spec.name}: {spec.source}",
+                   memory_kind=MEMORY_KINDS[spec.memory_kind],
                    reserve_source=reserve_source)
 
     def describe(self) -> str:

@@ -122,16 +122,16 @@ class Device(BaseModel):
 
     @property
     def spec(self) -> GPU:
-        """The preset, with explicit fields taking precedence."""
-        base = gpu_preset(self.gpu) if self.gpu else None
-        return GPU(
-            name=self.gpu or "custom",
-            label=base.label if base else "custom device",
-            memory_bytes=self.memory_bytes or base.memory_bytes,
-            compute_capability=self.compute_capability or base.compute_capability,
-            source=base.source if base else "given by the user",
-            sm_count=self.sm_count or (base.sm_count if base else None),
-        )
+        """The preset (under its own name, whatever the spelling given), with explicit
+        fields taking precedence; memory given by hand is of kind ``given``."""
+        given = {k: v for k, v in (("memory_bytes", self.memory_bytes),
+                                   ("compute_capability", self.compute_capability),
+                                   ("sm_count", self.sm_count)) if v is not None}
+        if self.gpu is None:
+            return GPU(name="custom", label="custom device", source="given by the user", **given)
+        if self.memory_bytes is not None:  # not the preset's figure, nor nvidia-smi's
+            given.update(memory_kind="given", smi_memory_bytes=None, smi_source="")
+        return gpu_preset(self.gpu).model_copy(update=given)
 
 
 class Config(BaseModel):

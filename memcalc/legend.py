@@ -5,7 +5,7 @@ op that allocates each is declared beside it (``Component.op``). This module add
 names of the naive family, the autograd node whose backward formula allocates the tensor
 (torch 2.13, ``tools/autograd/derivatives.yaml``: ``div.Tensor``'s grad of ``other`` is
 ``-grad * ((self / other) / other)``, which is where ``e/r``, ``e/r/r``, ``-dp`` and
-``-dp*e/r/r`` come from), and the one-line legend of the short names. Rendering only: it
+``-dp*e/r/r`` come from), and a one-line legend of the short names a table shows. Rendering only: it
 changes no figure.
 """
 
@@ -48,9 +48,16 @@ _MADE_BY = {
 
 _INPUTS = {"q", "k", "v", "grad_out"}
 
-LEGEND = ("names: s scores, m row max, e = exp_x = exp(s - m), r = row_sum, p = e / r; dX is "
-          "the grad of X; e/r, e/r/r, -dp and -dp*e/r/r are the terms of DivBackward0's grad "
-          "of r = -dp * e / r^2 (torch's derivatives.yaml)")
+# the legend's parts, each shown when the table shows any of its names
+_LEGEND_PARTS = (
+    ({"exp_x", "row_sum", "e/r", "dp/r", "de"},
+     "s scores, m row max, e = exp_x = exp(s - m), r = row_sum, p = e / r"),
+    ({"dp", "dscores", "dsm", "ds", "ds_masked", "dk_t", "dx", "-dx", "dm", "dr", "de", "dp/r"},
+     "dX is the grad of X"),
+    ({"e/r", "e/r/r", "-dp", "-dp*e/r/r"},
+     "e/r, e/r/r, -dp and -dp*e/r/r are the terms of DivBackward0's grad of r = -dp * e / r^2 "
+     "(torch's derivatives.yaml)"),
+)
 
 
 def made_by(component) -> str:
@@ -64,6 +71,7 @@ def made_by(component) -> str:
 
 
 def legend(components) -> list[str]:
-    """The legend line when the table shows any of the naive family's short names."""
+    """The legend line, of the parts that explain names the table shows (none: no line)."""
     shown = {c.name for c in components}
-    return [LEGEND] if shown & {"e/r", "-dp", "exp_x", "dp/r", "dscores"} else []
+    parts = [text for names, text in _LEGEND_PARTS if shown & names]
+    return ["names: " + "; ".join(parts)] if parts else []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from memcalc.impls import get_impl
+from memcalc.registry import Impl
 from memcalc.tensors import Tensor
 
 PROBE = 4096  # the length the growth is measured from (N = M = 4096, then 8192)
@@ -20,19 +21,21 @@ def quadratic_names(config) -> frozenset[str]:
     """Names of ``config``'s N x M tensors. Empty when the program's tensors change with
     the length (a loop over chunks): then nothing is counted as N x M."""
     d = config.dims
-    return _names(config.impl, d.replace(N=PROBE, M=PROBE))
+    return _names(get_impl(config.impl), d.replace(N=PROBE, M=PROBE))
 
 
 @lru_cache(maxsize=256)
-def _names(impl: str, d) -> frozenset[str]:
+def _names(impl: Impl, d) -> frozenset[str]:
+    """Keyed by the registered implementation, not its name: a function traced again is
+    registered anew under the same name (``Impl.program`` keys its cache the same way)."""
     small, large = _tensors(impl, d), _tensors(impl, d.replace(N=2 * d.N, M=2 * d.M))
     if [t.name for t in small] != [t.name for t in large]:
         return frozenset()
     return frozenset(a.name for a, b in zip(small, large) if 0 < 3 * a.nbytes <= b.nbytes)
 
 
-def _tensors(impl: str, d) -> list[Tensor]:
-    program = get_impl(impl).program(d)
+def _tensors(impl: Impl, d) -> list[Tensor]:
+    program = impl.program(d)
     return [e for e in (*program.forward, *program.backward) if isinstance(e, Tensor)]
 
 

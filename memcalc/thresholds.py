@@ -19,14 +19,14 @@ from memcalc.errors import one_line
 from memcalc.impls import impl_names
 from memcalc.render import Column, Table
 from memcalc.solver import SolveField, Solved, Unsolved, events_growth, max_fitting, program_events
-from memcalc.units import GiB, _fixed
+from memcalc.units import GiB, fixed
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 def gib(nbytes: int) -> str:
     """``nbytes`` in GiB with two decimals."""
-    return _fixed(nbytes, GiB, 2)
+    return fixed(nbytes, GiB, 2)
 
 
 class Skipped(BaseModel):
@@ -61,7 +61,7 @@ def _number(q: Fraction) -> str:
     """A coefficient: the integer, or its decimal rounded to 0.01 (exactly, half up)."""
     if q.denominator == 1:
         return f"{q.numerator:,}"
-    return ("-" if q < 0 else "") + _fixed(abs(q.numerator), q.denominator, 2)
+    return fixed(q.numerator, q.denominator, 2)
 
 
 def _formula(r) -> str:

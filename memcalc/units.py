@@ -7,27 +7,35 @@ from memcalc.allocator import KiB, MiB
 GiB = 1024 * MiB
 
 
-def _fixed(numerator: int, denominator: int, places: int) -> str:
-    """``numerator / denominator`` rounded half up to ``places`` decimals, exactly."""
+def fixed(numerator: int, denominator: int, places: int) -> str:
+    """``numerator / denominator`` (``denominator > 0``) to ``places`` decimals, exactly:
+    its magnitude rounded half up, then its sign (``-0.50``, not ``-1.50``: a floor
+    division would round a negative value away from zero)."""
+    sign = "-" if numerator < 0 else ""
     scale = 10**places
-    q = (numerator * scale * 2 + denominator) // (denominator * 2)
+    q = (abs(numerator) * scale * 2 + denominator) // (denominator * 2)
     whole, frac = divmod(q, scale)
-    return f"{whole:,}.{frac:0{places}d}" if places else f"{whole:,}"
+    return sign + (f"{whole:,}.{frac:0{places}d}" if places else f"{whole:,}")
 
 
 def mib(nbytes: int) -> str:
     """``nbytes`` in MiB with two decimals: ``8,192.00``."""
-    return _fixed(nbytes, MiB, 2)
+    return fixed(nbytes, MiB, 2)
 
 
 def human(nbytes: int) -> str:
-    """The largest binary unit that keeps the figure >= 1: ``7.50 GiB``, ``512 B``."""
+    """The largest binary unit that keeps the figure, as shown, at least 1: ``7.50 GiB``,
+    ``512 B``. A figure that rounds up to the next unit is shown in it (1,048,575 B is
+    ``1.00 MiB``, not ``1,024.00 KiB``); bytes below 1 KiB stay exact. A negative figure
+    (a difference) is shown as its magnitude, signed."""
+    magnitude = abs(nbytes)
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if nbytes >= size:
-            return f"{_fixed(nbytes, size, 2)} {unit}"
+        # ``fixed(magnitude, size, 2)`` is at least 1.00 from 199/200 of the unit on
+        if 200 * magnitude >= 199 * size and (size > KiB or magnitude >= KiB):
+            return f"{fixed(nbytes, size, 2)} {unit}"
     return f"{nbytes} B"
 
 
 def share(part: int, whole: int) -> str:
     """``part / whole`` as a percentage with one decimal."""
-    return f"{_fixed(part * 100, whole, 1)}%" if whole else "-"
+    return f"{fixed(part * 100, whole, 1)}%" if whole else "-"

@@ -36,6 +36,23 @@ def test_explicit_device():
         Device(gpu=None, memory_bytes=10**10)
 
 
+def test_a_preset_spec_is_the_preset_under_its_own_name():
+    """Any spelling of a preset names the preset; its figures and their kind stay
+    (memcalc/data/gpus.json: h100-80gb's 84,938,850,304 B is torch's total capacity)."""
+    spec = Device(gpu="H100_80GB").spec
+    assert (spec.name, spec.memory_bytes, spec.memory_kind) == ("h100-80gb", 84_938_850_304, "torch")
+    assert spec.smi_memory_bytes == 85_520_809_984  # nvidia-smi's total: 81,559 x 2^20 B
+
+
+def test_explicit_fields_override_the_preset_and_memory_is_then_given():
+    spec = Device(gpu="a100-80gb", memory_bytes=10**10, sm_count=100).spec
+    assert (spec.name, spec.memory_bytes, spec.sm_count) == ("a100-80gb", 10**10, 100)
+    assert (spec.memory_kind, spec.smi_memory_bytes, spec.compute_capability) == (
+        "given", None, (8, 0))  # the preset's compute capability stays
+    custom = Device(gpu=None, memory_bytes=10**10, compute_capability=(8, 6)).spec
+    assert (custom.name, custom.memory_kind, custom.sm_count) == ("custom", "given", None)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"impl": "nope"}, {"shape": {"seq_len": 0}}, {"shape": {"head_dim": -1}},
     {"dtype": "fp64"}, {"device": {"gpu": "v100"}}, {"protocol": {"loss": "mean"}},
