@@ -16,7 +16,8 @@ import numpy as np
 from memcalc.allocator import CachingAllocator, Sizes, round_segment, round_size
 from memcalc.forms import ZERO, Form, _simplify, constant
 from memcalc.symbolic import Sym, evaluate_sym
-from memcalc.timeline import Ledger, Live, replay
+from memcalc.tensors import Tensor
+from memcalc.timeline import Ledger, Live, input_tensors, replay
 
 @dataclass
 class Group:
@@ -30,6 +31,21 @@ class Group:
     nbytes: dict[int, Any]  # id(tensor event) -> its size expression
     paths: list[Path] = field(default_factory=list)
     by_signature: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, impl, d, symbolic: frozenset[str]) -> "Group":
+        """``impl``'s program over ``d`` (some sizes ``Sym`` placeholders), with its distinct
+        symbolic sizes in the order they are first declared, the inputs' first."""
+        program = impl.build(d)
+        sizes: dict[tuple, Sym] = {}
+        each: dict[int, Any] = {}
+        for t in (*input_tensors(d), *program.forward, *program.backward):
+            if isinstance(t, Tensor):
+                nbytes = each[id(t)] = t.nbytes
+                if isinstance(nbytes, Sym):
+                    sizes.setdefault(nbytes.key, nbytes)
+        return cls(d, program, symbolic, list(sizes.values()),
+                   {k: i for i, k in enumerate(sizes)}, each)
 
 
 class FormSizes(Sizes):
@@ -200,6 +216,8 @@ def record(group: "Group", env: dict, workspace_bytes: int, quadratic: frozenset
     guards = _simplify(list(rec.sizes.guards.values()), classes)
     alloc_f, floor_f, quad_f = (list(x) for x in zip(*forward))
     alloc_b, floor_b, quad_b = (list(x) for x in zip(*backward))
+    # no capacity, so nothing is released: reserved memory only grows, and its final count
+    # is the reserved peak (a form; the recording sizes keep no peaks, ``Sizes.top``)
     reserved = rec.allocator.reserved
     blocks = [guards, [saved], [reserved], alloc_f, alloc_b, floor_f + floor_b, quad_f, quad_b]
     atoms = sorted({a for forms in blocks for f in forms for a in f.terms})

@@ -27,7 +27,7 @@ from memcalc.budget import Budget, fit
 from memcalc.breakdown import Result
 from memcalc.config import Config
 from memcalc.render import Column, Table
-from memcalc.units import _fixed, human, mib, share
+from memcalc.units import fixed, human, mib, share
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 Figure = Literal["peak", "saved", "reserved", "forward", "backward"]
@@ -64,20 +64,21 @@ class SweepRow(BaseModel):
     @property
     def growth(self) -> Fraction:
         """This row's peak over the first row's of its series."""
-        return Fraction(self.peak_bytes, self.first_peak_bytes) if self.first_peak_bytes else Fraction(0)
+        return growth(self.peak_bytes, self.first_peak_bytes)
 
     @property
     def series(self) -> tuple:
         return self.impl, self.dtype, self.batch, self.heads, self.head_dim
 
 
+def growth(peak: int, first: int) -> Fraction:
+    """A peak over its series' first, exactly (0 where the first is 0: a table of toys)."""
+    return Fraction(peak, first) if first else Fraction(0)
+
+
 def _growth(r: SweepRow) -> str:
     g = r.growth
-    return f"x{_fixed(g.numerator, g.denominator, 2)}" if g.denominator else "-"
-
-
-def _mark(budget: Budget):
-    return lambda r: "fits" if r.fits else "OOM"
+    return f"x{fixed(g.numerator, g.denominator, 2)}"
 
 
 class Sweep(Result):
@@ -129,7 +130,7 @@ class Sweep(Result):
             Column("x first", _growth, "right", drop=3),
             Column("N^2 share", lambda r: share(r.quadratic_bytes, r.peak_bytes), "right",
                    drop=4),
-            Column("OOM?", _mark(self.budget)),
+            Column("OOM?", lambda r: "fits" if r.fits else "OOM"),
         ]
 
     def title(self) -> str:
@@ -190,8 +191,9 @@ class Sweep(Result):
         return Table(None, cols, self.rows)
 
     def headline(self) -> str:
-        fit, n = sum(self.columns["fits"]), len(self)
-        return (f"{n} configuration{'s' * (n != 1)} ({', '.join(self.axes['impl'])}), {fit} fit "
+        fitting, n = sum(self.columns["fits"]), len(self)
+        impls = ", ".join(self.axes["impl"])
+        return (f"{n} configuration{'s' * (n != 1)} ({impls}), {fitting} fit "
                 f"{human(self.budget.budget_bytes)}")
 
     def records(self) -> list[dict]:
@@ -204,7 +206,7 @@ class Sweep(Result):
         peaks = [max(f, b) for f, b in zip(c["forward_peak_bytes"], c["backward_peak_bytes"])]
         names = [k for k in c if k != "first_peak_bytes"]
         rows = [{**dict(zip(names, values)), "peak_bytes": peak,
-                 "growth": str(Fraction(peak, first) if first else Fraction(0))}
+                 "growth": str(growth(peak, first))}
                 for values, peak, first in zip(zip(*(c[k] for k in names)), peaks,
                                                c["first_peak_bytes"])]
         return {"budget_bytes": self.budget.budget_bytes,

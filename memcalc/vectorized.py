@@ -82,8 +82,6 @@ from memcalc.impls import get_impl
 from memcalc.quadratic import quadratic_names
 from memcalc.recorder import Group as _Group, Path, record
 from memcalc.symbolic import SizeDependent, Sym, bound_sym, evaluate_sym  # noqa: F401
-from memcalc.tensors import Tensor
-from memcalc.timeline import input_tensors
 
 AXES = ("batch", "heads", "seq_len", "head_dim", "kv_len", "kv_heads")
 """The shape fields a grid can vary (``Shape``'s fields)."""
@@ -364,17 +362,7 @@ class Evaluator:
                     for name, v in leaves.items()}
             d = _dims(self.base, dims)
             try:
-                program = self.impl.build(d)
-                inputs = input_tensors(d)
-                sizes: dict[tuple, Sym] = {}
-                each: dict[int, Any] = {}
-                for t in (*inputs, *program.forward, *program.backward):
-                    if isinstance(t, Tensor):
-                        nbytes = each[id(t)] = t.nbytes
-                        if isinstance(nbytes, Sym):
-                            sizes.setdefault(nbytes.key, nbytes)
-                self.groups[key] = _Group(d, program, symbolic, list(sizes.values()),
-                                          {k: i for i, k in enumerate(sizes)}, each)
+                self.groups[key] = _Group.build(self.impl, d, symbolic)
             except SizeDependent as error:
                 self.groups[key] = error
             except Exception:  # noqa: BLE001 - a placeholder used as a number

@@ -145,7 +145,7 @@ def test_lists_trace_and_validate_at_every_width(capsys, monkeypatch, width, tmp
 
 def test_narrow_tables_fall_back_to_blocks_not_cuts():
     """Below the width of the essential columns, each row becomes a block of pairs."""
-    from memcalc.render import Column, Table, fitted
+    from memcalc.render import Column, Table
     from memcalc.breakdown import Result
 
     class Wide(Result):

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from memcalc.gpus import GPU
 from memcalc.tracing import cudnn, sdpa_select
-from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, MATH, Call, Flags, Release
+from memcalc.tracing.sdpa_select import MATH, Call, Flags, Release
 
 
 @dataclass(frozen=True)

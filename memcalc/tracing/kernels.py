@@ -21,7 +21,7 @@ import torch
 from memcalc.impls import sdpa_efficient, sdpa_flash
 from memcalc.tensors import Dims, Free, Release, Role, Tensor
 from memcalc.tracing import cudnn
-from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
+from memcalc.tracing.sdpa_select import EFFICIENT, FLASH, Call
 
 
 def dims_of(call: Call, gpu) -> Dims:

@@ -22,7 +22,7 @@ from typing import Callable
 
 from memcalc.config import Config, DType, Shape
 from memcalc.errors import one_line
-from memcalc.validation.compare import case_key
+from memcalc.validation.compare import Check, case_key
 
 LIVE_GRID = Path(__file__).resolve().parents[1] / "data" / "live.json"
 KINDS = ("oom-threshold", "fused", "usercode", "grid")
@@ -150,7 +150,7 @@ def all_cases(kinds: tuple[str, ...], grid_configs: list[Config], env: dict[str,
     return [c for c in cases if impls is None or c.config.impl in impls]
 
 
-def run_case(case: Case, gpu) -> "Check":
+def run_case(case: Case, gpu) -> Check:
     """The three columns of ``case``: model, emulated trace and the live run on ``gpu``
     (``cuda.LiveGpu``). An OOM is an outcome; any other failure of the run is recorded as
     an error and the run goes on. Where the live figures differ from the emulated ones, or

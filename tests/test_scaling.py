@@ -1,0 +1,241 @@
+"""The ``Sweep`` of ``memcalc.scaling``: series, growth, layouts, widths, exports and skips."""
+
+import io
+from fractions import Fraction
+
+import pytest
+from rich.console import Console
+
+from memcalc.budget import Budget
+from memcalc.config import make_config
+from memcalc.render import text
+from memcalc.scaling import sweep
+from memcalc.tensors import Program, Role, free, new, release
+
+MiB = 1 << 20
+TOY, LINEAR, PICKY, BROKEN = ("test-scaling-toy", "test-scaling-linear", "test-scaling-picky",
+                              "test-scaling-broken")
+
+# Figures of the toys, B = H = 1, fp32, by hand. Inputs q, k, v, grad_out and out are
+# (1, 1, N, d): 4 N d B each; s is (1, 1, N, N): 4 N^2 B. Every size below is a multiple of
+# 512 B, so each block is its request. TOY's peak is inputs + out + s = 20 N d + 4 N^2, in
+# the forward and again at the backward's start (the release of s).
+#   d = 16, N =  256: 5 x 16,384 + 262,144 = 344,064 (336 KiB)
+#   d = 16, N =  512: 5 x 32,768 + 1,048,576 = 1,212,416 (1,184 KiB)
+#   d = 16, N = 1024: 5 x 65,536 + 4,194,304 = 4,521,984 (4,416 KiB)
+#   d = 32, N =  256: 5 x 32,768 + 262,144 = 425,984
+#   d = 32, N =  512: 5 x 65,536 + 1,048,576 = 1,376,256
+#   d = 32, N = 1024: 5 x 131,072 + 4,194,304 = 4,849,664
+# Reserved: up to N = 512 every block is small (<= 1 MiB) and they total at most 1,376,256 B:
+# one 2 MiB segment. At N = 1024 s (4 MiB) takes a 20 MiB segment too: 22 MiB.
+# BUDGET is 3 MiB: the N = 1024 rows do not fit (their live blocks alone exceed it).
+BUDGET = Budget(device="test GPU", memory_bytes=4 * MiB, reserve_bytes=MiB)
+BUDGET_LINE = ("budget 3,145,728 B (3.00 MiB) = test GPU 4,194,304 B - reserve 1,048,576 B "
+               "(1.00 MiB, CUDA context)")
+
+
+def toy(d):
+    """``s = q @ k^T``, saved for backward; ``out``; backward releases ``s``."""
+    return Program((new("s", (d.B, d.H, d.N, d.M), d.dtype, Role.saved, "mm"),
+                    new("out", (d.B, d.H, d.N, d.D), d.dtype, Role.output, "mm"), free("s")),
+                   (release("s"),))
+
+
+def linear(d):
+    """``out`` only: peak 5 x 4 N d B, nothing saved, nothing N x N."""
+    return Program((new("out", (d.B, d.H, d.N, d.D), d.dtype, Role.output, "mm"),), ())
+
+
+def picky(d):
+    if d.dtype != "float32":
+        raise ValueError(f"{PICKY}: fp32 only")
+    return toy(d)
+
+
+def broken(d):
+    raise RuntimeError("a bug in the model\nsecond line")
+
+
+@pytest.fixture
+def toys(scratch_register):
+    for name, build in ((TOY, toy), (LINEAR, linear), (PICKY, picky), (BROKEN, broken)):
+        scratch_register(name, build.__doc__ or name, build)
+
+
+def base(**options):
+    return make_config(**{"impl": TOY, "batch": 1, "heads": 1, "head_dim": 16, **options})
+
+
+def test_growth_is_against_the_first_given_length_of_each_series(toys):
+    """Series are (impl, dtype, batch, heads, head_dim); the first length is the first given,
+    here the longer one, not the shortest."""
+    s = sweep(base(), BUDGET, seq_len=(512, 256), head_dim=(16, 32))
+    rows = [(r.head_dim, r.seq_len, r.peak_bytes, r.first_peak_bytes, r.growth) for r in s.rows]
+    assert rows == [
+        (16, 512, 1_212_416, 1_212_416, 1),
+        (16, 256, 344_064, 1_212_416, Fraction(21, 74)),  # 344,064 / 1,212,416: both / 16,384
+        (32, 512, 1_376_256, 1_376_256, 1),
+        (32, 256, 425_984, 1_376_256, Fraction(13, 42)),  # 425,984 / 1,376,256: both / 32,768
+    ]
+    assert s.rows[3].series == (TOY, "fp32", 1, 1, 32)
+    table = s.tables()[0]
+    at = [c.header for c in table.columns].index("x first")
+    growth = [cells[at] for cells in table.cells()]
+    assert growth == ["x1.00", "x0.28", "x1.00", "x0.31"]  # 21/74 = 0.2837..., 13/42 = 0.3095...
+
+
+def test_title_names_the_fixed_axes_the_flags_and_the_budget(toys):
+    head = "memory scaling with sequence length: "
+    one = sweep(base(), BUDGET, seq_len=(256,))
+    assert one.title() == (head + f"impl={TOY} dtype=fp32 batch=1 heads=1 head_dim=16\n"
+                           + BUDGET_LINE)
+    varied = sweep(base(causal=True, forward_only=True), BUDGET, seq_len=(256,),
+                   head_dim=(16, 32), impls=(TOY, LINEAR))
+    assert varied.title() == head + "dtype=fp32 batch=1 heads=1 causal forward-only\n" + BUDGET_LINE
+
+
+def test_long_columns_show_the_axes_that_vary_and_the_unit(toys):
+    one = sweep(base(), BUDGET, seq_len=(256,))
+    assert [c.header for c in one.long_columns()] == [
+        "seq_len", "peak (MiB)", "saved (MiB)", "reserved (MiB)", "x first", "N^2 share", "OOM?"]
+    many = sweep(base(), BUDGET, seq_len=(256,), head_dim=(16, 32), batch=(1, 2),
+                 impls=(TOY, LINEAR), unit="bytes")
+    columns = many.long_columns()
+    assert [c.header for c in columns] == [
+        "impl", "batch", "seq_len", "head_dim", "peak (bytes)", "saved (bytes)",
+        "reserved (bytes)", "x first", "N^2 share", "OOM?"]
+    # the first row: TOY, batch 1, N = 256, d = 16; s is 262,144 / 344,064 = 76.19...% of it
+    assert [c.cell(many.rows[0]) for c in columns] == [
+        TOY, 1, 256, 16, 344_064, 262_144, 2 * MiB, "x1.00", "76.2%", "fits"]
+
+
+# the N = 1024 row of sweep(seq_len=(256, 512, 1024)) at d = 16, MiB: peak 4,416 KiB =
+# 4.3125 MiB -> 4.31; saved s = 4.00; reserved 22.00; growth 4,416 / 336 = 92/7 = 13.142...;
+# N^2 share 4,096 / 4,416 = 92.75...%; OOM. Column widths (the longest cell or header
+# word): seq_len 7, peak 5 ("(MiB)"), saved 5, reserved 8, x first 6 ("x13.14"), N^2 share
+# 5, OOM? 4: 40, plus 2 between each of the 7 columns = 52. Narrower, the secondary columns
+# go in rank order: N^2 share (45 left), x first (37), saved (30), reserved (20).
+FULL = ["1024", "4.31", "4.00", "22.00", "x13.14", "92.8%", "OOM"]
+
+
+@pytest.mark.parametrize("width, shown", [
+    (120, FULL), (80, FULL), (60, FULL), (52, FULL),
+    (51, ["1024", "4.31", "4.00", "22.00", "x13.14", "OOM"]),
+    (44, ["1024", "4.31", "4.00", "22.00", "OOM"]),
+    (36, ["1024", "4.31", "22.00", "OOM"]),
+    (29, ["1024", "4.31", "OOM"]),
+])
+def test_long_table_at_each_width_drops_secondary_columns_in_rank_order(toys, width, shown):
+    s = sweep(base(), BUDGET, seq_len=(256, 512, 1024))
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(s)
+    out = console.export_text()
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= width
+    assert [line.split() for line in lines if line.split()[:1] == ["1024"]] == [shown]
+    rows = [line.split()[0] for line in lines if line.split()[:1] in (["256"], ["512"])]
+    assert rows == ["256", "512"]
+
+
+def test_piped_text_is_plain_with_title_rows_and_notes(toys):
+    s = sweep(base(), BUDGET, seq_len=(256, 512, 1024))
+    out = text(s, width=200)  # what print() and a pipe get: no terminal, no colour
+    assert "\x1b" not in out
+    lines = out.splitlines()
+    assert lines[:2] == [f"memory scaling with sequence length: impl={TOY} dtype=fp32 batch=1 "
+                         "heads=1 head_dim=16", BUDGET_LINE]
+    rows = [line.split() for line in lines if line.split()[:1] in (["256"], ["512"], ["1024"])]
+    assert rows == [
+        # 336 KiB = 0.328 MiB; 0.25; 2.00; s 256 / 336 = 76.19%
+        ["256", "0.33", "0.25", "2.00", "x1.00", "76.2%", "fits"],
+        # 1,184 KiB = 1.15625 MiB, half up 1.16; growth 74/21 = 3.523...; 1,024 / 1,184 = 86.49%
+        ["512", "1.16", "1.00", "2.00", "x3.52", "86.5%", "fits"],
+        FULL,
+    ]
+    assert lines[-1] == (f"caveat: {TOY} modelled from PyTorch's CUDA kernel sources, not traced; "
+                         "the allocator model follows PyTorch's source and is not yet checked on "
+                         "a GPU.")
+
+
+def test_pivot_tables_one_per_series_group_lengths_sorted_oom_marked(toys):
+    s = sweep(base(), BUDGET, seq_len=(1024, 256, 512), head_dim=(32, 16), impls=(TOY, LINEAR),
+              pivot="peak", unit="bytes")
+    tables = s.tables()
+    assert [t.title for t in tables] == [
+        f"Peak, max_memory_allocated (bytes): {TOY} fp32 batch=1 heads=1",
+        f"Peak, max_memory_allocated (bytes): {LINEAR} fp32 batch=1 heads=1"]
+    assert [c.header for c in tables[0].columns] == ["seq_len \\ head_dim", "32", "16"]
+    assert tables[0].cells() == [["256", "425984", "344064"],
+                                 ["512", "1376256", "1212416"],
+                                 ["1024", "4849664 OOM", "4521984 OOM"]]
+    # LINEAR: q, k, v, grad_out, out = 20 N d B; all in one 2 MiB segment: every row fits
+    assert tables[1].cells() == [["256", "163840", "81920"],  # 20 x 256 x 32, 20 x 256 x 16
+                                 ["512", "327680", "163840"],
+                                 ["1024", "655360", "327680"]]
+    saved = s.model_copy(update={"pivot": "saved", "unit": "MiB"}).tables()[0]
+    assert saved.title == f"Saved for backward (MiB): {TOY} fp32 batch=1 heads=1"
+    # s: 4 N^2 = 0.25, 1 and 4 MiB whatever d is
+    assert saved.cells() == [["256", "0.25", "0.25"], ["512", "1.00", "1.00"],
+                             ["1024", "4.00 OOM", "4.00 OOM"]]
+
+
+def test_csv_json_and_records_keep_bytes_and_the_exact_growth_whatever_the_layout(toys):
+    s = sweep(base(), BUDGET, seq_len=(512, 256), pivot="saved")  # MiB and a pivot: not in CSV
+    assert s.to_csv() == (
+        "impl,dtype,batch,heads,seq_len,head_dim,peak_bytes,saved_bytes,forward_peak_bytes,"
+        "backward_peak_bytes,reserved_peak_bytes,quadratic_bytes,growth,fits\n"
+        f"{TOY},fp32,1,1,512,16,1212416,1048576,1212416,1212416,2097152,1048576,1,True\n"
+        f"{TOY},fp32,1,1,256,16,344064,262144,344064,344064,2097152,262144,21/74,True\n")
+    data = s.to_dict()
+    assert data["budget_bytes"] == 3 * MiB  # 4 MiB - 1 MiB
+    assert data["axes"] == {"impl": [TOY], "dtype": ["fp32"], "batch": [1], "heads": [1],
+                            "head_dim": [16], "seq_len": [512, 256]}
+    assert data["rows"][1] == {
+        "impl": TOY, "dtype": "fp32", "batch": 1, "heads": 1, "seq_len": 256, "head_dim": 16,
+        "saved_bytes": 262_144, "forward_peak_bytes": 344_064, "backward_peak_bytes": 344_064,
+        "reserved_peak_bytes": 2 * MiB, "quadratic_bytes": 262_144, "fits": True,
+        "peak_bytes": 344_064, "growth": "21/74"}
+    assert [r["growth"] for r in s.records()] == [1.0, 21 / 74]  # the fraction as a float
+
+
+def test_headline_counts_configurations_and_those_that_fit(toys):
+    assert sweep(base(), BUDGET, seq_len=(256, 512, 1024)).headline() == (
+        f"3 configurations ({TOY}), 2 fit 3.00 MiB")  # N = 1024 reserves 22 MiB
+    assert sweep(base(), BUDGET, seq_len=(256,), impls=(TOY, LINEAR)).headline() == (
+        f"2 configurations ({TOY}, {LINEAR}), 2 fit 3.00 MiB")
+    assert sweep(base(), BUDGET, seq_len=(1024,)).headline() == (
+        f"1 configuration ({TOY}), 0 fit 3.00 MiB")
+
+
+def test_a_model_that_refuses_or_breaks_is_skipped_unless_it_is_the_only_one(toys):
+    s = sweep(base(), BUDGET, seq_len=(256,), impls=(PICKY, BROKEN), dtypes=("fp32", "bf16"))
+    assert s.skipped == ((f"{PICKY} bf16", f"{PICKY}: fp32 only"),
+                         (f"{BROKEN} fp32", "the model raised RuntimeError: a bug in the model"),
+                         (f"{BROKEN} bf16", "the model raised RuntimeError: a bug in the model"))
+    assert [(r.impl, r.dtype) for r in s.rows] == [(PICKY, "fp32")]
+    raised = "the model raised RuntimeError: a bug in the model"  # its first line only
+    assert s.footnotes()[1:4] == [f"{PICKY} bf16: skipped, {PICKY}: fp32 only",
+                                  f"{BROKEN} fp32: skipped, {raised}",
+                                  f"{BROKEN} bf16: skipped, {raised}"]
+    with pytest.raises(ValueError, match="fp32 only"):
+        sweep(base(impl=PICKY), BUDGET, seq_len=(256,), dtypes=("bf16",))
+
+
+def test_progress_wraps_the_loop_only_over_several_series(toys):
+    calls = []
+
+    def progress(items, total, description):
+        calls.append((list(items), total, description))
+        return items
+
+    sweep(base(), BUDGET, seq_len=(256,), progress=progress)
+    assert calls == []  # one implementation and dtype: nothing to show
+    sweep(base(), BUDGET, seq_len=(256,), impls=(TOY, LINEAR), dtypes=("fp32", "fp16"),
+          progress=progress)
+    assert calls == [([(TOY, "fp32"), (TOY, "fp16"), (LINEAR, "fp32"), (LINEAR, "fp16")], 4,
+                      "sweep")]
+
+
+def test_an_axis_given_no_values_is_refused(toys):
+    with pytest.raises(ValueError, match="^seq_len: no values$"):
+        sweep(base(), BUDGET, seq_len=())
