@@ -184,8 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130  # the shell's status for a process stopped by Ctrl-C (128 + SIGINT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``memcalc argv``; the exit status (2 and one stderr line on bad input)."""
+    """Run ``memcalc argv``; the exit status (2 and one stderr line on bad input; 130 and
+    one line on Ctrl-C, which long replays invite)."""
     from pydantic import ValidationError
 
     from memcalc.errors import FLAGS, one_line
@@ -194,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return commands()[args.command].run(args)
+    except KeyboardInterrupt:
+        print("memcalc: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except UsageError as error:
         print(f"memcalc: error: {suggest_option(str(error), argv)}", file=sys.stderr)
         return 2

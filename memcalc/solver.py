@@ -97,7 +97,8 @@ class Unsolved(Exception):
     """The solver ran out of time; what it knows so far."""
 
     def __init__(self, lo: int, hi: int | None, seconds: float | None,
-                 estimate: int | None = None, ceiling: int | None = None):
+                 estimate: int | None = None, ceiling: int | None = None,
+                 stopped_after: float | None = None):
         self.lo, self.hi, self.estimate, self.ceiling = lo, hi, estimate, ceiling
         bound = f"fits at {lo:,}" + (f", not at {hi:,}" if hi else "")
         if estimate is not None:
@@ -106,7 +107,18 @@ class Unsolved(Exception):
             bound += (f"; at most {ceiling:,}, past which the tensors alive at the peak alone "
                       f"exceed the budget")
         within = f" within {seconds:g} s" if seconds is not None else ""
+        if stopped_after is not None:
+            within = f": interrupted after {stopped_after:.0f} s"
         super().__init__(f"no exact answer{within} ({bound})")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a search: still a ``KeyboardInterrupt``, with what the search knew
+    (``known``, an ``Unsolved``): a command can show it before it stops."""
+
+    def __init__(self, known: Unsolved):
+        super().__init__(str(known))
+        self.known = known
 
 
 class _Probe:
@@ -119,7 +131,8 @@ class _Probe:
         self.full: dict[int, Fit] = {}
         self.breakdowns: dict = {}
         self.evaluations = 0
-        self.deadline = None if time_limit is None else time.perf_counter() + time_limit
+        self.started = time.perf_counter()
+        self.deadline = None if time_limit is None else self.started + time_limit
         self.time_limit = time_limit
         self.estimate: int | None = None  # the latest closed-form guess, for Unsolved
         self.model: Quadratic | None = None  # the closed form the estimate solves
@@ -187,6 +200,12 @@ class _Probe:
         if ceiling is not None and (ceiling <= max(lo, estimate or 0) or hi and hi <= ceiling):
             ceiling = None
         return Unsolved(lo, hi, self.time_limit, estimate, ceiling)
+
+    def interrupted(self) -> Interrupted:
+        """What is known when Ctrl-C stops the search, and after how long."""
+        known = self.unsolved()
+        return Interrupted(Unsolved(known.lo, known.hi, None, known.estimate, known.ceiling,
+                                    stopped_after=time.perf_counter() - self.started))
 
     def ceiling(self) -> int | None:
         """The largest value at which the exact closed form of the bytes alive at the peak
@@ -317,9 +336,12 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
     probe = _Probe(config, field, budget_bytes, time_limit)
     x = start or getattr(config.shape, field)
     try:
-        return _search(probe, x, field)
-    except Unsolved:
-        raise _climb(probe) from None
+        try:
+            return _search(probe, x, field)
+        except Unsolved:
+            raise _climb(probe) from None
+    except KeyboardInterrupt:
+        raise probe.interrupted() from None
 
 
 def _search(probe: _Probe, x: int, field: str) -> Solved:

@@ -18,7 +18,8 @@ from memcalc.config import Config
 from memcalc.errors import one_line
 from memcalc.impls import impl_names
 from memcalc.render import Column, Table
-from memcalc.solver import SolveField, Solved, Unsolved, events_growth, max_fitting, program_events
+from memcalc.solver import (Interrupted, SolveField, Solved, Unsolved, events_growth, max_fitting,
+                            program_events)
 from memcalc.units import GiB, fixed
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -120,7 +121,8 @@ class OomReport(Result):
                 f"{self.budget.describe()}")
 
     def tables(self) -> list[Table]:
-        return [Table(self.title(), _columns(self.field), self.results)]
+        """The thresholds' table; none when nothing was solved (each skip says why)."""
+        return [Table(self.title(), _columns(self.field), self.results)] if self.results else []
 
     def csv_table(self) -> Table:
         return Table(None, _byte_columns(self.field), self.results)
@@ -129,6 +131,9 @@ class OomReport(Result):
         from memcalc.render_results import caveats
 
         s = SYMBOL[self.field]
+        skips = [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
+        if not self.results:  # no table: its title is the first note
+            return [*self.title().split("\n"), *skips, *caveats([])]
         lines = [f"fits: replaying the step with capacity = budget raises no OOM; reserved at "
                  f"{s}: the reserved peak of that replay (the allocator releases its cached free "
                  f"segments and retries before failing); needs at {s}+1: reserved + the segment "
@@ -138,8 +143,7 @@ class OomReport(Result):
                  "why, the raw bytes of the tensors alive at the peak (before rounding to "
                  "blocks):"]
         lines += [f"  {r.impl}: {_formula(r)}" for r in self.results]
-        lines += [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
-        return lines + caveats([r.impl for r in self.results])
+        return lines + skips + caveats([r.impl for r in self.results])
 
     def headline(self) -> str:
         s = SYMBOL[self.field]
@@ -185,6 +189,15 @@ def _too_big(config: Config, field: str) -> str | None:
     return None
 
 
+class PartialReport(KeyboardInterrupt):
+    """Ctrl-C during ``solve``: still a ``KeyboardInterrupt``, with the report of what was
+    solved, and what the interrupted search knew (``report``), for a command to show."""
+
+    def __init__(self, report: OomReport):
+        super().__init__("interrupted")
+        self.report = report
+
+
 def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
           impls: Iterable[str] | None = None, time_limit: float | None = None,
           solver: Callable[..., Solved] = max_fitting) -> OomReport:
@@ -204,6 +217,11 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
             if reason is None:
                 results.append(solver(config, budget.budget_bytes, field, time_limit=time_limit))
                 continue
+        except Interrupted as stop:
+            skipped.append(Skipped(impl=name, reason=str(stop.known)))
+            raise PartialReport(OomReport(budget=budget, field=field, base=base,
+                                          results=tuple(results), skipped=tuple(skipped))
+                                ) from None
         except Unsolved as error:
             reason = f"{error}; raise the time limit (--time-limit, time_limit=)"
         except ValueError as error:  # pydantic's ValidationError is one

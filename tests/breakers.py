@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import memcalc.solver
+
 from memcalc.impls import IMPLS
 from memcalc.tensors import Tensor
 
@@ -18,3 +20,22 @@ def row_sum_as_int64(monkeypatch) -> None:
         return type(program)(tuple(map(fix, program.forward)), program.backward)
 
     monkeypatch.setitem(IMPLS, "naive", dataclasses.replace(IMPLS["naive"], build=broken))
+
+
+def interrupt_after(monkeypatch, impl: str, replays: int) -> None:
+    """Ctrl-C in ``impl``'s search, at the replay after ``replays`` of them (the solver's
+    predictions and capped replays)."""
+    count = [0]
+
+    def counted(real):
+        def replay(config, *args, **kwargs):
+            if config.impl == impl:
+                count[0] += 1
+                if count[0] > replays:
+                    raise KeyboardInterrupt
+            return real(config, *args, **kwargs)
+        return replay
+
+    monkeypatch.setattr(memcalc.solver, "predict", counted(memcalc.solver.predict))
+    monkeypatch.setattr(memcalc.solver, "replay_within", counted(memcalc.solver.replay_within))
+

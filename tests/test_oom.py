@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from breakers import interrupt_after
 from cli_helpers import assert_refused, run
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
@@ -60,3 +61,27 @@ def test_oom_and_sweep_import_no_torch():
             "('torch', 'matplotlib', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_ctrl_c_prints_what_is_known_then_one_line_and_exit_130(capsys, monkeypatch):
+    """Interrupted in the second implementation's search: the first's row, the second's
+    bounds so far, then "interrupted" on stderr, no traceback, the shell's 130 (128 + SIGINT)."""
+    interrupt_after(monkeypatch, "naive-softmax", 1)
+    code, out, err = run(capsys, "oom", "--gpu-gb", "80", "--impl", "naive,naive-softmax",
+                         "--json")
+    assert (code, err) == (130, "memcalc: interrupted\n")
+    data = json.loads(out)
+    assert [r["impl"] for r in data["results"]] == ["naive"]
+    assert data["results"][0]["max_seq_len"] == 19511
+    (skipped,) = data["skipped"]
+    assert skipped["impl"] == "naive-softmax" and "interrupted after" in skipped["reason"]
+
+
+def test_ctrl_c_elsewhere_is_one_line_and_exit_130(capsys, monkeypatch):
+    from memcalc.commands import breakdown
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(breakdown, "run", interrupted)
+    assert run(capsys, "breakdown") == (130, "", "memcalc: interrupted\n")

@@ -8,9 +8,10 @@ from memcalc import closed_form, progress
 from memcalc.budget import fits
 from memcalc.closed_form import live_polynomial
 from memcalc.config import Config
-from memcalc.solver import (REACH, Unsolved, _climb, _closed_form, _estimate_again, _guess,
-                            _Probe, _step_top, bisect_max, max_fitting)
+from memcalc.solver import (REACH, Interrupted, Unsolved, _climb, _closed_form, _estimate_again,
+                            _guess, _Probe, _step_top, bisect_max, max_fitting)
 from memcalc.timeline import predict
+from breakers import interrupt_after
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
 
@@ -228,3 +229,14 @@ def test_a_time_limited_search_approaches_a_far_estimate():
     config, budget = Config(impl="linear-causal-chunked"), 268_435_456
     s = max_fitting(config, budget, start=1024, time_limit=600)
     assert s.max_value == max_fitting(config, budget, start=1024).max_value == 28_672
+
+
+def test_ctrl_c_stops_a_search_with_what_it_knows(monkeypatch):
+    """Still a KeyboardInterrupt, carrying the bounds: the search's first replay, at the
+    configuration's 16,384 rows, fits (reserved peak 60,228,108,288 B <= 85,362,475,008)."""
+    interrupt_after(monkeypatch, "naive", 1)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        max_fitting(Config(impl="naive"), GIB80, time_limit=600)
+    known = caught.value.known
+    assert isinstance(caught.value, Interrupted) and (known.lo, known.hi) == (16384, None)
+    assert re.match(r"no exact answer: interrupted after \d+ s \(fits at 16,384", str(known))

@@ -6,7 +6,8 @@ import pytest
 
 from memcalc.budget import Budget
 from memcalc.config import Config, Device
-from memcalc.thresholds import solve
+from memcalc.thresholds import PartialReport, solve
+from breakers import interrupt_after
 from toy_programs import one_event_pair_per_64_rows
 
 
@@ -57,3 +58,36 @@ def test_the_api_has_the_commands_time_limit():
     assert skipped.reason.endswith("raise the time limit (--time-limit, time_limit=)")
     with pytest.raises(ValueError, match="time_limit: must be positive"):
         memcalc.oom(time_limit=0)
+
+
+def test_ctrl_c_keeps_the_implementations_solved_before_it(monkeypatch):
+    """Interrupted in naive-softmax's search, after naive's: naive's row stays, and
+    naive-softmax is listed with what its search knew (its first replay, at 16,384 rows,
+    fits). Still a KeyboardInterrupt for a caller that does not look."""
+    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    interrupt_after(monkeypatch, "naive-softmax", 1)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        solve(Config(), budget, impls=["naive", "naive-softmax"])
+    report = caught.value.report
+    assert isinstance(caught.value, PartialReport)
+    assert [r.impl for r in report.results] == ["naive"] and report.results[0].max_value == 19511
+    (skipped,) = report.skipped
+    assert skipped.impl == "naive-softmax"
+    assert skipped.reason.startswith("no exact answer: interrupted after ")
+    assert "(fits at 16,384" in skipped.reason
+
+
+def test_a_report_with_nothing_solved_shows_its_question_and_the_reasons():
+    """No empty table, no explanation of its columns: the title, then why each is skipped."""
+    from memcalc.render import text
+    from memcalc.thresholds import OomReport, Skipped
+
+    budget = Budget(device="test", memory_bytes=8 * 2**20, reserve_bytes=0)  # 8 MiB
+    report = OomReport(budget=budget, field="seq_len", base=Config(), results=(),
+                       skipped=(Skipped(impl="naive", reason="no exact answer (fits at 1)"),))
+    assert report.tables() == []
+    lines = text(report, 200).splitlines()
+    assert lines[0] == "largest seq_len that fits, B=8 H=1 d=16 fp32"
+    assert lines[1].startswith("budget 8,388,608 B (8.00 MiB) = test 8,388,608 B")
+    assert lines[2] == "naive: skipped, no exact answer (fits at 1)"
+    assert not any(line.startswith(("fits:", "why")) for line in lines)

@@ -25,15 +25,19 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from memcalc.progress import status
-    from memcalc.thresholds import solve
+    from memcalc.thresholds import PartialReport, solve
 
     field = SOLVE.get(args.solve)
     if field is None:
         raise ValueError(f"--solve: {args.solve!r} is not seq, batch or head-dim")
     impls = _impls(args)
     base = config_from(args, impl=impls[0] if impls else "naive")
-    with status(f"solving {field}"):  # a chunked loop's search replays for a minute
-        report = solve(base, budget_from(args), field, impls, args.time_limit)
+    try:
+        with status(f"solving {field}"):  # a chunked loop's search replays for a minute
+            report = solve(base, budget_from(args), field, impls, args.time_limit)
+    except PartialReport as stop:  # Ctrl-C: what is known so far, then "interrupted"
+        emit(stop.report, args.format)
+        raise
     emit(report, args.format)
     return 0
 
