@@ -34,6 +34,16 @@ def test_help_says_what_each_output_format_prints(capsys, command):
     assert code == 0 and all(f"--{f} {text}" in said for f, text in FORMATS.items())
 
 
+def test_every_option_of_every_command_has_help():
+    from memcalc.cli import build_parser
+
+    (commands,) = build_parser()._subparsers._group_actions
+    silent = [f"{name} {action.option_strings or action.dest}"
+              for name, parser in commands.choices.items() for action in parser._actions
+              if not action.help]
+    assert silent == []
+
+
 def test_huge_sizes_stay_exact(capsys):
     _, out, _ = run(capsys, "breakdown", "--seq", str(2**22), "--batch", "4096",
                     "--impl", "naive-softmax", "--json")

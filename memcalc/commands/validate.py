@@ -10,7 +10,10 @@ KINDS = ("oom-threshold", "fused", "usercode", "grid")  # memcalc.validation.cas
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--backend", default="emulated", choices=["emulated", "cuda"])
+    parser.add_argument("--backend", default="emulated", choices=["emulated", "cuda"],
+                        help="emulated (default): each step traced on PyTorch's meta device, "
+                             "here; cuda: run on this machine's GPU and compared with "
+                             "torch.cuda's own counters")
     impl_option(parser)
     parser.add_argument("--grid", default=None, help="grid file (default: the shipped grids)")
     parser.add_argument("--out", default=None,
