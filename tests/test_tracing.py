@@ -81,6 +81,24 @@ def test_bad_targets_are_one_line(tmp_path, capsys, target, message):
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
+def test_a_target_without_its_function_names_what_the_file_defines(tmp_path, capsys):
+    """Read without running the file (it would print ``ran``): its public top-level
+    functions and classes; a misspelt name gets the closest (imports are not offered)."""
+    (tmp_path / "user.py").write_text(
+        "import math\nfrom fractions import Fraction\nprint('ran')\n"
+        "def attention(q, k, v):\n    return q\n"
+        "def _helper(q):\n    return q\n"
+        "class Block:\n    pass\n")
+    assert main(["trace", f"{tmp_path}/user.py"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith(
+        "expected FILE.py:FUNCTION or MODULE:FUNCTION; user.py defines attention, Block\n")
+    assert main(["trace", f"{tmp_path}/user.py:atention"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("has no function 'atention' (did you mean 'attention'?); it defines "
+                        "attention, Block\n")
+
+
 def test_oom_trace_agrees_with_direct_traces(capsys):
     """``memcalc oom --trace``: the step traced directly fits at max_seq_len and not one
     row later, with the allocator model capped at the budget."""

@@ -48,17 +48,48 @@ def load_function(spec: str) -> Callable:
     """``path/to/file.py:fn`` or ``package.module:fn``: import exactly that, return ``fn``."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
-        raise TraceError(f"--trace {spec}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
+        raise TraceError(f"--trace {spec}: expected FILE.py:FUNCTION or MODULE:FUNCTION"
+                         f"{_defines(Path(spec.rstrip(':')))}")
     module = _import(target, spec)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise TraceError(f"--trace {spec}: {target} has no function {name!r}")
+        from memcalc.names import did_you_mean
+
+        known = _callables(module)
+        raise TraceError(f"--trace {spec}: {target} has no function {name!r}"
+                         f"{did_you_mean(name, known)}{_listing('it', known)}")
     if _is_module_class(fn):
         from memcalc.tracing.state import instantiate
 
         fn = instantiate(fn, spec)
     _check_signature(fn, spec)
     return fn
+
+
+def _callables(module) -> list[str]:
+    """The functions and classes ``module`` defines itself (not those it imports)."""
+    return [k for k, v in vars(module).items() if not k.startswith("_") and callable(v)
+            and getattr(v, "__module__", None) == module.__name__]
+
+
+def _defines(path: Path) -> str:
+    """``; x.py defines f, g`` for a Python file named without ``:FUNCTION``, read without
+    running it (its top-level functions and classes); else ``""``."""
+    import ast
+
+    if path.suffix != ".py" or not path.is_file():
+        return ""
+    try:
+        tree = ast.parse(path.read_text())
+    except (SyntaxError, ValueError, OSError):
+        return ""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return _listing(path.name, [n.name for n in tree.body
+                                if isinstance(n, kinds) and not n.name.startswith("_")])
+
+
+def _listing(where: str, names: list[str]) -> str:
+    return f"; {where} defines {', '.join(names)}" if names else ""
 
 
 def _is_module_class(obj) -> bool:
@@ -80,7 +111,7 @@ def _import(target: str, spec: str):
             module_spec.loader.exec_module(module)
             return module
         return importlib.import_module(target)
-    except TraceError:
+    except (TraceError, KeyboardInterrupt):
         raise
     except BaseException as error:  # the user's module may raise anything, SystemExit too
         raise TraceError(f"--trace {spec}: importing {target} failed: "
