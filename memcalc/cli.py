@@ -28,13 +28,30 @@ class _Parser(argparse.ArgumentParser):
 DTYPE_HELP = "fp32, fp16 or bf16; also float32, float16/half, bfloat16 (default fp32)"
 
 
+def whole(text: str) -> int:
+    """A size option's value: ``16384``, ``1_000_000``, or a whole number in exponent
+    notation (``1e6``, ``2.5e3``), read exactly. Zero and negatives pass here: the
+    configuration refuses them with the field's allowed range."""
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        value = Decimal(str(text).strip())
+    except InvalidOperation:
+        value = None
+    if value is None or not value.is_finite() or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (1024, 1_000_000 "
+                                         f"or 1e6)")
+    return int(value)
+
+
+
 def shape_options(p: argparse.ArgumentParser, impls: str = "one") -> None:
     """The options that make a ``Config``; defaults are the benchmark's shape.
     ``impls="many"``: ``--impl`` takes a list (``impl_option``)."""
-    p.add_argument("--seq", type=int, default=16384, help="sequence length N (default 16384)")
-    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    p.add_argument("--heads", type=int, default=1, help="attention heads (default 1)")
-    p.add_argument("--head-dim", type=int, default=16, help="head dimension d (default 16)")
+    p.add_argument("--seq", type=whole, default=16384, help="sequence length N (default 16384)")
+    p.add_argument("--batch", type=whole, default=8, help="batch size (default 8)")
+    p.add_argument("--heads", type=whole, default=1, help="attention heads (default 1)")
+    p.add_argument("--head-dim", type=whole, default=16, help="head dimension d (default 16)")
     p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
     if impls == "many":
         impl_option(p)
@@ -58,10 +75,10 @@ def impl_option(p: argparse.ArgumentParser, default: str | None = None,
 
 def step_options(p: argparse.ArgumentParser) -> None:
     """The single-valued options besides the sizes (``memcalc sweep`` lists the sizes)."""
-    p.add_argument("--kv-len", type=int, default=None, help="key/value length (default: --seq)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA; default: --heads)")
+    p.add_argument("--kv-len", type=whole, default=None, help="key/value length (default: --seq)")
+    p.add_argument("--kv-heads", type=whole, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--causal", action="store_true", help="causal mask")
-    p.add_argument("--chunk", type=int, default=64, help="chunk length of chunked implementations")
+    p.add_argument("--chunk", type=whole, default=64, help="chunk length of chunked implementations")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset (memcalc gpus)")
     p.add_argument("--loss", default="grad", help="grad: out.backward(grad_out); sum: out.sum()")
     p.add_argument("--forward-only", action="store_true", help="inference under no_grad")

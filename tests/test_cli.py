@@ -51,10 +51,24 @@ def test_huge_sizes_stay_exact(capsys):
     assert json.loads(out)["saved_bytes"] == 2**58
 
 
+def test_sizes_may_be_written_in_exponent_notation(capsys):
+    """``--seq 1e3`` is 1,000 rows exactly (flash2 at N = 1000 holds no N x N tensor, so
+    the peak is small); ``2.5e1`` is 25; so are the lists and ranges of ``sweep``."""
+    _, out, _ = run(capsys, "breakdown", "--seq", "1e3", "--batch", "2.5e1", "--impl", "flash2",
+                    "--json")
+    assert (json.loads(out)["config"]["shape"]["seq_len"],
+            json.loads(out)["config"]["shape"]["batch"]) == (1000, 25)
+    _, out, _ = run(capsys, "sweep", "--seq", "1e3:3e3:1e3,4_096", "--impl", "flash2", "--csv")
+    assert [row.split(",")[4] for row in out.splitlines()[1:]] == ["1000", "2000", "3000", "4096"]
+
+
 @pytest.mark.parametrize("argv, field", [
     (["--seq", "0"], "--seq"),
     (["--batch", "-2"], "--batch"),
     (["--seq", "1.5"], "--seq"),
+    (["--seq", "1.5e0"], "--seq"),
+    (["--seq", "inf"], "--seq"),
+    (["--chunk", "1e-3"], "--chunk"),
     (["--head-dim", "x"], "--head-dim"),
     (["--impl", "flashy"], "--impl"),
     (["--dtype", "fp8"], "--dtype"),

@@ -1,7 +1,9 @@
 """``memcalc sweep``: scaling tables, every figure over a grid of shapes."""
 
+from argparse import ArgumentTypeError
+
 from memcalc.cli import (DTYPE_HELP, budget_options, check_output, format_options, impl_option,
-                         naming, step_options)
+                         naming, step_options, whole)
 
 HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
 
@@ -13,15 +15,15 @@ def int_list(text: str, option: str) -> list[int]:
         bits = part.strip().split(":")
         try:
             if len(bits) == 1:
-                values.append(int(bits[0]))
+                values.append(whole(bits[0]))
             elif len(bits) == 3:
-                start, stop, step = (int(b) for b in bits)
+                start, stop, step = (whole(b) for b in bits)
                 if step < 1 or stop < start:
                     raise ValueError
                 values += range(start, stop + 1, step)
             else:
                 raise ValueError
-        except ValueError:
+        except (ValueError, ArgumentTypeError):
             raise ValueError(f"{option}: {text!r} is not a comma-separated list of positive "
                              f"integers (or start:stop:step ranges)") from None
     if not values or min(values) < 1 or max(values) >= 2**62:
