@@ -44,7 +44,6 @@ def whole(text: str) -> int:
     return int(value)
 
 
-
 def shape_options(p: argparse.ArgumentParser, impls: str = "one") -> None:
     """The options that make a ``Config``; defaults are the benchmark's shape.
     ``impls="many"``: ``--impl`` takes a list (``impl_option``)."""

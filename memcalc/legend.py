@@ -5,8 +5,8 @@ op that allocates each is declared beside it (``Component.op``). This module add
 names of the naive family, the autograd node whose backward formula allocates the tensor
 (torch 2.13, ``tools/autograd/derivatives.yaml``: ``div.Tensor``'s grad of ``other`` is
 ``-grad * ((self / other) / other)``, which is where ``e/r``, ``e/r/r``, ``-dp`` and
-``-dp*e/r/r`` come from), and a one-line legend of the short names a table shows. Rendering only: it
-changes no figure.
+``-dp*e/r/r`` come from), and a one-line legend of the short names a table shows.
+Rendering only: it changes no figure.
 """
 
 from __future__ import annotations

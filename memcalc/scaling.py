@@ -72,7 +72,8 @@ class SweepRow(BaseModel):
 
 
 def growth(peak: int, first: int) -> Fraction:
-    """A peak over its series' first, exactly (0 where the first is 0: a table of toys)."""
+    """A peak over its series' first, exactly (0 where the first is 0: a program that
+    allocates nothing)."""
     return Fraction(peak, first) if first else Fraction(0)
 
 
