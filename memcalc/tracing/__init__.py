@@ -176,7 +176,7 @@ def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
     if budget is not None:
         replay = lambda capacity: _measure(fn, config, options, capacity)  # noqa: E731
         checked = dict(budget=budget, fit=fit(config, budget.budget_bytes, result, replay))
-    return Traced(breakdown=result, gpu=config.device.spec.label,
+    return Traced(breakdown=result, gpu=config.device.spec.label, cuda_paths=options.cuda,
                   notes=tuple(paths.notes) if paths else (), **checked)
 
 

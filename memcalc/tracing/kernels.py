@@ -161,6 +161,11 @@ class _Node(torch.autograd.Function):
 
 def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
     """Run the fused ``backend`` on ``(q, k, v)`` as memcalc models it."""
+    if call.v[-1] != call.q[-1]:  # efficient and cuDNN (192/128) take it: their outputs
+        # are v's width, and memcalc's programs have one head dim
+        raise ValueError(f"scaled_dot_product_attention: a value head dim ({call.v[-1]}) "
+                         f"unlike the query's ({call.q[-1]}) is not modelled for the "
+                         f"{backend} backend")
     d = dims_of(call, paths.gpu)
     if backend == EFFICIENT:
         sdpa_efficient.check(d, sdpa_flash.gpu_of(d))

@@ -14,11 +14,14 @@ class Traced(Result):
     budget: Budget | None = None
     fit: Fit | None = None
     gpu: str = ""
+    cuda_paths: bool = True  # False: the meta device's own code paths (--meta-paths)
     notes: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        lines = [f"traced as on {self.gpu}: "
-                 "CUDA code paths emulated (memcalc README, 'Your own attention code')"]
+        lines = [f"traced as on {self.gpu}: CUDA code paths emulated (memcalc README, "
+                 "'Your own attention code')" if self.cuda_paths else
+                 f"traced on the meta device's own code paths (--meta-paths), not the CUDA "
+                 f"paths of {self.gpu}"]
         lines += [f"- {n}" for n in self.notes]
         if self.budget is not None:
             lines += [self.budget.describe(), self.fit.describe()]
@@ -47,4 +50,5 @@ class Traced(Result):
         if self.budget is not None:
             extra = {"budget_bytes": self.budget.budget_bytes, "fits": self.fit.fits,
                      "budget": self.budget.model_dump(mode="json"), "fit": self.fit.to_dict()}
-        return {**self.breakdown.to_dict(), "gpu": self.gpu, "notes": list(self.notes), **extra}
+        return {**self.breakdown.to_dict(), "gpu": self.gpu, "cuda_paths": self.cuda_paths,
+                "notes": list(self.notes), **extra}

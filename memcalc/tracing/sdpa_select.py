@@ -76,7 +76,9 @@ class Choice:
 def prefer_cudnn(cc: tuple[int, int], release: Release, env=os.environ) -> bool:
     """``check_prefer_cudnn_attention``: cuDNN first on compute capability 9.x/10.x with
     cuDNN > 9.15.0 (on CUDA < 13 only minor 0 or 3), unless TORCH_CUDNN_SDPA_DEPRIORITIZED."""
-    if env.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").upper() in ("1", "ON", "TRUE", "YES", "Y"):
+    # read with c10::utils::check_env (c10/util/env.cpp): "1" is true, "0" false, anything
+    # else ignored with a warning
+    if env.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
         return False
     major, minor = cc
     minor_ok = release.cuda_major >= 13 or minor in (0, 3)

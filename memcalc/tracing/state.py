@@ -3,8 +3,9 @@ plain function's module-level tensors and modules, whether made at import or at
 construction (nanoGPT's causal ``bias`` buffer is made in ``__init__``, often at import).
 
 They exist before the step, so they count in every figure from the start, in their own
-roles (``parameter``, ``buffer``). Modules found on the CPU are moved to the meta device
-(``module.to("meta")``), so that the step can run there; CPU tensors that are not in a
+roles (``parameter``, ``buffer``; a module-level ``nn.Parameter`` is a parameter). Modules
+found on the CPU are moved to the meta device, tied weights kept tied, so that the step can
+run there; CPU tensors that are not in a
 module are the user's data on the host and are not device memory.
 """
 
@@ -22,7 +23,6 @@ Resident = tuple[str, object, Role]  # (name, tensor, role)
 def instantiate(cls, spec: str):
     """``cls()`` built on the meta device (its parameters and buffers never materialize)."""
     import torch
-
 
     try:
         with torch.device("meta"):
@@ -45,15 +45,28 @@ def resident(fn: Callable) -> tuple[Resident, ...]:
         if isinstance(value, torch.nn.Module):
             found += _module_state(f"{name}.", _on_meta(value))
         elif isinstance(value, torch.Tensor) and value.device.type == "meta":
-            found.append((name, value, Role.buffer))
+            # a module-level nn.Parameter is a parameter: its grad is cleared between steps
+            role = Role.parameter if isinstance(value, torch.nn.Parameter) else Role.buffer
+            found.append((name, value, role))
     return _dedupe(found)
 
 
 def _on_meta(module):
-    """The module with its state on the meta device (moved there when it is not)."""
+    """The module with its state on the meta device (moved there when it is not). Moved by
+    swapping each tensor in place (``torch.__future__.set_swap_module_params_on_conversion``):
+    a plain ``module.to("meta")`` makes a new parameter per module that holds it
+    (``Module._apply``: a CPU tensor cannot take a meta one's data), which unties tied
+    weights, and the trace would then count one weight, and one grad, per module."""
+    import torch
+
     tensors = list(module.parameters()) + list(module.buffers())
     if any(t.device.type != "meta" for t in tensors):
-        module.to("meta")
+        swapping = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            module.to("meta")
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swapping)
     return module
 
 

@@ -1,0 +1,184 @@
+"""What a traced function keeps resident: a module's state, a function's module-level tensors."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from memcalc.tensors import Role  # noqa: E402
+from memcalc.tracing import TraceError, load_function  # noqa: E402
+from memcalc.tracing.state import instantiate, resident  # noqa: E402
+
+
+def listed(state) -> list[tuple]:
+    """``(name, role, shape, device, bytes)`` of each resident tensor; the bytes are its
+    storage's, what the tracer counts."""
+    return [(name, role, tuple(t.shape), t.device.type, t.untyped_storage().nbytes())
+            for name, t, role in state]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+        self.register_buffer("mask", torch.ones(1, 1, 8, 8))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+        self.cache = torch.zeros(5)  # a plain attribute, not registered: not the module's state
+
+    def forward(self, q, k, v):
+        return q
+
+
+BLOCK_STATE = [
+    ("proj.weight", Role.parameter, (8, 4), "meta", 128),  # 8 x 4 x 4 B
+    ("proj.bias", Role.parameter, (8,), "meta", 32),  # 8 x 4 B
+    ("mask", Role.buffer, (1, 1, 8, 8), "meta", 256),  # 1 x 1 x 8 x 8 x 4 B
+    ("scratch", Role.buffer, (3,), "meta", 12),  # 3 x 4 B, non-persistent: resident too
+]
+
+
+def test_a_modules_parameters_then_buffers_are_resident_in_their_roles():
+    with torch.device("meta"):
+        block = Block()
+    assert listed(resident(block)) == BLOCK_STATE
+
+
+def on_the_cpu():
+    return Block()
+
+
+def one_buffer_on_the_cpu():
+    with torch.device("meta"):
+        block = Block()
+    block.register_buffer("host", torch.ones(2))
+    return block
+
+
+@pytest.mark.parametrize("build", [on_the_cpu, one_buffer_on_the_cpu])
+def test_a_module_with_state_off_the_meta_device_is_moved_there_whole(build):
+    """The user's module itself is moved (``module.to("meta")``), so that its step runs on
+    the meta device; one tensor on the CPU is enough."""
+    block = build()
+    state = listed(resident(block))
+    host = [("host", Role.buffer, (2,), "meta", 8)]  # 2 x 4 B
+    assert state == BLOCK_STATE + (host if build is one_buffer_on_the_cpu else [])
+    assert {t.device.type for t in [*block.parameters(), *block.buffers()]} == {"meta"}
+
+
+def write_module(tmp_path, body: str):
+    path = tmp_path / "user_state.py"
+    path.write_text("import torch\nfrom torch import nn\n" + body
+                    + "def attn(q, k, v):\n    return q\n")
+    fn = load_function(f"{path}:attn")
+    return fn, fn.__globals__
+
+
+def test_a_functions_globals_count_meta_tensors_and_modules_not_host_data(tmp_path):
+    """Module-level meta tensors are buffers, module-level modules (moved to meta) bring
+    their parameters; a CPU tensor is the user's data on the host, not device memory."""
+    fn, module = write_module(tmp_path, (
+        "TABLE = torch.empty(2, 3, device='meta')\n"
+        "HOST = torch.ones(4)\n"
+        "proj = nn.Linear(2, 2)\n"
+        "Layer = nn.Linear\n"
+        "SCALE = 0.5\n"))
+    assert listed(resident(fn)) == [
+        ("TABLE", Role.buffer, (2, 3), "meta", 24),  # 2 x 3 x 4 B
+        ("proj.weight", Role.parameter, (2, 2), "meta", 16),  # 2 x 2 x 4 B
+        ("proj.bias", Role.parameter, (2,), "meta", 8)]  # 2 x 4 B
+    assert module["HOST"].device.type == "cpu" and module["proj"].weight.device.type == "meta"
+
+
+def test_each_storage_counts_once_under_its_first_name(tmp_path):
+    """A view of a module-level tensor, a module under a second name and a module's own
+    weight bound to a name all share storages that are already counted."""
+    fn, _ = write_module(tmp_path, (
+        "TABLE = torch.empty(4, 4, device='meta')\n"
+        "ROW = TABLE[1]\n"
+        "proj = nn.Linear(2, 2, bias=False, device='meta')\n"
+        "alias = proj\n"
+        "WEIGHT = proj.weight\n"))
+    assert listed(resident(fn)) == [
+        ("TABLE", Role.buffer, (4, 4), "meta", 64),  # 4 x 4 x 4 B, ROW's storage too
+        ("proj.weight", Role.parameter, (2, 2), "meta", 16)]  # 2 x 2 x 4 B, once
+
+
+class Tied(nn.Module):
+    """A language model's embedding and output head sharing one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(1024, 1024, bias=False)
+        self.head = nn.Linear(1024, 1024, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, q, k, v):
+        return q
+
+
+class SmallTied(nn.Module):
+    """``Tied`` at 4 x 4, small enough to build on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_module_built_on_the_cpu_keeps_its_tied_weights_on_the_meta_device():
+    """Moved to meta, the shared weight is still one tensor: counted once, and on a GPU its
+    two uses accumulate into one grad. (``module.to("meta")`` alone made one per module.)"""
+    model = SmallTied()
+    assert listed(resident(model)) == [
+        ("embed.weight", Role.parameter, (4, 4), "meta", 64)]  # 4 x 4 x 4 B, once
+    assert model.head.weight is model.embed.weight
+    assert not torch.__future__.get_swap_module_params_on_conversion()  # left as it was
+
+
+def test_a_module_level_parameter_is_a_parameter(tmp_path):
+    """Not a buffer: the harness clears a parameter's grad after the warm-up, as for a
+    module's (a buffer's role left the warm-up's grad counted in the measured step)."""
+    fn, _ = write_module(tmp_path, "W = nn.Parameter(torch.empty(3, 4, device='meta'))\n")
+    assert listed(resident(fn)) == [("W", Role.parameter, (3, 4), "meta", 48)]  # 3 x 4 x 4 B
+
+
+def test_a_module_class_is_built_on_the_meta_device():
+    """Built there, its state never materializes and its tied weight stays one tensor."""
+    model = instantiate(Tied, "user.py:Tied")
+    assert isinstance(model, Tied) and model.head.weight is model.embed.weight
+    assert model.embed.weight.device.type == "meta"
+    assert listed(resident(model)) == [
+        ("embed.weight", Role.parameter, (1024, 1024), "meta", 4_194_304)]  # 1024 x 1024 x 4 B
+
+
+class NeedsDim(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+
+
+class ReadsAValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n = int(torch.zeros(1).item())
+
+
+class SaysTwoLines(nn.Module):
+    def __init__(self):
+        raise ValueError("first line\nsecond line")
+
+
+@pytest.mark.parametrize("cls, why", [
+    (NeedsDim, "TypeError: NeedsDim.__init__() missing 1 required positional argument: 'dim'"),
+    (ReadsAValue, "RuntimeError: Tensor.item() cannot be called on meta tensors"),
+    (SaysTwoLines, "ValueError: first line"),
+])
+def test_a_constructor_failing_on_meta_is_a_one_line_trace_error(cls, why):
+    """A ``ValueError`` (TraceError) of one line naming the target, the class and the
+    constructor's own error, without the chained traceback of the user's code."""
+    with pytest.raises(TraceError) as info:
+        instantiate(cls, "user.py:Attn")
+    assert str(info.value) == (f"--trace user.py:Attn: {cls.__name__}() failed on the meta "
+                               f"device: {why} (the module must be constructible without "
+                               "arguments)")
+    assert isinstance(info.value, ValueError) and info.value.__suppress_context__
