@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,20 +15,26 @@ from memcalc.errors import one_line
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
+# a product's values: at least one (an empty list would silently expand to nothing); sizes
+# positive, and whole numbers as written (``true`` is not a batch of 1)
+Sizes = Annotated[list[Annotated[int, Field(ge=1, strict=True)]], Field(min_length=1)]
+Flags = Annotated[list[Annotated[bool, Field(strict=True)]], Field(min_length=1)]
+
+
 class Product(BaseModel):
     """Every combination of these values is one configuration."""
 
     model_config = _FROZEN
-    impl: list[str]
-    causal: list[bool] = [False]
-    dtype: list[DType] = [DType.fp32]
-    batch: list[int] = Field([2], min_length=1)
-    heads: list[int] = Field([1], min_length=1)
-    seq_len: list[int] = Field([256], min_length=1)
-    head_dim: list[int] = Field([16], min_length=1)
-    gpu: list[str] = ["h100-80gb"]
-    loss: list[str] = ["grad"]
-    forward_only: list[bool] = [False]
+    impl: Annotated[list[str], Field(min_length=1)]
+    causal: Flags = [False]
+    dtype: Annotated[list[DType], Field(min_length=1)] = [DType.fp32]
+    batch: Sizes = [2]
+    heads: Sizes = [1]
+    seq_len: Sizes = [256]
+    head_dim: Sizes = [16]
+    gpu: Annotated[list[str], Field(min_length=1)] = ["h100-80gb"]
+    loss: Annotated[list[str], Field(min_length=1)] = ["grad"]
+    forward_only: Flags = [False]
 
     def configs(self) -> list[Config]:
         keys = list(type(self).model_fields)
@@ -64,6 +71,8 @@ def load_grid(path: str | Path) -> Grid:
         return grid
     except ValueError as error:  # JSONDecodeError and ValidationError are ValueErrors
         raise ValueError(f"--grid {path}: {one_line(error)}") from None
+    except OSError as error:  # no such file, a folder, no permission
+        raise ValueError(f"--grid {path}: {error.strerror or one_line(error)}") from None
 
 
 def default_grid() -> Grid:

@@ -39,10 +39,7 @@ def dropout_attention(q, k, v, causal=False):
     import torch
     import torch.nn.functional as F
 
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
+    s = _scores(q, k, causal)
     p = F.dropout(torch.softmax(s, dim=-1), p=0.1, training=True)
     return p @ v
 
@@ -53,9 +50,21 @@ def float_softmax(q, k, v, causal=False):
     copy first."""
     import torch
 
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    s = _scores(q, k, causal)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
     return p @ v
+
+
+def _scores(q, k, causal: bool):
+    """``q k^T / sqrt(d)``, the later keys masked to -inf when causal (eager code's mask:
+    a bool ``(N, M)`` upper triangle and ``masked_fill``)."""
+    import torch
+
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))
+    return s
 
 
 USER_CODE = {"sdpa-default": sdpa_default, "sdpa-cudnn": sdpa_cudnn,
