@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 from memcalc.allocator import MiB, OutOfMemory
 from memcalc.breakdown import Breakdown, Result, register_judge
 from memcalc.config import Config, Device
-from memcalc.units import GiB, human
+from memcalc.units import GiB, decimal, human
 
 DEFAULT_RESERVE_BYTES = 512 * MiB
 GB = GiB
@@ -117,7 +117,7 @@ class Budget(BaseModel):
         reserve = DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes
         if memory_bytes is not None:
             gb = Fraction(memory_bytes, GB)
-            shown = str(gb.numerator) if gb.denominator == 1 else f"{float(gb):.6g}"
+            shown = decimal(gb)  # exact: a whole number of bytes over 2^30
             return cls(device=f"{shown} GB (GB = 2^30 B; cuBLAS workspaces of {spec.name}, "
                               f"compute capability {spec.compute_capability[0]}."
                               f"{spec.compute_capability[1]})",

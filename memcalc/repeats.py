@@ -26,7 +26,10 @@ class Repeated:
 
     @property
     def name(self) -> str:
-        return f"{self.members[0].name}..{self.members[-1].name} ({len(self.members):,})"
+        """``S0..S127 (128)``; ``4 x mul (user.py:7)`` when the names are all the same (a
+        traced loop's tensors are named by their op and source line)."""
+        first, last, n = self.members[0].name, self.members[-1].name, len(self.members)
+        return f"{n:,} x {first}" if first == last else f"{first}..{last} ({n:,})"
 
     @cached_property  # a table reads it per column: summed once
     def nbytes(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from memcalc.allocator import KiB, MiB
 
 GiB = 1024 * MiB
@@ -16,6 +18,19 @@ def fixed(numerator: int, denominator: int, places: int) -> str:
     q = (abs(numerator) * scale * 2 + denominator) // (denominator * 2)
     whole, frac = divmod(q, scale)
     return sign + (f"{whole:,}.{frac:0{places}d}" if places else f"{whole:,}")
+
+
+def decimal(q: Fraction) -> str:
+    """A fraction whose denominator has no prime factor but 2 and 5 (a byte count over 2^30,
+    say) as its exact decimal: ``79.5``, ``0.0009765625``, ``80``."""
+    places, rest = 0, q.denominator
+    while rest % 10 == 0 or rest % 2 == 0 or rest % 5 == 0:
+        rest, places = rest // (10 if rest % 10 == 0 else 2 if rest % 2 == 0 else 5), places + 1
+    if rest != 1:
+        raise ValueError(f"{q} has no finite decimal")
+    whole, frac = divmod(abs(q.numerator) * 10**places // q.denominator, 10**places)
+    digits = f"{whole}.{frac:0{places}d}".rstrip("0").rstrip(".") if places else f"{whole}"
+    return ("-" if q < 0 else "") + digits
 
 
 def mib(nbytes: int) -> str:

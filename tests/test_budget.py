@@ -59,6 +59,15 @@ def test_gpu_gb_budget_says_what_gb_means():
     assert "2^30" in b.describe() and "a100-80gb" in b.describe()
 
 
+def test_gpu_gb_is_shown_as_given_exactly():
+    """A GB figure is a whole number of bytes over 2^30: a finite decimal, shown whole (a
+    float's six digits showed 2^-10 GB as 0.000976562)."""
+    b = Budget.of(Device(), reserve_bytes=0, memory_bytes=parse_gb("0.0009765625"))
+    assert b.budget_bytes == 1_048_576  # 2^-10 x 2^30 = 2^20
+    assert b.device.startswith("0.0009765625 GB (GB = 2^30 B;")
+    assert Budget.of(Device(), memory_bytes=parse_gb("79.5")).device.startswith("79.5 GB")
+
+
 def test_reserve_must_leave_memory():
     with pytest.raises(ValidationError, match="--reserve"):
         Budget(device="x", memory_bytes=GiB, reserve_bytes=GiB)

@@ -27,6 +27,14 @@ def test_numbered_tensors_of_one_kind_become_one_row_where_the_first_was():
     assert (group.role, group.op, group.dtype) == (Role.saved, "tril", "float32")
 
 
+def test_tensors_of_one_name_are_counted_not_ranged():
+    """A traced loop's tensors share their name (op and source line): ``4 x mul (user.py:7)``,
+    not ``mul (user.py:7)..mul (user.py:7) (4)``."""
+    (row,) = collapse([tensor("mul (user.py:7)", op="mul") for _ in range(4)])
+    assert row.name == "4 x mul (user.py:7)"
+    assert row.block_bytes == 4 * 131072  # 4 x (8 x 1 x 64 x 64 x 4 B)
+
+
 def test_a_different_shape_or_role_is_another_kind():
     rows = collapse([tensor("S0"), tensor("S1"), tensor("S2", (8, 1, 32, 64)),
                      tensor("S3", role=Role.temporary), tensor("S4")])

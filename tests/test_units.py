@@ -1,6 +1,10 @@
 """memcalc.units: exact byte formatting (MiB, the largest binary unit, percentages)."""
 
-from memcalc.units import GiB, KiB, MiB, fixed, human, mib, share
+from fractions import Fraction
+
+import pytest
+
+from memcalc.units import GiB, KiB, MiB, decimal, fixed, human, mib, share
 
 
 def test_mib_rounds_an_exact_half_up():
@@ -68,3 +72,13 @@ def test_human_shows_a_figure_that_rounds_up_in_the_next_unit():
     assert human(MiB - 1) == "1.00 MiB"  # 1,048,575 B
     assert human(GiB - 1) == "1.00 GiB"
     assert human(KiB - 1) == "1023 B"  # bytes stay exact below 1 KiB
+
+
+def test_decimal_is_exact_for_denominators_of_twos_and_fives():
+    assert decimal(Fraction(159, 2)) == "79.5"
+    assert decimal(Fraction(1, 1024)) == "0.0009765625"  # 2^-10 = 5^10 / 10^10
+    assert decimal(Fraction(3, 40)) == "0.075"  # 40 = 2^3 x 5: three places
+    assert decimal(Fraction(-3, 8)) == "-0.375"
+    assert decimal(Fraction(80)) == "80"
+    with pytest.raises(ValueError, match="no finite decimal"):
+        decimal(Fraction(1, 3))
