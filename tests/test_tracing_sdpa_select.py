@@ -162,6 +162,7 @@ def test_cudnn_dropout_and_sequence_length_rules(change, release, why):
     ((1, 8, 16, 24), False, None),  # (1, H, N, M)
     ((4, 8, 16, 24), False, "attn_mask shape (4, 8, 16, 24)"),  # batch 4 is neither 1 nor 2
     ((1, 16, 24), False, "attn_mask shape (1, 16, 24)"),  # 3-D
+    ((24,), False, "attn_mask shape (24,)"),  # 1-D: a reason, not an IndexError
     ((24, 16), False, "attn_mask shape (24, 16)"),  # (M, N): rows and keys swapped
     ((16, 24), True, "attn_mask requires grad"),
 ])

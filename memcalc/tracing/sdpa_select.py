@@ -199,8 +199,10 @@ def _mask_shape(c: Call, cc, r) -> str | None:
         return None
     if c.mask_requires_grad:
         return "attn_mask requires grad"
+    if len(m) not in (2, 4):  # a 1-D or 3-D mask broadcasts in torch, not here
+        return f"attn_mask shape {m}"
     rows_ok = m[-2] in (c.q[2], 1) and m[-1] in (c.k[2], 1)
-    if rows_ok and (len(m) == 2 or (len(m) == 4 and m[0] in (1, c.q[0]) and m[1] in (1, c.q[1]))):
+    if rows_ok and (len(m) == 2 or (m[0] in (1, c.q[0]) and m[1] in (1, c.q[1]))):
         return None
     return f"attn_mask shape {m}"
 

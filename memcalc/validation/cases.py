@@ -153,10 +153,9 @@ def all_cases(kinds: tuple[str, ...], grid_configs: list[Config], env: dict[str,
 def run_case(case: Case, gpu) -> Check:
     """The three columns of ``case``: model, emulated trace and the live run on ``gpu``
     (``cuda.LiveGpu``). An OOM is an outcome; any other failure of the run is recorded as
-    an error and the run goes on. Where the live figures differ from the emulated ones, or
-    the model does not cover the case, the ops' scratch bytes are recorded too."""
-    from memcalc.validation.compare import Check
-
+    an error and the run goes on. Where the live run measured figures that the emulated
+    trace does not explain (they differ, or there is no emulated column), the ops' scratch
+    bytes are recorded too."""
     predicted, model_detail = case.model()
     emulated, emulated_outcome, emulated_detail = case.emulated()
     outcome, measured, detail = _live(case, gpu)
