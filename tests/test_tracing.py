@@ -65,6 +65,22 @@ def test_meta_failures_name_the_line(tmp_path, capsys, body, message):
     assert code == 2 and err.count("\n") == 1 and message in err and "Hint" in err
 
 
+def test_a_call_memcalc_does_not_model_names_the_line_and_why_with_no_meta_hint(tmp_path,
+                                                                                 capsys):
+    """The efficient backend (fp32 on an H100) takes a value head dim unlike the query's;
+    memcalc's programs have one head dim, so the trace stops there, saying so."""
+    (tmp_path / "user.py").write_text(
+        "import torch.nn.functional as F\n"
+        "def attn(q, k, v):\n"
+        "    return F.scaled_dot_product_attention(q, k, v[..., :8])\n")
+    code = main(["trace", f"{tmp_path}/user.py:attn", "--seq", "64", "--batch", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Hint" not in err
+    assert err.endswith("line 3 of user.py (return F.scaled_dot_product_attention(q, k, "
+                        "v[..., :8])): scaled_dot_product_attention: a value head dim (8) "
+                        "unlike the query's (16) is not modelled for the efficient backend\n")
+
+
 @pytest.mark.parametrize("target, message", [
     ("missing.py:attn", "no file"),
     ("{tmp}/user.py:nope", "has no function 'nope'"),

@@ -37,7 +37,7 @@ from memcalc.config import Config
 from memcalc.tensors import Cublas, Dims, Free, Program, Release, Role, Tensor
 from memcalc.errors import one_line as _first_line
 from memcalc.tracing.cudnn import Workspace
-from memcalc.tracing.errors import TraceError
+from memcalc.tracing.errors import NotModelled, TraceError
 from memcalc.tracing.sdpa_select import Release as TorchRelease
 
 # odd lengths sharing no padding multiple: the first four fit, the last two verify
@@ -244,6 +244,8 @@ def _explain(error: Exception, fn: Callable) -> str:
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == source]
     where = f"line {frames[-1].lineno} of {Path(source).name} ({frames[-1].line})" if frames \
         else getattr(fn, "__name__", "the function")
+    if isinstance(error, NotModelled):
+        return f"{where}: {_first_line(error)}"
     return (f"{where} cannot run on the meta device: {type(error).__name__}: "
             f"{_first_line(error)}. Hint: data-dependent code (.item(), .cpu(), shapes from "
             "values) cannot be traced; give a custom CUDA/Triton kernel a fake implementation "

@@ -1,7 +1,13 @@
-"""The one error of tracing: the function cannot be loaded or traced."""
+"""The errors of tracing: the function cannot be loaded or traced, or makes a call memcalc
+does not model."""
 
 from __future__ import annotations
 
 
 class TraceError(ValueError):
     """The function cannot be loaded or traced; the message says where and why."""
+
+
+class NotModelled(ValueError):
+    """A call the GPU would run but memcalc does not model (a fused kernel's variant): the
+    trace stops at the user's line with this reason, not a hint about the meta device."""
