@@ -5,9 +5,9 @@ from __future__ import annotations
 # config field -> the CLI option that sets it
 FLAGS = {
     "batch": "--batch", "heads": "--heads", "seq_len": "--seq", "head_dim": "--head-dim",
-    "kv_len": "--kv-len", "kv_heads": "--kv-heads", "chunk": "--chunk", "dtype": "--dtype", "impl": "--impl", "gpu": "--gpu",
-    "loss": "--loss", "cublas_workspace_config": "--cublas-workspace-config",
-    "time_limit": "--time-limit",
+    "kv_len": "--kv-len", "kv_heads": "--kv-heads", "chunk": "--chunk", "dtype": "--dtype",
+    "impl": "--impl", "gpu": "--gpu", "loss": "--loss",
+    "cublas_workspace_config": "--cublas-workspace-config", "time_limit": "--time-limit",
 }
 
 
@@ -18,14 +18,21 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
     if callable(errors):
         first = error.errors()[0]
         loc = [str(p) for p in first["loc"] if not str(p).startswith("function-")]
-        message = first["msg"].removeprefix("Value error, ")
+        message = _first_line(first["msg"].removeprefix("Value error, "), "invalid")
+        value = first.get("input")
         if not loc:  # a check across fields: its message names them
             return message
         name = (flags or {}).get(loc[-1], ".".join(loc))
-        return f"{name}: {message} (got {first.get('input')!r})"
-    text = str(error)
-    first = text.splitlines()[0] if text else type(error).__name__
+        if isinstance(value, dict):  # a check across a nested model's fields: the same
+            return f"{name}: {message}"
+        return f"{name}: {message} (got {value!r})"
+    first = _first_line(str(error), type(error).__name__)
     field, sep, rest = first.partition(": ")
     if sep and field in (flags or {}):  # "kv_len: ..." from the library: name the option
         return f"{flags[field]}: {rest}"
     return first
+
+
+def _first_line(text: str, otherwise: str) -> str:
+    """The first line of ``text`` that says something; ``otherwise`` if none does."""
+    return next((line for line in text.splitlines() if line.strip()), otherwise)

@@ -61,7 +61,11 @@ def run(args) -> int:
     if args.plot:
         from memcalc.plots import plot_components
 
+        drawn = [r.breakdown for r in result.rows if r.breakdown]
+        if not drawn:
+            raise ValueError("--plot: none of the compared implementations has figures to "
+                             "draw (the same command without --plot says why)")
         with naming("--plot"):
-            plot_components([r.breakdown for r in result.rows if r.breakdown], args.plot)
+            plot_components(drawn, args.plot)
     emit(result, args.format)
     return 0

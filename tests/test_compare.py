@@ -1,0 +1,213 @@
+"""memcalc compare (memcalc/commands/compare.py): its options, its output formats, refusals."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import memcalc
+from cli_helpers import assert_refused, run
+from memcalc.cli import PIPED_WIDTH, build_parser
+from memcalc.comparison import ratio
+from memcalc.config import make_config
+from memcalc.timeline import predict
+from memcalc.units import human
+
+SMALL = ["--seq", "256", "--batch", "1"]
+PAIR = ["--impl", "naive,naive-softmax"]
+# one 256 x 256 fp32 tensor: 256 x 256 x 4 B = 262,144 B
+NN = 262_144
+# naive saves exp_x and p (2 x 262,144 B), its row sum (256 x 4 B = 1,024) and its int64
+# argmax (256 x 8 B = 2,048): 524,288 + 1,024 + 2,048 = 527,360 B; naive-softmax saves p
+NAIVE_SAVED = 2 * NN + 1_024 + 2_048
+# naive's backward peak holds 3 N x N tensors, the argmax and the row sum more than
+# naive-softmax's: 3 x 262,144 + 2,048 + 1,024 = 789,504 B = 771 x 1,024 B: "771.00 KiB"
+PEAK_GAP = 3 * NN + 2_048 + 1_024
+
+
+def whole(text: str, figure: str) -> bool:
+    """``figure`` in ``text`` as a token of its own (not cut, not part of a longer one)."""
+    return re.search(rf"(?<![\w,.-]){re.escape(figure)}(?![\w,.-])", text) is not None
+
+
+def compared(capsys, *argv: str) -> str:
+    """stdout of a ``memcalc compare`` that succeeds quietly."""
+    code, out, err = run(capsys, "compare", *SMALL, *argv)
+    assert (code, err) == (0, ""), err
+    return out
+
+
+def test_json_agrees_with_the_library_and_the_replay(capsys):
+    """The command's JSON is ``memcalc.compare``'s at the same options; each row's figures
+    are the replay's (``predict``) and its largest seq_len is ``memcalc.oom``'s."""
+    argv = [*PAIR, "--gpu-gb", "8", "--reserve", "1GiB"]
+    data = json.loads(compared(capsys, *argv, "--json"))
+    api = memcalc.compare(seq_len=256, batch=1, impls=["naive", "naive-softmax"], gpu_gb=8,
+                          reserve="1GiB")
+    assert data == api.to_dict()
+    assert data["baseline"] == "naive"  # the default
+    assert data["budget_bytes"] == 7 * 2**30  # 8 GiB less 1 GiB reserved: 7,516,192,768 B
+    rows = {r["impl"]: r for r in data["rows"]}
+    assert list(rows) == ["naive", "naive-softmax"]  # as --impl lists them
+    assert (rows["naive"]["saved_bytes"], rows["naive-softmax"]["saved_bytes"]) == (
+        NAIVE_SAVED, NN)
+    assert rows["naive"]["peak_bytes"] - rows["naive-softmax"]["peak_bytes"] == PEAK_GAP
+    for impl, row in rows.items():
+        replay = predict(make_config(impl=impl, seq_len=256, batch=1)).figures()
+        assert {k: row[k] for k in replay} == replay, impl
+        (solved,) = memcalc.oom(impls=[impl], seq_len=256, batch=1, gpu_gb=8,
+                                reserve="1GiB").results
+        assert row["max_seq_len"] == solved.max_value, impl
+
+
+def test_csv_and_markdown_print_the_comparison(capsys):
+    """--csv: exact bytes, the saving against naive as an integer; --markdown: the bold
+    title, then the table; both the library's own text."""
+    api = memcalc.compare(seq_len=256, batch=1, impls=["naive", "naive-softmax"])
+    base, soft = (r.breakdown for r in api.rows)
+    out = compared(capsys, *PAIR, "--csv")
+    assert out == api.to_csv()
+    assert out.splitlines() == [
+        "implementation,N x M saved,saved,forward peak,backward peak,peak,saves vs naive,"
+        "factor,max seq_len",
+        f"naive,2,{NAIVE_SAVED},{base.forward_peak_bytes},{base.backward_peak_bytes},"
+        f"{base.peak_bytes},0,1.00x,{api.rows[0].max_seq_len}",
+        f"naive-softmax,1,{NN},{soft.forward_peak_bytes},{soft.backward_peak_bytes},"
+        f"{soft.peak_bytes},{PEAK_GAP},{ratio(base.peak_bytes, soft.peak_bytes)},"
+        f"{api.rows[1].max_seq_len}"]
+    out = compared(capsys, *PAIR, "--markdown")
+    assert out == api.to_markdown()
+    lines = out.splitlines()
+    assert lines[0].startswith("**B=1 H=1 N=256 d=16 fp32; max seq_len within budget ")
+    assert lines[2] == ("| implementation | N x M saved | saved | forward peak | backward peak "
+                        "| peak | saves vs naive | factor | max seq_len |")
+
+
+def test_baseline_sets_what_the_savings_are_against(capsys):
+    """--baseline naive-softmax: naive's saving is negative, -789,504 B; its factor is
+    naive-softmax's peak over naive's (below 1)."""
+    out = compared(capsys, *PAIR, "--baseline", "naive-softmax", "--csv")
+    data = json.loads(compared(capsys, *PAIR, "--baseline", "naive-softmax", "--json"))
+    base, soft = (r["peak_bytes"] for r in data["rows"])
+    assert data["baseline"] == "naive-softmax"
+    header, naive, softmax = (line.split(",") for line in out.splitlines())
+    assert header[6] == "saves vs naive-softmax"
+    assert (naive[6], naive[7]) == (str(-PEAK_GAP), ratio(soft, base))
+    assert (softmax[6], softmax[7]) == ("0", "1.00x")
+    assert ratio(soft, base).startswith("0.")
+
+
+@pytest.mark.parametrize("width", [60, 80, 120, None])  # None: piped, no COLUMNS
+def test_the_table_fits_the_width_with_no_figure_cut(capsys, monkeypatch, width):
+    """Each row's cells are its figures in order, whole; a narrow width drops secondary
+    columns but keeps the peak, the saving, the factor and the largest seq_len; at 120
+    columns, or piped (200), all nine are shown. The budget's figure is never cut."""
+    from memcalc.gpus import gpu_preset
+
+    data = json.loads(compared(capsys, *PAIR, "--json"))
+    if width is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(width))
+    out = compared(capsys, *PAIR)
+    assert max(len(line) for line in out.splitlines()) <= (width or PIPED_WIDTH)
+    assert "…" not in out and "..." not in out
+    # the budget: the H100 preset's 84,938,850,304 B less the 512 MiB reserve 536,870,912 B
+    budget = gpu_preset("h100-80gb").memory_bytes - 512 * 2**20
+    assert data["budget_bytes"] == budget and whole(out, f"{budget:,}")
+    assert out.startswith("B=1 H=1 N=256 d=16 fp32; max seq_len within budget")
+    base = data["rows"][0]["peak_bytes"]
+    savings = {"naive": "0 B", "naive-softmax": "771.00 KiB"}  # PEAK_GAP = 771 x 1,024 B
+    for row in data["rows"]:
+        full = [row["impl"], str(row["quadratic_saved"]), human(row["saved_bytes"]),
+                human(row["forward_peak_bytes"]), human(row["backward_peak_bytes"]),
+                human(row["peak_bytes"]), savings[row["impl"]], ratio(base, row["peak_bytes"]),
+                str(row["max_seq_len"])]
+        (line,) = [line for line in out.splitlines() if line.split(" ")[0] == row["impl"]]
+        cells = re.split(r" {2,}", line.strip())  # columns are 2 spaces apart at least
+        kept = iter(full)
+        assert all(cell in kept for cell in cells), (cells, full)  # in order, none cut
+        assert set(full[5:]) <= set(cells), cells
+        assert cells == full or width in (60, 80), cells
+
+
+def test_only_is_the_old_spelling_of_impl_and_is_not_listed(capsys):
+    """--only adds to --impl's list (the two may be mixed); --help no longer shows it."""
+    data = json.loads(compared(capsys, "--only", "naive", "--impl", "naive-softmax", "--json"))
+    assert [r["impl"] for r in data["rows"]] == ["naive", "naive-softmax"]
+    code, out, _ = run(capsys, "compare", "--help")
+    assert code == 0 and "--only" not in out and "--impl IMPL[,IMPL]" in out
+
+
+def test_base_config_is_the_first_implementation_accepting_the_options():
+    """--heads 4 --kv-heads 2: naive (no GQA) cannot hold them, sdpa-math can; with no --impl,
+    the registry's first with GQA: flash2, linear(-causal(-chunked)), naive(-softmax,
+    -weights) have none, sdpa-flash (8th) has it."""
+    from memcalc.commands.compare import base_config
+
+    args = build_parser().parse_args(["compare", *SMALL, "--heads", "4", "--kv-heads", "2"])
+    assert base_config(args, ["naive", "sdpa-math", "checkpoint-sdpa-math"]).impl == "sdpa-math"
+    assert base_config(args, None).impl == "sdpa-flash"
+    config = base_config(args, ["flash2", "sdpa-math"])
+    assert (config.shape.heads, config.shape.key_heads, config.shape.seq_len) == (4, 2, 256)
+
+
+def refusals(tmp_path) -> dict[str, tuple[list[str], str]]:
+    """Bad options of compare and the one line each must get."""
+    from memcalc.names import impl_choices
+
+    missing = tmp_path / "no" / "x.png"
+    return {
+        "unknown baseline": (["--baseline", "flashy"], "--baseline: unknown implementation "
+                             f"'flashy' (did you mean 'flash2'?); known: "
+                             f"{', '.join(impl_choices())} (memcalc impls describes them)"),
+        "baseline not compared": (["--impl", "naive,sdpa-math", "--baseline", "flash2"],
+                                  "--baseline: 'flash2' is not among the compared "
+                                  "implementations (--impl naive,sdpa-math); add it to --impl"),
+        "default baseline not compared": (["--only", "sdpa-math", "--impl", "flash2"],
+                                          "--baseline: 'naive' is not among the compared "
+                                          "implementations (--impl sdpa-math,flash2); add it "
+                                          "to --impl"),
+        "plot is a directory": (["--plot", str(tmp_path)],
+                                f"--plot: {str(tmp_path)!r} is a directory, not a file"),
+        "plot has no directory": (["--plot", str(missing)], f"--plot: {str(missing)!r}: no "
+                                  f"directory {str(missing.parent)!r} to write it into"),
+        "no implementation takes the options": (  # the first implementation's reason
+            [*PAIR, "--heads", "4", "--kv-heads", "2"],
+            "--kv-heads: implementation naive needs kv_heads == heads (2 != 4)"),
+        "two formats": (["--json", "--csv"], "argument --csv: not allowed with argument --json"),
+    }
+
+
+@pytest.mark.parametrize("case", list(refusals(Path("/tmp"))))
+def test_bad_input_is_refused_in_one_line_before_any_work(capsys, monkeypatch, tmp_path, case):
+    """Exit 2 and one line naming the option and what it allows; nothing compared."""
+    def no_work(*args, **kwargs):
+        raise AssertionError("compared before the options were checked")
+
+    monkeypatch.setattr("memcalc.comparison.compare", no_work)
+    argv, line = refusals(tmp_path)[case]
+    code, out, err = run(capsys, "compare", *SMALL, *argv)
+    assert_refused(code, out, err, line.split(":")[0].split()[-1])
+    assert err == f"memcalc: error: {line}\n"
+
+
+def test_plot_draws_only_the_rows_with_figures(capsys, tmp_path):
+    """sdpa-flash has no fp32 kernel: its row is a note, left out of the plot."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "peaks.png"
+    out = compared(capsys, "--impl", "naive,sdpa-flash", "--plot", str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r"^sdpa-flash .* n/a$", out, re.M) and "sdpa-flash:" in out
+
+
+def test_a_plot_with_nothing_to_draw_is_one_line(capsys, tmp_path):
+    """Every row a note (sdpa-flash has no fp32 kernel): no plot to draw, said in one line
+    (it was ``max() arg is an empty sequence``)."""
+    path = tmp_path / "peaks.png"
+    code, out, err = run(capsys, "compare", "--seq", "256", "--batch", "1", "--impl",
+                         "sdpa-flash", "--baseline", "sdpa-flash", "--plot", str(path))
+    assert_refused(code, out, err, "--plot")
+    assert "none of the compared implementations has figures to draw" in err
+    assert not path.exists()

@@ -1,0 +1,139 @@
+"""memcalc.errors: bad input as one line, the field named by the CLI option that sets it."""
+
+import inspect
+from typing import Annotated
+
+import pytest
+from pydantic import AfterValidator, BaseModel, TypeAdapter, ValidationError
+
+from memcalc.cli import build_parser
+from memcalc.config import Config, make_config
+from memcalc.errors import FLAGS, one_line
+
+GE_1 = "Input should be greater than or equal to 1"
+
+
+def refusal(make, *args, **kwargs) -> ValidationError:
+    """The ValidationError that ``make(*args, **kwargs)`` raises."""
+    with pytest.raises(ValidationError) as caught:
+        make(*args, **kwargs)
+    return caught.value
+
+
+def test_flags_are_the_options_that_set_each_field():
+    """Every field a user can get wrong on the command line (make_config's keywords, less
+    the two on/off switches) maps to an option the parser really has; --time-limit is oom's."""
+    (sub,) = build_parser()._subparsers._group_actions
+    options = {name: set(parser._option_string_actions) for name, parser in sub.choices.items()}
+    fields = set(inspect.signature(make_config).parameters) - {"causal", "forward_only"}
+    assert set(FLAGS) == fields | {"time_limit"}
+    for field, flag in FLAGS.items():
+        assert flag in options["oom" if field == "time_limit" else "breakdown"], (field, flag)
+
+
+def test_a_field_is_named_by_its_option_and_the_value_got_is_quoted():
+    """``field: message (got value)``: the option when ``flags`` maps the field, else the
+    field; the value as ``repr`` (a string quoted, a newline in it escaped: still one line)."""
+    zero = refusal(make_config, seq_len=0)
+    assert one_line(zero, FLAGS) == f"--seq: {GE_1} (got 0)"
+    assert one_line(zero) == one_line(zero, {}) == f"seq_len: {GE_1} (got 0)"
+    fp8 = refusal(make_config, dtype="fp8\nrm")
+    assert one_line(fp8, FLAGS) == (
+        "--dtype: Input should be 'fp32', 'fp16' or 'bf16' (got 'fp8\\nrm')")
+
+
+def test_a_nested_field_is_named_by_its_last_part_or_its_dotted_path():
+    """A Config read from a dict fails at ``shape.head_dim``: ``--head-dim`` with the flags,
+    the dotted path without; a nested field no option sets keeps its path."""
+    head_dim = refusal(Config.model_validate, {"shape": {"head_dim": 0}})
+    assert one_line(head_dim, FLAGS) == f"--head-dim: {GE_1} (got 0)"
+    assert one_line(head_dim) == f"shape.head_dim: {GE_1} (got 0)"
+    memory = refusal(Config.model_validate, {"device": {"memory_bytes": 0}})
+    assert one_line(memory, FLAGS) == f"device.memory_bytes: {GE_1} (got 0)"
+
+
+def test_pydantic_value_error_framing_is_dropped():
+    """A validator's ValueError reads as its own message, without "Value error, "."""
+    error = refusal(make_config, cublas_workspace_config="4096")
+    assert one_line(error, FLAGS) == ('--cublas-workspace-config: must look like ":4096:8" or '
+                                      '":4096:2:16:8" (SIZE_KiB:COUNT pairs) (got \'4096\')')
+
+
+def test_a_check_across_fields_is_its_message_alone():
+    """No location: the message names the fields itself; no "(got ...)" of a whole model."""
+    assert one_line(refusal(make_config, heads=4, kv_heads=3), FLAGS) == (
+        "--kv-heads: kv_heads (3) must divide heads (4)")
+    assert one_line(refusal(make_config, impl="naive", heads=4, kv_heads=2), FLAGS) == (
+        "--kv-heads: implementation naive needs kv_heads == heads (2 != 4)")
+
+
+def _even(value: int) -> int:
+    if value % 2:
+        raise ValueError("must be even")
+    return value
+
+
+class _Chunked(BaseModel):
+    chunk: Annotated[int, AfterValidator(_even)] | list[int]
+
+
+def test_validator_steps_are_left_out_of_the_location():
+    """In a union pydantic puts ``function-after[...]`` into the location: not a field, so
+    the field before it names the option, and with nothing left the message stands alone."""
+    assert one_line(refusal(_Chunked, chunk=3), FLAGS) == "--chunk: must be even (got 3)"
+    adapter = TypeAdapter(Annotated[int, AfterValidator(_even)] | list[int])
+    assert one_line(refusal(adapter.validate_python, 3), FLAGS) == "must be even"
+
+
+def test_only_the_first_of_several_errors():
+    """Two bad fields: pydantic's text is a header and two entries; one_line is the first."""
+    error = refusal(Config.model_validate, {"shape": {"seq_len": 0}, "dtype": "fp8"})
+    assert error.error_count() == 2 and str(error).startswith("2 validation errors for Config\n")
+    assert one_line(error, FLAGS) == f"--seq: {GE_1} (got 0)"
+
+
+class _Listed(Exception):
+    errors = ["not a method"]  # an ``errors`` that is no pydantic method: read as text
+
+
+def test_any_other_error_is_its_first_line_or_its_type():
+    assert one_line(ValueError("first line\nsecond line"), FLAGS) == "first line"
+    assert one_line(FileNotFoundError(2, "No such file or directory", "/x.json")) == (
+        "[Errno 2] No such file or directory: '/x.json'")
+    assert one_line(RuntimeError()) == "RuntimeError"
+    assert one_line(_Listed("listed\nmore")) == "listed"
+
+
+class Chunked(BaseModel):
+    chunk: Annotated[int, AfterValidator(lambda v: (_ for _ in ()).throw(
+        ValueError("line one\nline two")))]
+
+
+class Outer(BaseModel):
+    shape: Config
+
+
+def test_every_message_is_one_line_and_says_something():
+    """A validator's message with a newline keeps its first line; a message that starts
+    with one, its first line that says something; a check across a nested model's fields
+    is not followed by the whole model as the value it got."""
+    assert one_line(refusal(Chunked, chunk=1), FLAGS) == "--chunk: line one (got 1)"
+    assert one_line(ValueError("\nsecond")) == "second"
+    error = refusal(Outer, shape={"impl": "sdpa-math", "shape": {"heads": 4, "kv_heads": 3}})
+    assert one_line(error, FLAGS) == (
+        "shape.shape: --kv-heads: kv_heads (3) must divide heads (4)")
+
+
+def test_a_library_field_prefix_becomes_the_option():
+    """``kv_len: ...`` raised by the library (the vectorized grid) names ``--kv-len`` when the
+    flags are given; without them, for a prefix that is no field, or with no ``: `` after the
+    word, the text is kept."""
+    from memcalc.vectorized import grid_axes
+
+    with pytest.raises(ValueError) as caught:
+        grid_axes(Config(), kv_len=0)
+    assert one_line(caught.value, FLAGS) == "--kv-len: sizes must be >= 1 (got 0)"
+    assert one_line(caught.value) == "kv_len: sizes must be >= 1 (got 0)"
+    assert one_line(ValueError("seq: not a configuration field\nknown: ..."), FLAGS) == (
+        "seq: not a configuration field")
+    assert one_line(ValueError("dtype"), FLAGS) == "dtype"  # a field's name, no "field: "
