@@ -12,6 +12,7 @@ import torch
 
 from memcalc.validation.reference import reference
 
+
 def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``(N, Nk)`` bool, True above the diagonal: the positions a query may not see."""
     ones = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device)
