@@ -106,30 +106,20 @@ def test_each_storage_counts_once_under_its_first_name(tmp_path):
 class Tied(nn.Module):
     """A language model's embedding and output head sharing one weight."""
 
-    def __init__(self):
+    def __init__(self, width: int = 1024):
         super().__init__()
-        self.embed = nn.Linear(1024, 1024, bias=False)
-        self.head = nn.Linear(1024, 1024, bias=False)
+        self.embed = nn.Linear(width, width, bias=False)
+        self.head = nn.Linear(width, width, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, q, k, v):
         return q
 
 
-class SmallTied(nn.Module):
-    """``Tied`` at 4 x 4, small enough to build on the CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(4, 4, bias=False)
-        self.head = nn.Linear(4, 4, bias=False)
-        self.head.weight = self.embed.weight
-
-
 def test_a_module_built_on_the_cpu_keeps_its_tied_weights_on_the_meta_device():
     """Moved to meta, the shared weight is still one tensor: counted once, and on a GPU its
     two uses accumulate into one grad. (``module.to("meta")`` alone made one per module.)"""
-    model = SmallTied()
+    model = Tied(4)  # small enough to build on the CPU
     assert listed(resident(model)) == [
         ("embed.weight", Role.parameter, (4, 4), "meta", 64)]  # 4 x 4 x 4 B, once
     assert model.head.weight is model.embed.weight
