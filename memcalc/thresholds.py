@@ -179,8 +179,8 @@ def _too_big(config: Config, field: str) -> str | None:
     small, large = events_growth(config, field)
     if large > small:
         return (f"its program's events grow with {field} ({small:,} at 256, {large:,} at 512), "
-                f"so exact replays near the threshold take too long; name it with --impl "
-                f"(and --time-limit) to try")
+                f"so exact replays near the threshold take too long; solve it with memcalc "
+                f"oom --impl {config.impl} --time-limit SECONDS")
     x = getattr(config.shape, field)
     events = program_events(config)
     if events > MAX_EVENTS:

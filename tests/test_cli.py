@@ -82,6 +82,21 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, field):
     assert_refused(code, out, err, field)
 
 
+@pytest.mark.parametrize("impl", ["naive,flash2", "all"])
+def test_breakdown_takes_one_implementation_and_says_where_several_go(capsys, impl):
+    code, out, err = run(capsys, "breakdown", "--impl", impl)
+    assert_refused(code, out, err, "--impl")
+    assert f"memcalc compare --impl {impl}" in err
+
+
+def test_validate_of_implementations_the_grid_has_not_is_one_line(capsys):
+    """The fused kernels are modelled from CUDA sources: the emulated grid has none of them,
+    and "0 configurations, 0 mismatches" with exit 0 said nothing was wrong."""
+    code, out, err = run(capsys, "validate", "--impl", "sdpa-flash,sdpa-efficient")
+    assert_refused(code, out, err, "--impl")
+    assert "--backend cuda" in err
+
+
 def test_malformed_grid_file(capsys, tmp_path):
     grid = tmp_path / "grid.json"
     grid.write_text('{"name": "g", "products": [{"impl": ["naive"], "seq_len": [0]}]}')

@@ -165,10 +165,6 @@ def refusals(tmp_path) -> dict[str, tuple[list[str], str]]:
         "baseline not compared": (["--impl", "naive,sdpa-math", "--baseline", "flash2"],
                                   "--baseline: 'flash2' is not among the compared "
                                   "implementations (--impl naive,sdpa-math); add it to --impl"),
-        "default baseline not compared": (["--only", "sdpa-math", "--impl", "flash2"],
-                                          "--baseline: 'naive' is not among the compared "
-                                          "implementations (--impl sdpa-math,flash2); add it "
-                                          "to --impl"),
         "plot is a directory": (["--plot", str(tmp_path)],
                                 f"--plot: {str(tmp_path)!r} is a directory, not a file"),
         "plot has no directory": (["--plot", str(missing)], f"--plot: {str(missing)!r}: no "
@@ -202,12 +198,18 @@ def test_plot_draws_only_the_rows_with_figures(capsys, tmp_path):
     assert re.search(r"^sdpa-flash .* n/a$", out, re.M) and "sdpa-flash:" in out
 
 
-def test_a_plot_with_nothing_to_draw_is_one_line(capsys, tmp_path):
-    """Every row a note (sdpa-flash has no fp32 kernel): no plot to draw, said in one line
-    (it was ``max() arg is an empty sequence``)."""
-    path = tmp_path / "peaks.png"
+def test_without_naive_the_baseline_is_the_first_implementation(capsys):
+    """``--impl flash2,linear`` alone compared nothing: the default baseline, naive, was not
+    among them. Now the first of them is the baseline (its saving 0, its factor 1)."""
+    code, out, _ = run(capsys, "compare", "--seq", "256", "--batch", "1", "--impl",
+                       "flash2,linear", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["baseline"] == "flash2"
+
+
+def test_a_baseline_without_figures_is_one_line(capsys):
+    """sdpa-flash has no fp32 kernel: every saving against it would be a dash."""
     code, out, err = run(capsys, "compare", "--seq", "256", "--batch", "1", "--impl",
-                         "sdpa-flash", "--baseline", "sdpa-flash", "--plot", str(path))
-    assert_refused(code, out, err, "--plot")
-    assert "none of the compared implementations has figures to draw" in err
-    assert not path.exists()
+                         "naive,sdpa-flash", "--baseline", "sdpa-flash")
+    assert_refused(code, out, err, "--baseline")
+    assert "sdpa-flash has no figures for these options" in err

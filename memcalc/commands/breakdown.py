@@ -21,6 +21,9 @@ def run(args) -> int:
     from memcalc.progress import status
 
     check_output(args.plot, "--plot")
+    if "," in args.impl or args.impl.strip() == "all":
+        raise ValueError(f"--impl: breakdown takes one implementation; memcalc compare --impl "
+                         f"{args.impl} puts several side by side")
     config = config_from(args)
     with status(f"replaying {config.impl}"):  # a chunked loop at a million rows: seconds
         result = check(config, budget_from(args))

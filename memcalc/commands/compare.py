@@ -12,9 +12,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--only", dest="impl", action="append", help=argparse_suppress())
     budget_options(parser)
     format_options(parser)
-    parser.add_argument("--baseline", default="naive",
-                        help="compare against (default naive, the custom softmax keeping exp_x; "
-                             "naive-softmax is torch.softmax attention)")
+    parser.add_argument("--baseline", default=None,
+                        help="compare against (default naive, the custom softmax keeping exp_x, "
+                             "or the first of --impl when naive is not among them)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also draw what is alive at each peak (needs matplotlib)")
 
@@ -55,17 +55,17 @@ def run(args) -> int:
 
     check_output(args.plot, "--plot")
     names = impl_list(args.impl)
-    check_baseline(args.baseline, names)
+    baseline = args.baseline or ("naive" if names is None or "naive" in names else names[0])
+    check_baseline(baseline, names)
     with status("comparing"):  # chunked loops at a million rows replay for seconds each
-        result = compare(base_config(args, names), budget_from(args), names, args.baseline)
+        result = compare(base_config(args, names), budget_from(args), names, baseline)
+    if not any(r.impl == baseline and r.breakdown for r in result.rows):
+        raise ValueError(f"--baseline: {baseline} has no figures for these options (the same "
+                         f"command with another --baseline says why)")
     if args.plot:
         from memcalc.plots import plot_components
 
-        drawn = [r.breakdown for r in result.rows if r.breakdown]
-        if not drawn:
-            raise ValueError("--plot: none of the compared implementations has figures to "
-                             "draw (the same command without --plot says why)")
-        with naming("--plot"):
-            plot_components(drawn, args.plot)
+        with naming("--plot"):  # the baseline's row at least has figures
+            plot_components([r.breakdown for r in result.rows if r.breakdown], args.plot)
     emit(result, args.format)
     return 0

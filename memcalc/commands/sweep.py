@@ -50,8 +50,8 @@ def add_arguments(p) -> None:
     step_options(p)
     budget_options(p)
     p.add_argument("--pivot", default=None, metavar="FIGURE",
-                   help="seed-002 layout, rows seq_len and columns head_dim, for one figure: "
-                        "peak, saved, reserved, forward or backward")
+                   help="one figure as a table with a row per seq_len and a column per "
+                        "head_dim: peak, saved, reserved, forward or backward")
     p.add_argument("--bytes", action="store_true", help="exact bytes in the tables, not MiB")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also draw the peak against seq_len, log-log, with the budget and each "

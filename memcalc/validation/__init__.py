@@ -25,6 +25,10 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
     description)`` wraps the emulated loop (``memcalc.progress``)."""
     if configs is None:
         configs = (load_grid(grid) if grid else default_grid()).expand(impls)
+        if not configs and backend == "emulated" and impls:
+            raise ValueError(f"--impl: the grid has no configuration of {', '.join(impls)} "
+                             f"(kernels modelled from CUDA sources have no meta-device trace: "
+                             f"--backend cuda checks them)")
     if backend == "cuda":
         return _live(configs, impls, out, max_seconds, cases)
     if backend != "emulated":
