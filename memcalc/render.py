@@ -59,10 +59,18 @@ class Table:
 
 # --- plain formats ------------------------------------------------------------------------
 
+def escaped(text: str) -> str:
+    """Text that Markdown shows as written: ``*`` would start emphasis even inside a word
+    (``192*N^2 + 3,168*N``), ``|`` would end a table cell. (``_`` inside a word, as in
+    ``exp_x``, and a backslash before a space, as in ``seq_len \\ head_dim``, are literal
+    in CommonMark.)"""
+    return str(text).replace("*", "\\*").replace("|", "\\|")
+
+
 def markdown_table(columns: Sequence[Column], rows: Iterable[Any]) -> str:
-    lines = ["| " + " | ".join(c.header for c in columns) + " |",
+    lines = ["| " + " | ".join(escaped(c.header) for c in columns) + " |",
              "| " + " | ".join("---:" if c.justify == "right" else "---" for c in columns) + " |"]
-    lines += ["| " + " | ".join(str(c.cell(r)) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(escaped(c.cell(r)) for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -77,17 +85,17 @@ def csv_table(columns: Sequence[Column], rows: Iterable[Any]) -> str:
 def _bold_title(title: str) -> str:
     """Markdown: the title's first line in bold, the rest as a paragraph."""
     first, _, rest = title.partition("\n")
-    return f"**{first}**\n\n" + (f"{rest}\n\n" if rest else "")
+    return f"**{escaped(first)}**\n\n" + (f"{escaped(rest)}\n\n" if rest else "")
 
 
 def markdown(result) -> str:
     """Every table of ``result`` (bold title, table, its notes), then the result's notes."""
     parts = []
     for t in result.tables():
-        notes = "".join(f"\n{n}\n" for n in t.notes)
+        notes = "".join(f"\n{escaped(n)}\n" for n in t.notes)
         parts.append((_bold_title(t.title) if t.title else "")
                      + markdown_table(t.columns, t.rows) + notes)
-    notes = "".join(f"\n{n}\n" for n in result.footnotes())
+    notes = "".join(f"\n{escaped(n)}\n" for n in result.footnotes())
     return "\n".join(parts) + notes
 
 

@@ -91,8 +91,8 @@ def test_plain_text_and_markdown_show_who_made_each_component():
     assert (len(LEGEND), len(head), last) == (211, 193, "derivatives.yaml)")
     piped = [line.rstrip() for line in text(b, width=PIPED_WIDTH).splitlines()]
     assert piped[piped.index(head) + 1] == last
-    md = markdown(b)  # --markdown: each note a paragraph of its own, never wrapped
-    assert f"\n{LEGEND}\n" in md
+    md = markdown(b)  # --markdown: each note a paragraph of its own, never wrapped, its *
+    assert f"\n{LEGEND.replace('*', chr(92) + '*')}\n" in md  # escaped (no emphasis)
     assert "| e/r | DivBackward0: grad of r (e / r) | temporary |" in md
     assert "| q | input (randn) | input |" in md
     assert "| cuBLAS workspace, main thread | cuBLAS handle pool | workspace |" in md

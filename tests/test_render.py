@@ -163,3 +163,15 @@ def test_print_and_repr_are_short():
     assert str(b).count("\n") == 0 and len(repr(b)) < 250
     assert "peak" in str(b) and "fits" in str(b)
     assert repr(b).startswith("<Breakdown: naive B=8 H=1 N=1024")
+
+
+def test_markdown_shows_stars_and_bars_as_written():
+    """``192*N^2 + 3,168*N`` rendered half in italics, and a ``|`` in a cell would split it;
+    both are escaped, in cells, notes and titles. ``exp_x`` needs no escape (CommonMark
+    leaves an underscore inside a word alone)."""
+    from memcalc.render import Column, escaped, markdown_table
+
+    assert escaped("naive: 192*N^2 + 3,168*N") == "naive: 192\\*N^2 + 3,168\\*N"
+    assert escaped("a | b") == "a \\| b" and escaped("exp_x") == "exp_x"
+    table = markdown_table([Column("name", lambda r: r)], ["-dp*e/r/r"])
+    assert table.splitlines()[-1] == "| -dp\\*e/r/r |"
