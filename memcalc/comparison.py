@@ -76,8 +76,7 @@ class Comparison(Result):
 
     def _title(self) -> str:
         c = next((r.breakdown.config for r in self.rows if r.breakdown), None)
-        shape = (f"B={c.shape.batch} H={c.shape.heads} N={c.shape.seq_len} d={c.shape.head_dim} "
-                 f"{c.dtype.value}{' causal' if c.causal else ''}") if c else ""
+        shape = c.label() if c else ""
         return f"{shape}; max seq_len within {self.budget.describe()}"
 
     def _baseline_note(self) -> str:

@@ -164,6 +164,26 @@ class Config(BaseModel):
         """The sizes programs are built from (the one place they are read)."""
         return Dims.of(self)
 
+    def label(self, leave_out: str | None = None) -> str:
+        """The sizes and options as every title shows them: ``B=8 H=1 N=16384 d=16 fp32``,
+        then what differs from the defaults (key/value heads and length, causal,
+        forward-only, the loss, the chunk, the cuBLAS workspace setting); ``leave_out``:
+        the size a search solves for."""
+        s, p = self.shape, self.protocol
+        sizes = {"batch": f"B={s.batch}", "heads": f"H={s.heads}",
+                 "kv_heads": f"Hk={s.kv_heads}" if s.kv_heads else "",
+                 "seq_len": f"N={s.seq_len}", "kv_len": f"M={s.kv_len}" if s.kv_len else "",
+                 "head_dim": f"d={s.head_dim}"}
+        options = [self.dtype.value, "causal" if self.causal else "",
+                   "forward-only" if p.forward_only else "",
+                   f"loss={p.loss}" if p.loss != "grad" else "",
+                   f"chunk={self.chunk}" if self.chunk != Config.model_fields["chunk"].default
+                   else "",
+                   f"CUBLAS_WORKSPACE_CONFIG={p.cublas_workspace_config}"
+                   if p.cublas_workspace_config else ""]
+        shown = [v for k, v in sizes.items() if k != leave_out] + options
+        return " ".join(part for part in shown if part)
+
     def replace(self, **changes) -> "Config":
         """This configuration with some fields changed, validated as a new one: the one way
         to vary a configuration. Shape fields (``seq_len``, ``batch``, ...) are given

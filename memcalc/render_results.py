@@ -43,12 +43,7 @@ def _traced(get_impl, name: str) -> bool:
 
 def breakdown_title(b) -> str:
     c = b.config
-    s = c.shape
-    kv = f" M={s.kv_len}" if s.kv_len else ""
-    hk = f" Hk={s.kv_heads}" if s.kv_heads else ""
-    flags = (" causal" if c.causal else "") + (" forward-only" if c.protocol.forward_only else "")
-    return (f"{c.impl}{flags}: B={s.batch} H={s.heads}{hk} N={s.seq_len}{kv} d={s.head_dim} "
-            f"{c.dtype.value} on {c.device.spec.label}; peak in {b.peak_phase}")
+    return f"{c.impl}: {c.label()} on {c.device.spec.label}; peak in {b.peak_phase}"
 
 
 def component_columns(peak: int, with_source: bool = False) -> list[Column]:
@@ -106,10 +101,10 @@ def breakdown_tables(b) -> list[Table]:
 
 def breakdown_headline(b) -> str:
     """``naive N=16384 ...: peak 48.11 GiB (backward), saved ..., fits ...``."""
-    c, s = b.config, b.config.shape
+    c = b.config
     f = b.fit()
     verdict = "fits" if f.fits else "does not fit"
-    return (f"{c.impl} B={s.batch} H={s.heads} N={s.seq_len} d={s.head_dim} {c.dtype.value}: "
+    return (f"{c.impl} {c.label()}: "
             f"peak {b.peak_bytes:,} B ({human(b.peak_bytes)}, {b.peak_phase}), saved "
             f"{human(b.saved_bytes)}, reserved {human(b.reserved_peak_bytes)}; {verdict} in "
             f"{human(f.budget_bytes)} (the budget of {b.budget.device})")

@@ -97,15 +97,6 @@ def _byte_columns(field: str) -> list[Column]:
     ]
 
 
-def _fixed_options(config: Config, field: str) -> str:
-    s = config.shape
-    parts = {"seq_len": f"N={s.seq_len}", "batch": f"B={s.batch}", "heads": f"H={s.heads}",
-             "head_dim": f"d={s.head_dim}"}
-    parts.pop(field)
-    flags = (" causal" if config.causal else "") + (" forward-only" if config.protocol.forward_only else "")
-    return " ".join(parts.values()) + f" {config.dtype.value}{flags}"
-
-
 class OomReport(Result):
     """The threshold of every implementation asked for, in one budget."""
 
@@ -117,7 +108,7 @@ class OomReport(Result):
     skipped: tuple[Skipped, ...] = ()
 
     def title(self) -> str:
-        return (f"largest {self.field} that fits, {_fixed_options(self.base, self.field)}\n"
+        return (f"largest {self.field} that fits, {self.base.label(leave_out=self.field)}\n"
                 f"{self.budget.describe()}")
 
     def tables(self) -> list[Table]:

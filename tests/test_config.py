@@ -29,6 +29,20 @@ def test_workspace_bytes(config, expected):
     assert config.workspace_bytes == expected
 
 
+def test_label_shows_the_sizes_then_what_differs_from_the_defaults():
+    """One definition of the options every title shows (breakdown, compare, oom): a search's
+    own size left out."""
+    assert Config().label() == "B=8 H=1 N=16384 d=16 fp32"
+    assert Config().label(leave_out="seq_len") == "B=8 H=1 d=16 fp32"
+    changed = Config(impl="sdpa-math", causal=True, chunk=32, dtype="fp16",
+                     shape=Shape(heads=4, kv_heads=2, kv_len=4096, seq_len=1024),
+                     protocol=Protocol(loss="sum", forward_only=True,
+                                       cublas_workspace_config=":4096:8"))
+    assert changed.label(leave_out="batch") == (
+        "H=4 Hk=2 N=1024 M=4096 d=16 fp16 causal forward-only loss=sum chunk=32 "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8")
+
+
 def test_explicit_device():
     d = Device(gpu=None, memory_bytes=10**10, compute_capability=(8, 6))
     assert d.spec.memory_bytes == 10**10

@@ -66,7 +66,7 @@ def test_caveats_name_each_untraced_model_once_then_the_unchecked_allocator(monk
 def test_breakdown_title_shows_flags_and_key_value_sizes_only_when_set():
     assert breakdown_title(made()) == f"naive: B=1 H=1 N=64 d=16 fp32 on {H100}; peak in backward"
     assert breakdown_title(made(causal=True, forward_only=True, dtype="bf16")) == (
-        f"naive causal forward-only: B=1 H=1 N=64 d=16 bf16 on {H100}; peak in backward")
+        f"naive: B=1 H=1 N=64 d=16 bf16 causal forward-only on {H100}; peak in backward")
     gqa = made(impl="sdpa-math", heads=4, kv_heads=2, kv_len=128, gpu="a100-80gb")
     assert breakdown_title(gqa) == (
         "sdpa-math: B=1 H=4 Hk=2 N=64 M=128 d=16 fp32 on NVIDIA A100-SXM4-80GB; peak in backward")
