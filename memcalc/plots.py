@@ -71,7 +71,7 @@ def plot_timeline(config, path: str | None = None, recorded=None):
     ax.set_xlabel("allocation events of the measured step (forward, then backward)")
     ax.set_ylabel(f"memory ({unit})")
     ax.set_ylim(0, max(e.reserved for e in events) / scale * 1.08)
-    ax.set_title(f"{config.impl}: one training step, {_shape_text(config)}\n"
+    ax.set_title(f"{config.impl}: one training step, {config.label()}\n"
                  f"torch.cuda memory on {config.device.spec.label}", fontsize=11)
     fig.legend(loc="outside lower center", ncols=3, fontsize=9, frameon=False)
     return _finish(fig, path)
@@ -87,13 +87,6 @@ def _config_of(obj):
         if isinstance(candidate, Config):
             return candidate
     raise TypeError(f"plot_timeline: a Config or a breakdown, not {type(obj).__name__}")
-
-
-def _shape_text(config) -> str:
-    """``N=16384 B=8 H=1 d=16 fp32`` (and ``causal``): what a plot title needs to say."""
-    s = config.shape
-    flags = " causal" if config.causal else ""
-    return f"N={s.seq_len:,} B={s.batch} H={s.heads} d={s.head_dim} {config.dtype.value}{flags}"
 
 
 def _mark_phases(ax, events) -> None:
@@ -148,7 +141,7 @@ def plot_components(results: Iterable, path: str | None = None):
     ax.invert_yaxis()  # first result on top, as in the tables
     ax.set_xlim(0, max(lefts) * 1.3)
     ax.set_xlabel(f"alive at the peak, max_memory_allocated ({unit})")
-    ax.set_title(f"What is alive at each implementation's peak: {_shape_text(results[0].config)}",
+    ax.set_title(f"What is alive at each implementation's peak: {results[0].config.label()}",
                  fontsize=11)
     ax.legend(title="role", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     ax.grid(axis="x", color="#eeeeee")

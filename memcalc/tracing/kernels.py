@@ -165,14 +165,15 @@ def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
     if call.v[-1] != call.q[-1]:  # efficient and cuDNN (192/128) take it: their outputs
         # are v's width, and memcalc's programs have one head dim
         raise NotModelled(f"scaled_dot_product_attention: a value head dim ({call.v[-1]}) "
-                         f"unlike the query's ({call.q[-1]}) is not modelled for the "
-                         f"{backend} backend")
+                          f"unlike the query's ({call.q[-1]}) is not modelled for the "
+                          f"{backend} backend")
     d = dims_of(call, paths.gpu)
     if backend == EFFICIENT:
         sdpa_efficient.check(d, sdpa_flash.gpu_of(d))
         if d.Hk != d.H:
             raise NotModelled("scaled_dot_product_attention: the efficient backend with "
-                             "grouped key/value heads is not modelled (memcalc's sdpa-efficient)")
+                              "grouped key/value heads is not modelled (memcalc's "
+                              "sdpa-efficient)")
         if call.dropout > 0:
             paths.note("efficient backend with dropout: its backward kernel's workspace is "
                        "modelled for the no-dropout kernels (kernels/cutlassB.h)")

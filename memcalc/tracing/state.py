@@ -5,8 +5,8 @@ construction (nanoGPT's causal ``bias`` buffer is made in ``__init__``, often at
 They exist before the step, so they count in every figure from the start, in their own
 roles (``parameter``, ``buffer``; a module-level ``nn.Parameter`` is a parameter). Modules
 found on the CPU are moved to the meta device, tied weights kept tied, so that the step can
-run there; CPU tensors that are not in a
-module are the user's data on the host and are not device memory.
+run there; CPU tensors that are not in a module are the user's data on the host and are not
+device memory.
 """
 
 from __future__ import annotations

@@ -19,21 +19,22 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 # positive, and whole numbers as written (``true`` is not a batch of 1)
 Sizes = Annotated[list[Annotated[int, Field(ge=1, strict=True)]], Field(min_length=1)]
 Flags = Annotated[list[Annotated[bool, Field(strict=True)]], Field(min_length=1)]
+Names = Annotated[list[str], Field(min_length=1)]
 
 
 class Product(BaseModel):
     """Every combination of these values is one configuration."""
 
     model_config = _FROZEN
-    impl: Annotated[list[str], Field(min_length=1)]
+    impl: Names
     causal: Flags = [False]
     dtype: Annotated[list[DType], Field(min_length=1)] = [DType.fp32]
     batch: Sizes = [2]
     heads: Sizes = [1]
     seq_len: Sizes = [256]
     head_dim: Sizes = [16]
-    gpu: Annotated[list[str], Field(min_length=1)] = ["h100-80gb"]
-    loss: Annotated[list[str], Field(min_length=1)] = ["grad"]
+    gpu: Names = ["h100-80gb"]
+    loss: Names = ["grad"]
     forward_only: Flags = [False]
 
     def configs(self) -> list[Config]:
