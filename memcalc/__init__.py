@@ -121,12 +121,9 @@ def breakdown(**options):
 def _budget(config, gpu_gb=None, reserve=None):
     """The device budget: the preset's memory (or ``gpu_gb`` x 2^30 B) less ``reserve``
     (bytes, or a size string such as ``"1GiB"``; default 512 MiB)."""
-    from memcalc.budget import Budget, parse_gb, parse_size, size_note
+    from memcalc.budget import Budget
 
-    memory = parse_gb(str(gpu_gb)) if gpu_gb is not None else None
-    reserve_bytes = parse_size(str(reserve)) if isinstance(reserve, str) else reserve
-    note = size_note(reserve) if isinstance(reserve, str) else ""
-    return Budget.of(config.device, reserve_bytes, memory, note)
+    return Budget.given(config.device, gpu_gb, reserve)
 
 
 def _names(values, field: str, known: list[str]) -> list[str]:

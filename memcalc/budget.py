@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 from memcalc.allocator import MiB, OutOfMemory
 from memcalc.breakdown import Breakdown, Result, register_judge
 from memcalc.config import Config, Device
-from memcalc.units import GiB, decimal, human
+from memcalc.units import GiB, decimal, finite_decimal, human
 
 DEFAULT_RESERVE_BYTES = 512 * MiB
 GB = GiB
@@ -70,17 +70,17 @@ def size_note(text: str) -> str:
     return ""
 
 
-def parse_gb(text: str, option: str = "--gpu-gb") -> int:
-    """``--gpu-gb X``: X binary gigabytes (2^30 B each), exactly (``"79.5"`` allowed)."""
+def parse_gb(text: str, option: str = "--gpu-gb") -> Fraction:
+    """``--gpu-gb X``: X binary gigabytes (2^30 B each), exactly (``"79.5"``, ``"79.11"``)."""
     try:
         value = Fraction(str(text).strip())
     except (ValueError, ZeroDivisionError):
         raise ValueError(f"{option}: {text!r} is not a number of GB (2^30 B each)") from None
-    if value <= 0:
-        raise ValueError(f"{option}: the device memory must be positive (got {text!r})")
-    if (value * GB).denominator != 1:
-        raise ValueError(f"{option}: {text!r} GB is not a whole number of bytes")
-    return int(value * GB)
+    if not finite_decimal(value):
+        raise ValueError(f"{option}: {text!r} is not a decimal number of GB (2^30 B each)")
+    if value * GB < 1:
+        raise ValueError(f"{option}: the device memory must be at least one byte (got {text!r})")
+    return value
 
 
 class Budget(BaseModel):
@@ -108,21 +108,34 @@ class Budget(BaseModel):
         return self.memory_bytes - self.reserve_bytes
 
     @classmethod
+    def given(cls, device: Device, gpu_gb=None, reserve=None) -> "Budget":
+        """The budget as the CLI and the API take it: ``gpu_gb`` GB of 2^30 B (a number or
+        its text, instead of the preset's memory), ``reserve`` bytes or a size text such as
+        ``"1GiB"`` (default 512 MiB)."""
+        text = isinstance(reserve, str)
+        reserve_bytes = parse_size(reserve) if text else reserve
+        note = size_note(reserve) if text else ""
+        gb = parse_gb(str(gpu_gb)) if gpu_gb is not None else None
+        return cls.of(device, reserve_bytes, gb, note)
+
+    @classmethod
     def of(cls, device: Device, reserve_bytes: int | None = None,
-           memory_bytes: int | None = None, reserve_source: str = "") -> "Budget":
-        """The budget of ``device`` (its preset's memory unless ``memory_bytes``)."""
+           memory_gb: Fraction | None = None, reserve_source: str = "") -> "Budget":
+        """The budget of ``device``: its preset's memory, or ``memory_gb`` x 2^30 B rounded
+        down to a whole byte (PyTorch's messages round GiB to two places: "79.11 GiB")."""
         from memcalc.gpus import MEMORY_KINDS
 
         spec = device.spec
         reserve = DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes
-        if memory_bytes is not None:
-            gb = Fraction(memory_bytes, GB)
-            shown = decimal(gb)  # exact: a whole number of bytes over 2^30
-            return cls(device=f"{shown} GB (GB = 2^30 B; cuBLAS workspaces of {spec.name}, "
-                              f"compute capability {spec.compute_capability[0]}."
+        if memory_gb is not None:
+            exact = memory_gb * GB
+            shown = decimal(memory_gb)  # exact: the decimal the user wrote, or its fraction's
+            rounded = "" if exact.denominator == 1 else ", rounded down to a whole byte"
+            return cls(device=f"{shown} GB (GB = 2^30 B{rounded}; cuBLAS workspaces of "
+                              f"{spec.name}, compute capability {spec.compute_capability[0]}."
                               f"{spec.compute_capability[1]})",
-                       memory_bytes=memory_bytes, reserve_bytes=reserve,
-                       memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B",
+                       memory_bytes=exact.numerator // exact.denominator, reserve_bytes=reserve,
+                       memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B{rounded}",
                        reserve_source=reserve_source)
         return cls(device=spec.label, memory_bytes=spec.memory_bytes, reserve_bytes=reserve,
                    memory_source=f"{spec.name}: {spec.source}",

@@ -89,7 +89,8 @@ def budget_options(p: argparse.ArgumentParser) -> None:
     """The device budget: ``--gpu``'s memory (or ``--gpu-gb``) less ``--reserve``."""
     p.add_argument("--gpu-gb", default=None, metavar="X",
                    help="device memory in GB of 2^30 B, instead of the --gpu preset's "
-                        "(whose compute capability still sets the cuBLAS workspace)")
+                        "(whose compute capability still sets the cuBLAS workspace); "
+                        "79.11 is rounded down to a whole byte")
     p.add_argument("--reserve", default=None, metavar="SIZE",
                    help="memory the allocator cannot have: CUDA context, other processes "
                         "(default 512MiB; units B, KiB, MiB, GiB = 2^30 B; KB, MB, GB = 10^9 B; "
@@ -98,12 +99,10 @@ def budget_options(p: argparse.ArgumentParser) -> None:
 
 def budget_from(args):
     """The ``Budget`` the options describe (``memcalc.budget``)."""
-    from memcalc.budget import Budget, parse_gb, parse_size, size_note
+    from memcalc.budget import Budget
     from memcalc.config import Device
 
-    memory = parse_gb(args.gpu_gb) if args.gpu_gb is not None else None
-    reserve = parse_size(args.reserve) if args.reserve is not None else None
-    return Budget.of(Device(gpu=args.gpu), reserve, memory, size_note(args.reserve or ""))
+    return Budget.given(Device(gpu=args.gpu), args.gpu_gb, args.reserve)
 
 
 FORMATS = {"json": "print the result as JSON (every figure; bytes as integers)",

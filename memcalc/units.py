@@ -20,17 +20,32 @@ def fixed(numerator: int, denominator: int, places: int) -> str:
     return sign + (f"{whole:,}.{frac:0{places}d}" if places else f"{whole:,}")
 
 
+def finite_decimal(q: Fraction) -> bool:
+    """Whether ``q`` has a finite decimal: its denominator has no prime factor but 2 and 5."""
+    rest = q.denominator
+    for p in (2, 5):
+        while rest % p == 0:
+            rest //= p
+    return rest == 1
+
+
 def decimal(q: Fraction) -> str:
-    """A fraction whose denominator has no prime factor but 2 and 5 (a byte count over 2^30,
-    say) as its exact decimal: ``79.5``, ``0.0009765625``, ``80``."""
-    places, rest = 0, q.denominator
-    while rest % 10 == 0 or rest % 2 == 0 or rest % 5 == 0:
-        rest, places = rest // (10 if rest % 10 == 0 else 2 if rest % 2 == 0 else 5), places + 1
-    if rest != 1:
+    """A fraction with a finite decimal (a byte count over 2^30, say) as that decimal:
+    ``79.5``, ``0.0009765625``, ``80``."""
+    if not finite_decimal(q):
         raise ValueError(f"{q} has no finite decimal")
+    places = max(_multiplicity(q.denominator, 2), _multiplicity(q.denominator, 5))
     whole, frac = divmod(abs(q.numerator) * 10**places // q.denominator, 10**places)
     digits = f"{whole}.{frac:0{places}d}".rstrip("0").rstrip(".") if places else f"{whole}"
     return ("-" if q < 0 else "") + digits
+
+
+def _multiplicity(n: int, p: int) -> int:
+    """How many times the prime ``p`` divides ``n``."""
+    count = 0
+    while n % p == 0:
+        n, count = n // p, count + 1
+    return count
 
 
 def mib(nbytes: int) -> str:

@@ -36,11 +36,21 @@ def test_parse_size_rejects(text):
 
 
 def test_gpu_gb_counts_binary_gigabytes():
-    assert parse_gb("80") == 85_899_345_920  # 80 x 2^30
-    assert parse_gb("79.5") == 85_362_475_008  # 159 x 2^29
-    for bad in ("0", "-1", "x", "1/0"):
+    assert Budget.given(Device(), "80", 0).memory_bytes == 85_899_345_920  # 80 x 2^30
+    assert Budget.given(Device(), "79.5", 0).memory_bytes == 85_362_475_008  # 159 x 2^29
+    for bad in ("0", "-1", "x", "1/0", "1/3", "0.0000000009"):  # 9e-10 x 2^30 < 1 B
         with pytest.raises(ValueError, match="--gpu-gb"):
             parse_gb(bad)
+
+
+def test_gpu_gb_as_pytorch_prints_it_is_rounded_down_to_a_byte():
+    """PyTorch's OOM message rounds GiB to two places ("total capacity of 79.11 GiB"): a
+    user copies that figure; it is read exactly and rounded down, and the budget says so."""
+    b = Budget.given(Device(), 79.11, 0)
+    # 79.11 x 2^30 = 7911 x 1,073,741,824 / 100 = 84,943,715,696.64 -> 84,943,715,696
+    assert b.memory_bytes == 84_943_715_696
+    assert b.device.startswith("79.11 GB (GB = 2^30 B, rounded down to a whole byte;")
+    assert "rounded" not in Budget.given(Device(), "79.5").device
 
 
 def test_default_budget_of_a_preset():
@@ -54,7 +64,7 @@ def test_default_budget_of_a_preset():
 
 
 def test_gpu_gb_budget_says_what_gb_means():
-    b = Budget.of(Device(gpu="a100-80gb"), reserve_bytes=0, memory_bytes=parse_gb("40"))
+    b = Budget.of(Device(gpu="a100-80gb"), reserve_bytes=0, memory_gb=parse_gb("40"))
     assert b.budget_bytes == 42_949_672_960  # 40 x 2^30
     assert "2^30" in b.describe() and "a100-80gb" in b.describe()
 
@@ -62,10 +72,10 @@ def test_gpu_gb_budget_says_what_gb_means():
 def test_gpu_gb_is_shown_as_given_exactly():
     """A GB figure is a whole number of bytes over 2^30: a finite decimal, shown whole (a
     float's six digits showed 2^-10 GB as 0.000976562)."""
-    b = Budget.of(Device(), reserve_bytes=0, memory_bytes=parse_gb("0.0009765625"))
+    b = Budget.of(Device(), reserve_bytes=0, memory_gb=parse_gb("0.0009765625"))
     assert b.budget_bytes == 1_048_576  # 2^-10 x 2^30 = 2^20
     assert b.device.startswith("0.0009765625 GB (GB = 2^30 B;")
-    assert Budget.of(Device(), memory_bytes=parse_gb("79.5")).device.startswith("79.5 GB")
+    assert Budget.of(Device(), memory_gb=parse_gb("79.5")).device.startswith("79.5 GB")
 
 
 def test_reserve_must_leave_memory():

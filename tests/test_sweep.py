@@ -40,7 +40,7 @@ def test_rows_and_exact_figures():
 def test_oom_mark_follows_the_budget():
     assert all(r.fits for r in seeds().rows)  # an H100 holds every row
     # 40 GiB: the N=16384 rows (reserved ~56 GiB) do not fit, N=8192 (~14 GiB) do
-    s = seeds(memory_bytes=40 * 2**30)
+    s = seeds(memory_gb=40)
     assert {r.seq_len for r in s.rows if not r.fits} == {16384}
 
 

@@ -17,7 +17,7 @@ def growing_impl(scratch_register):
 
 
 def test_all_implementations_skip_growing_programs(growing_impl):
-    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    budget = Budget.of(Device(), memory_gb=80)
     report = solve(Config(), budget, impls=None)
     skipped = {k.impl: k.reason for k in report.skipped}
     assert "events grow with seq_len" in skipped["test-growing"]
@@ -64,7 +64,7 @@ def test_ctrl_c_keeps_the_implementations_solved_before_it(monkeypatch):
     """Interrupted in naive-softmax's search, after naive's: naive's row stays, and
     naive-softmax is listed with what its search knew (its first replay, at 16,384 rows,
     fits). Still a KeyboardInterrupt for a caller that does not look."""
-    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    budget = Budget.of(Device(), memory_gb=80)
     interrupt_after(monkeypatch, "naive-softmax", 1)
     with pytest.raises(KeyboardInterrupt) as caught:
         solve(Config(), budget, impls=["naive", "naive-softmax"])
