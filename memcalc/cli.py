@@ -134,7 +134,7 @@ def config_from(args, **overrides):
 def emit(result, fmt: str | None) -> None:
     """Print ``result`` as a rich renderable or in the chosen text format."""
     if fmt is None:
-        console().print(result)
+        show(result)
         return
     from memcalc.render import to_json
 
@@ -147,15 +147,19 @@ PIPED_WIDTH = 200
 every table side by side, so that a pipe or a file gets the full layout."""
 
 
-def console():
-    """The rich console for stdout: the terminal's width (or ``COLUMNS``), else
-    ``PIPED_WIDTH`` when piped."""
+def show(renderable) -> None:
+    """Print ``renderable`` to stdout: styled at the terminal's width; piped, as plain text
+    at ``COLUMNS`` (else ``PIPED_WIDTH``) columns with no trailing spaces."""
     from rich.console import Console
 
+    from memcalc.render import text
+
     out = Console()
-    if out.is_terminal or os.environ.get("COLUMNS", "").isdigit():
-        return out
-    return Console(width=PIPED_WIDTH)
+    if out.is_terminal:
+        out.print(renderable)
+        return
+    columns = os.environ.get("COLUMNS", "")
+    sys.stdout.write(text(renderable, out.width if columns.isdigit() else PIPED_WIDTH))
 
 
 def check_output(path: str | None, option: str) -> None:

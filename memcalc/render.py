@@ -43,6 +43,10 @@ class Column:
     drop: int = 0
     wrap: bool = False
 
+    def __post_init__(self):
+        if not self.header:  # a CSV or Markdown reader needs every column named
+            raise ValueError("a column needs a header")
+
 
 @dataclass(frozen=True)
 class Table:
@@ -197,13 +201,14 @@ def fitted(result) -> Fitted:
 
 
 def text(result, width: int = 100) -> str:
-    """``result`` rendered as plain text at ``width`` columns (``print(result)``)."""
+    """``result`` rendered as plain text at ``width`` columns (``print(result)``, a pipe),
+    without the spaces rich pads each table line with."""
     from rich.console import Console
 
     console = Console(width=width, file=io.StringIO(), color_system=None, force_jupyter=False,
                       force_terminal=False)
     console.print(result)
-    return console.file.getvalue()
+    return "".join(line.rstrip() + "\n" for line in console.file.getvalue().splitlines())
 
 
 def html(renderable) -> str:

@@ -79,7 +79,7 @@ FIGURE_COLUMNS = [
     Column("figure", lambda kv: FIGURE_LABELS[kv[0]]),
     Column("bytes", lambda kv: kv[1], "right"),
     Column("MiB", lambda kv: mib(kv[1]), "right", drop=2),
-    Column("", lambda kv: human(kv[1]), "right", drop=1),
+    Column("size", lambda kv: human(kv[1]), "right", drop=1),
 ]
 
 

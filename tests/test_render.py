@@ -41,6 +41,15 @@ def test_units_are_exact():
     assert share(2, 3) == "66.7%"
 
 
+def test_every_column_is_named():
+    """A column without a header leaves a CSV or Markdown reader guessing (the figures'
+    human-readable sizes and the GPU presets' had none)."""
+    from memcalc.render import Column
+
+    with pytest.raises(ValueError, match="header"):
+        Column("", str)
+
+
 # --- every subcommand at every width: nothing cut ------------------------------------------
 
 import json
@@ -64,6 +73,7 @@ def run_at(capsys, monkeypatch, width, *argv) -> str:
     limit = width or PIPED_WIDTH
     assert "…" not in out and "..." not in out
     assert max(len(line) for line in out.splitlines()) <= limit
+    assert not [line for line in out.splitlines() if line.endswith(" ")]  # no padding piped
     return out
 
 

@@ -8,7 +8,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from memcalc.cli import console
+    from memcalc.cli import show
     from memcalc.impls import get_impl
     from memcalc.names import impl_choices
     from memcalc.render import Column, rich_table
@@ -19,7 +19,7 @@ def run(args) -> int:
         Column("model", lambda n: "traced" if get_impl(n).traced else "from CUDA sources",
                drop=1),
     ]
-    console().print(rich_table("implementations (--impl NAME; lists: --impl a,b or 'all'); "
+    show(rich_table("implementations (--impl NAME; lists: --impl a,b or 'all'); "
                                "naive is the custom softmax that keeps exp_x, naive-softmax is "
                                "torch.softmax attention", columns, impl_choices()))
     return 0
