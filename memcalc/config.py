@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import Literal
+from typing import Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -164,24 +164,25 @@ class Config(BaseModel):
         """The sizes programs are built from (the one place they are read)."""
         return Dims.of(self)
 
-    def label(self, leave_out: str | None = None) -> str:
+    def label(self, leave_out: str | Iterable[str] = ()) -> str:
         """The sizes and options as every title shows them: ``B=8 H=1 N=16384 d=16 fp32``,
         then what differs from the defaults (key/value heads and length, causal,
         forward-only, the loss, the chunk, the cuBLAS workspace setting); ``leave_out``:
-        the size a search solves for."""
+        the size a search solves for, or what a sweep varies (sizes, ``dtype``)."""
+        left = {leave_out} if isinstance(leave_out, str) else set(leave_out)
         s, p = self.shape, self.protocol
         sizes = {"batch": f"B={s.batch}", "heads": f"H={s.heads}",
                  "kv_heads": f"Hk={s.kv_heads}" if s.kv_heads else "",
                  "seq_len": f"N={s.seq_len}", "kv_len": f"M={s.kv_len}" if s.kv_len else "",
                  "head_dim": f"d={s.head_dim}"}
-        options = [self.dtype.value, "causal" if self.causal else "",
+        options = ["" if "dtype" in left else self.dtype.value, "causal" if self.causal else "",
                    "forward-only" if p.forward_only else "",
                    f"loss={p.loss}" if p.loss != "grad" else "",
                    f"chunk={self.chunk}" if self.chunk != Config.model_fields["chunk"].default
                    else "",
                    f"CUBLAS_WORKSPACE_CONFIG={p.cublas_workspace_config}"
                    if p.cublas_workspace_config else ""]
-        shown = [v for k, v in sizes.items() if k != leave_out] + options
+        shown = [v for k, v in sizes.items() if k not in left] + options
         return " ".join(part for part in shown if part)
 
     def replace(self, **changes) -> "Config":

@@ -329,15 +329,9 @@ def _fmt(value: float) -> str:
 
 
 def _peaks_title(sweep) -> str:
-    """What is fixed in the sweep (batch, heads, head_dim, dtype) and the budget."""
-    fixed = {k: v[0] for k, v in sweep.axes.items() if len(v) == 1 and k not in ("seq_len", "impl")}
-    order = ("batch", "heads", "head_dim", "dtype")
-    shape = ", ".join(f"{k} {fixed[k]}" if k != "dtype" else str(fixed[k])
-                      for k in order if k in fixed)
-    flags = (" causal" if sweep.base.causal else "") + (
-        " forward-only" if sweep.base.protocol.forward_only else "")
+    """What is fixed in the sweep (``Sweep.fixed``) and the budget."""
     b = sweep.budget
     return (f"Reserved memory of one training step (what must fit) against seq_len: "
-            f"{shape}{flags}\n"
+            f"{sweep.fixed()}\n"
             f"budget {human(b.budget_bytes)} = {human(b.memory_bytes)} device "
             f"({sweep.base.device.spec.name}) less {human(b.reserve_bytes)} reserve")

@@ -134,12 +134,16 @@ class Sweep(Result):
             Column("OOM?", lambda r: "fits" if r.fits else "OOM"),
         ]
 
+    def fixed(self) -> str:
+        """What the sweep holds fixed, as every title shows a configuration:
+        ``naive: B=8 H=1 d=16 fp32`` (the implementation when only one), then the options."""
+        varied = [k for k, v in self.axes.items() if len(v) > 1] + ["seq_len"]
+        one = {k: v[0] for k, v in self.axes.items() if k not in varied}
+        config = self.base.replace(**one)
+        return ("" if "impl" in varied else f"{config.impl}: ") + config.label(leave_out=varied)
+
     def title(self) -> str:
-        fixed = {k: v[0] for k, v in self.axes.items() if len(v) == 1 and k != "seq_len"}
-        shape = " ".join(f"{k}={v}" for k, v in fixed.items())
-        flags = (" causal" if self.base.causal else "") + (
-            " forward-only" if self.base.protocol.forward_only else "")
-        return f"memory scaling with sequence length: {shape}{flags}\n{self.budget.describe()}"
+        return f"memory scaling with sequence length: {self.fixed()}\n{self.budget.describe()}"
 
     def footnotes(self) -> list[str]:
         lines = ["peak: max_memory_allocated over the step; saved: memory_allocated after the "

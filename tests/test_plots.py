@@ -63,7 +63,7 @@ def test_peaks_marks_the_solved_threshold(tmp_path):
     assert "N=19,511" in texts  # memcalc.oom's answer for naive at 80 GB
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     title = ax.get_title()
-    assert "batch 8" in title and "head_dim 16" in title and "fp32" in title
+    assert "against seq_len: B=8 H=1 d=16 fp32\n" in title  # two impls: none named
     assert "79.50 GiB" in title
 
 

@@ -87,11 +87,13 @@ def test_growth_is_against_the_first_given_length_of_each_series(toys):
 def test_title_names_the_fixed_axes_the_flags_and_the_budget(toys):
     head = "memory scaling with sequence length: "
     one = sweep(base(), BUDGET, seq_len=(256,))
-    assert one.title() == (head + f"impl={TOY} dtype=fp32 batch=1 heads=1 head_dim=16\n"
-                           + BUDGET_LINE)
+    assert one.title() == head + f"{TOY}: B=1 H=1 d=16 fp32\n" + BUDGET_LINE
     varied = sweep(base(causal=True, forward_only=True), BUDGET, seq_len=(256,),
                    head_dim=(16, 32), impls=(TOY, LINEAR))
-    assert varied.title() == head + "dtype=fp32 batch=1 heads=1 causal forward-only\n" + BUDGET_LINE
+    assert varied.title() == head + "B=1 H=1 fp32 causal forward-only\n" + BUDGET_LINE
+    # the options every title shows (Config.label), not the sweep's own subset of them
+    options = sweep(base(kv_len=512, loss="sum"), BUDGET, seq_len=(256,), dtypes=("fp32", "fp16"))
+    assert options.title() == head + f"{TOY}: B=1 H=1 M=512 d=16 loss=sum\n" + BUDGET_LINE
 
 
 def test_long_columns_show_the_axes_that_vary_and_the_unit(toys):
@@ -142,8 +144,8 @@ def test_piped_text_is_plain_with_title_rows_and_notes(toys):
     out = text(s, width=200)  # what print() and a pipe get: no terminal, no colour
     assert "\x1b" not in out
     lines = out.splitlines()
-    assert lines[:2] == [f"memory scaling with sequence length: impl={TOY} dtype=fp32 batch=1 "
-                         "heads=1 head_dim=16", BUDGET_LINE]
+    assert lines[:2] == [f"memory scaling with sequence length: {TOY}: B=1 H=1 d=16 fp32",
+                         BUDGET_LINE]
     rows = [line.split() for line in lines if line.split()[:1] in (["256"], ["512"], ["1024"])]
     assert rows == [
         # 336 KiB = 0.328 MiB; 0.25; 2.00; s 256 / 336 = 76.19%
