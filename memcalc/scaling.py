@@ -137,7 +137,7 @@ class Sweep(Result):
     def fixed(self) -> str:
         """What the sweep holds fixed, as every title shows a configuration:
         ``naive: B=8 H=1 d=16 fp32`` (the implementation when only one), then the options."""
-        varied = [k for k, v in self.axes.items() if len(v) > 1] + ["seq_len"]
+        varied = self._varying() + ["seq_len"]
         one = {k: v[0] for k, v in self.axes.items() if k not in varied}
         config = self.base.replace(**one)
         return ("" if "impl" in varied else f"{config.impl}: ") + config.label(leave_out=varied)
