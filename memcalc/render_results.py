@@ -18,12 +18,14 @@ from memcalc.units import human, mib, share
 ALLOCATOR_CHECKED_ON_GPU = False
 
 
-def caveats(impls) -> list[str]:
+def caveats(impls, kernels=()) -> list[str]:
     """One line on the figures that rest on models not checked against a GPU: kernels read
-    from PyTorch's CUDA sources (``Impl.traced`` False) and the allocator model."""
+    from PyTorch's CUDA sources (``Impl.traced`` False, or the fused SDPA ``kernels`` a
+    trace ran) and the allocator model."""
     from memcalc.impls import get_impl
 
     derived = [n for n in dict.fromkeys(impls) if not _traced(get_impl, n)]
+    derived += [f"scaled_dot_product_attention's {k} backend" for k in kernels]
     parts = []
     if derived:
         parts.append(f"{', '.join(derived)} modelled from PyTorch's CUDA kernel sources, "

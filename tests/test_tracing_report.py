@@ -80,6 +80,24 @@ def test_footnotes_are_the_summary_then_the_breakdowns_caveats():
     assert result.footnotes() == [FIRST, CAVEAT]
 
 
+def fused(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_a_fused_kernel_the_trace_ran_is_a_caveat():
+    """A fused SDPA backend allocates what memcalc's model of its CUDA source declares: the
+    trace says so, as a breakdown of sdpa-efficient does (fp32 on an H100: efficient)."""
+    config = make_config(impl=register_function(fused, "fused"), seq_len=64, batch=1,
+                         heads=1, head_dim=16)
+    result = traced(fused, config)
+    assert result.kernels == ("efficient",)
+    assert result.footnotes()[-1] == (
+        "caveat: scaled_dot_product_attention's efficient backend modelled from PyTorch's "
+        "CUDA kernel sources, not traced; the allocator model follows PyTorch's source and "
+        "is not yet checked on a GPU.")
+    assert json.loads(result.to_json())["kernels"] == ["efficient"]
+
+
 def chain(q, k, v):
     out = q
     for _ in range(4):
@@ -105,7 +123,7 @@ def test_json_without_a_budget_adds_only_the_gpu_its_paths_and_the_notes():
     result = Traced(breakdown=b, gpu=H100, notes=("first note", "second note"))
     data = json.loads(result.to_json())
     assert data == {**b.to_dict(), "gpu": H100, "cuda_paths": True,
-                    "notes": ["first note", "second note"]}
+                    "notes": ["first note", "second note"], "kernels": []}
     assert "budget_bytes" not in data and "fits" not in data
 
 
@@ -115,7 +133,7 @@ def test_json_with_a_budget_adds_its_figures_and_the_fit():
     data = json.loads(result.to_json())
     added = {k: v for k, v in data.items() if k not in result.breakdown.to_dict()}
     assert added == {
-        "gpu": H100, "cuda_paths": True, "notes": [],
+        "gpu": H100, "cuda_paths": True, "notes": [], "kernels": [],
         "budget_bytes": 1_048_576,  # 1 MiB - reserve 0
         "fits": False,  # the first 2 MiB segment is over it
         "budget": {"device": "given", "memory_bytes": 1_048_576, "reserve_bytes": 0,
@@ -135,7 +153,8 @@ def test_json_with_a_budget_adds_its_figures_and_the_fit():
 def test_trace_command_prints_notes_budget_and_fit_whole_at_every_width(
         capsys, monkeypatch, tmp_path, width):
     """After the tables: the summary, one bullet per note, the budget and the fit, wrapped
-    at spaces to the width, never cut; then the breakdown's caveat."""
+    at spaces to the width, never cut; then the caveat (the fused kernel's, the
+    allocator's)."""
     (tmp_path / "user_sdpa.py").write_text(
         "import torch.nn.functional as F\n\n"
         "def attn(q, k, v):\n"
@@ -163,6 +182,7 @@ def test_trace_command_prints_notes_budget_and_fit_whole_at_every_width(
              # every block of B=1 H=1 N=8 d=16 is under 1 MiB: one 2 MiB small-pool segment;
              # 2^30 - 2,097,152 = 1,071,644,672 B = 1022 MiB = 1.00 GiB (rounded) to spare
              "fits: reserved peak 2,097,152 B <= budget 1,073,741,824 B (1.00 GiB to spare)",
-             CAVEAT]
+             "caveat: scaled_dot_product_attention's cudnn backend modelled from PyTorch's "
+             "CUDA kernel sources, not traced; " + CAVEAT.removeprefix("caveat: ")]
     after_tables = flat.index("reserved peak (max_memory_reserved) 2097152")
     assert flat[after_tables:].endswith(" ".join(" ".join(line.split()) for line in lines))

@@ -177,7 +177,8 @@ def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
         replay = lambda capacity: _measure(fn, config, options, capacity)  # noqa: E731
         checked = dict(budget=budget, fit=fit(config, budget.budget_bytes, result, replay))
     return Traced(breakdown=result, gpu=config.device.spec.label, cuda_paths=options.cuda,
-                  notes=tuple(paths.notes) if paths else (), **checked)
+                  notes=tuple(paths.notes) if paths else (),
+                  kernels=tuple(paths.kernels) if paths else (), **checked)
 
 
 def _paths(config: Config, options: TraceOptions):
@@ -246,11 +247,23 @@ def _explain(error: Exception, fn: Callable) -> str:
         else getattr(fn, "__name__", "the function")
     if isinstance(error, NotModelled):
         return f"{where}: {_first_line(error)}"
-    return (f"{where} cannot run on the meta device: {type(error).__name__}: "
-            f"{_first_line(error)}. Hint: data-dependent code (.item(), .cpu(), shapes from "
-            "values) cannot be traced; give a custom CUDA/Triton kernel a fake implementation "
-            "(torch.library.register_fake), or pick the built-in model that matches it "
-            "(memcalc impls)")
+    raised = f"{type(error).__name__}: {_first_line(error)}"
+    if _meta_refused(error):
+        return f"{where} cannot run on the meta device: {raised}. Hint: {META_HINT}"
+    return (f"{where} raised {raised} (traced on the meta device: tensors without values). "
+            f"If it runs on a GPU: {META_HINT}")
+
+
+META_HINT = ("data-dependent code (.item(), .cpu(), shapes from values) cannot be traced; give "
+             "a custom CUDA/Triton kernel a fake implementation (torch.library.register_fake), "
+             "or pick the built-in model that matches it (memcalc impls)")
+
+
+def _meta_refused(error: Exception) -> bool:
+    """Whether torch refused an op for lack of data or of a meta kernel ("Tensor.item()
+    cannot be called on meta tensors", "Cannot copy out of meta tensor", "Could not run
+    'x' with arguments from the 'Meta' backend"): not an error of the code itself."""
+    return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
 
 
 def _source_file(fn: Callable) -> str:

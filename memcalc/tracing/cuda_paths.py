@@ -65,6 +65,7 @@ class CudaPaths:
     workspace: cudnn.Workspace = cudnn.Workspace()
     tracer: object = None  # the emulated backend's Tracer, set when tracing starts
     notes: dict[str, None] = field(default_factory=dict)  # ordered set of lines
+    kernels: dict[str, None] = field(default_factory=dict)  # fused SDPA backends run
     mask_adds: int = 0  # math backend calls whose mask add is still to come
 
     @property
@@ -158,6 +159,7 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
     if mask is not None:
         raise ValueError("scaled_dot_product_attention with attn_mask on the "
                          f"{choice.backend} backend is not modelled")
+    paths.kernels[choice.backend] = None
     return kernels.run(paths, choice.backend, q, k, v, call)
 
 

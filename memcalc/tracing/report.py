@@ -16,6 +16,7 @@ class Traced(Result):
     gpu: str = ""
     cuda_paths: bool = True  # False: the meta device's own code paths (--meta-paths)
     notes: tuple[str, ...] = ()
+    kernels: tuple[str, ...] = ()  # the fused SDPA backends the trace modelled, not traced
 
     def summary(self) -> str:
         lines = [f"traced as on {self.gpu}: CUDA code paths emulated (memcalc README, "
@@ -33,7 +34,9 @@ class Traced(Result):
         return self.breakdown.tables()
 
     def footnotes(self) -> list[str]:
-        return [self.summary(), *self.breakdown.footnotes()]
+        from memcalc.render_results import caveats
+
+        return [self.summary(), *caveats([self.breakdown.config.impl], self.kernels)]
 
     def csv_table(self):
         return self.breakdown.csv_table()
@@ -51,4 +54,4 @@ class Traced(Result):
             extra = {"budget_bytes": self.budget.budget_bytes, "fits": self.fit.fits,
                      "budget": self.budget.model_dump(mode="json"), "fit": self.fit.to_dict()}
         return {**self.breakdown.to_dict(), "gpu": self.gpu, "cuda_paths": self.cuda_paths,
-                "notes": list(self.notes), **extra}
+                "notes": list(self.notes), "kernels": list(self.kernels), **extra}
