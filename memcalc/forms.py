@@ -8,6 +8,8 @@ the size classes decide the guards on one size alone, so ``_simplify`` drops tho
 
 from __future__ import annotations
 
+from operator import index
+
 import numpy as np
 
 from memcalc.allocator import MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_SIZE, round_segment
@@ -23,15 +25,16 @@ class Form:
         self.terms, self.const, self.value = terms, const, value
 
     def __add__(self, other) -> "Form":
-        return self.shifted(other) if isinstance(other, int) else _combine(self, other, 1)
+        # a constant may be any exact integer (numpy's too); operator.index refuses a float
+        return _combine(self, other, 1) if isinstance(other, Form) else self.shifted(index(other))
 
     __radd__ = __add__
 
     def __sub__(self, other) -> "Form":
-        return self.shifted(-other) if isinstance(other, int) else _combine(self, other, -1)
+        return _combine(self, other, -1) if isinstance(other, Form) else self.shifted(-index(other))
 
     def __rsub__(self, other: int) -> "Form":
-        return self.negated().shifted(other)
+        return self.negated().shifted(index(other))
 
     def shifted(self, const: int) -> "Form":
         return Form(self.terms, self.const + const, self.value + const)

@@ -22,6 +22,17 @@ def test_adding_an_integer_shifts_constant_and_value_only():
     assert parts(constant(2 * MiB)) == ({}, 2_097_152, 2_097_152)  # 2 x 2^20
 
 
+def test_a_numpy_integer_is_an_integer_and_a_float_is_refused():
+    """The grid's sizes come from numpy arrays: an ``np.int64`` constant shifts as an int
+    does (it was taken for a Form); a float is no byte count."""
+    f = Form({0: 1}, 0, 1024)
+    assert parts(f + np.int64(512)) == ({0: 1}, 512, 1536)  # 1024 + 512
+    assert parts(f - np.int64(512)) == ({0: 1}, -512, 512)  # 1024 - 512
+    assert parts(np.int64(10) - f) == ({0: -1}, 10, -1014)  # 10 - 1024
+    with pytest.raises(TypeError):
+        f + 0.5
+
+
 def test_combining_forms_adds_coefficients_and_drops_the_cancelled_atoms():
     a = Form({0: 1, 1: 2}, 3, 100)
     b = Form({1: 2, 2: -1}, 4, 50)
