@@ -12,9 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from memcalc.accepted import Accepted, every
 from memcalc.dims import Dims
 from memcalc.progress import detail
 from memcalc.tensors import Program
+
+
+def no_rules(d: Dims) -> tuple[Accepted, ...]:
+    """What an implementation that refuses no size declares."""
+    return ()
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,13 @@ class Impl:
     build: Callable[[Dims], Program]
     gqa: bool = False  # supports fewer key/value heads than query heads
     traced: bool = True  # validated against the emulated trace; False: source-derived only
+    # the sizes it accepts, for the other sizes of ``d``: what its check refuses, what a
+    # search probes (``memcalc.accepted``)
+    accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules
+
+    def rule(self, d: Dims, field: str) -> Accepted:
+        """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
+        return next((a for a in self.accepted(d) if a.field == field), every(field))
 
     def program(self, d: Dims) -> Program:
         """The program for ``d``. Builders are pure functions of their sizes, so small
@@ -59,12 +72,14 @@ def add(impl: Impl, replace: bool = False) -> Impl:
     return impl
 
 
-def register(name: str, summary: str, gqa: bool = False, traced: bool = True):
+def register(name: str, summary: str, gqa: bool = False, traced: bool = True,
+             accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules):
     """Decorator: register ``build`` as implementation ``name``. ``traced=False`` marks a
-    model derived from kernel sources that the meta device cannot check (fused CUDA kernels)."""
+    model derived from kernel sources that the meta device cannot check (fused CUDA kernels);
+    ``accepted``: the sizes it accepts (``Impl.accepted``)."""
 
     def wrap(build: Callable[[Dims], Program]):
-        add(Impl(name, summary, build, gqa, traced))
+        add(Impl(name, summary, build, gqa, traced, accepted))
         return build
 
     return wrap

@@ -24,6 +24,12 @@ threshold. A few Newton-like steps on ``rho Q(x) = budget`` (``rho`` re-measured
 point) give an estimate; a bracket ``fits(lo)``, not ``fits(hi)`` grows around it by
 doubling steps (from the size of the last correction) and is bisected down to adjacent
 values. ``Q`` is also what the report shows, "so the user sees why".
+
+Only values the implementation accepts are probed (``memcalc.accepted``: FlashAttention's
+head dims up to 256, the memory-efficient kernel's multiples of 8): every guess is moved to
+one, the bracket steps and the bisection move over them, and "N + 1" is the next accepted
+value, or none when ``N`` is the largest one accepted: then the kernel's limit, not memory,
+bounds the answer (``Solved.limit``).
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
+from memcalc.accepted import Accepted
 from memcalc.budget import Fit, fit, replay_within
 from memcalc.closed_form import Quadratic, live_polynomial
 from memcalc.config import Config
 from memcalc.deadline import TimeUp, deadline
+from memcalc.errors import one_line
 from memcalc.impls import get_impl
 from memcalc.progress import listening, say
 from memcalc.timeline import predict
@@ -55,15 +63,22 @@ STRETCH = 0.8  # the share of the time left a climb's step is planned to take
 
 
 class Solved(BaseModel):
-    """One implementation's threshold: ``max_value`` fits, ``max_value + 1`` does not."""
+    """One implementation's threshold: ``max_value`` fits, ``next_value`` (``max_value +
+    1``, or the next value the implementation accepts: ``accepted``) does not; no
+    ``next_value`` when ``max_value`` is the largest value it accepts (its ``limit``)."""
 
     model_config = _FROZEN
     impl: str
     field: SolveField
-    max_value: int = Field(description="largest value that fits (0: not even 1)")
-    first_failing_power_of_two: int
+    max_value: int = Field(description="largest accepted value that fits (0: none)")
+    next_value: int | None = Field(description="the next accepted value, which does not fit "
+                                               "(None: max_value is the largest accepted)")
+    first_failing_power_of_two: int | None = Field(
+        description="the smallest accepted power of two above max_value that does not fit "
+                    "(None: none is accepted)")
     at_max: Fit | None = Field(description="the step at max_value (None when 0)")
-    at_next: Fit
+    at_next: Fit | None = Field(description="the step at next_value (None without one)")
+    accepted: Accepted = Field(description="the values of field the implementation accepts")
     approximation: Quadratic | None
     evaluations: int = Field(description="full predictions the solver made")
 
@@ -74,20 +89,36 @@ class Solved(BaseModel):
 
     @computed_field
     @property
-    def peak_bytes_at_next(self) -> int:
-        return self.at_next.peak_bytes
+    def peak_bytes_at_next(self) -> int | None:
+        return self.at_next.peak_bytes if self.at_next else None
+
+    @computed_field
+    @property
+    def spare_bytes_at_max(self) -> int | None:
+        """The budget less what the step reserves at ``max_value`` (under the budget)."""
+        return self.at_max.budget_bytes - self.at_max.reserved_bytes if self.at_max else None
+
+    @computed_field
+    @property
+    def limit(self) -> str | None:
+        """Why nothing above ``max_value`` is tried: the implementation's largest accepted
+        value, in words; None when memory bounds the answer."""
+        return self.accepted.limit() if self.next_value is None else None
 
     def to_dict(self) -> dict:
-        key = f"max_{self.field}"
+        at_max, at_next = self.at_max, self.at_next
         return {
-            "impl": self.impl, key: self.max_value,
+            "impl": self.impl, f"max_{self.field}": self.max_value,
+            f"next_{self.field}": self.next_value, "limit": self.limit,
+            **self.accepted.to_dict(),
             "first_failing_power_of_two": self.first_failing_power_of_two,
             "peak_bytes_at_max": self.peak_bytes_at_max,
             "peak_bytes_at_next": self.peak_bytes_at_next,
-            "reserved_peak_bytes_at_max": self.at_max.reserved_peak_bytes if self.at_max else None,
-            "reserved_peak_bytes_at_next": self.at_next.reserved_peak_bytes,
-            "fit_at_max": self.at_max.describe() if self.at_max else None,
-            "fit_at_next": self.at_next.describe(),
+            "spare_bytes_at_max": self.spare_bytes_at_max,
+            "reserved_peak_bytes_at_max": at_max.reserved_peak_bytes if at_max else None,
+            "reserved_peak_bytes_at_next": at_next.reserved_peak_bytes if at_next else None,
+            "fit_at_max": at_max.describe() if at_max else None,
+            "fit_at_next": at_next.describe() if at_next else None,
             "approximation": self.approximation.to_dict() if self.approximation else None,
             "evaluations": self.evaluations,
         }
@@ -127,6 +158,8 @@ class _Probe:
     def __init__(self, config: Config, field: str, budget_bytes: int,
                  time_limit: float | None = None):
         self.config, self.field, self.budget = config, field, budget_bytes
+        self.accepted = get_impl(config.impl).rule(config.dims, field)  # the values probed
+        self.first_accepted: int | None = None  # the first value the check let through
         self.known: dict[int, tuple[bool, int]] = {}
         self.full: dict[int, Fit] = {}
         self.breakdowns: dict = {}
@@ -144,11 +177,33 @@ class _Probe:
         """``fits`` at ``x``: one replay under the capacity."""
         if x not in self.known:
             self.say(f"trying {self.field}={x:,}")
-            with self._limited(x):
+            with self._limited(x), self._checked(x):
                 self.known[x] = replay_within(self.config.replace(**{self.field: x}),
                                               self.budget)
             self.evaluations += 1
         return self.known[x][0]
+
+    @contextmanager
+    def _checked(self, x: int):
+        """A step at ``x``, an accepted value: when the implementation's check refuses it
+        after letting another value through, a rule across sizes that no ``Accepted``
+        declares (causal FlashAttention: seq_len == kv_len) forbids the search; one line
+        says so with both values, instead of the check's line about a value never given."""
+        try:
+            yield
+        except ValueError as error:
+            if self.first_accepted is None:
+                raise  # the options as given: the check's own line
+            raise ValueError(f"{one_line(error)}; solving {self.field} from "
+                             f"{self.first_accepted:,}, {self.config.impl} refuses "
+                             f"{x:,}") from None
+        if self.first_accepted is None:
+            self.first_accepted = x
+
+    def snap(self, x: int) -> int:
+        """The accepted value at or below ``x``, or the smallest accepted one: where a
+        search may probe (a kernel refuses the others)."""
+        return self.accepted.floor(x) or self.accepted.step
 
     @contextmanager
     def _limited(self, x: int, timed: bool = True):
@@ -275,7 +330,7 @@ class _Probe:
         if x not in self.full:
             c = self.config.replace(**{self.field: x})
             self.say(f"trying {self.field}={x:,}")
-            with self._limited(x):
+            with self._limited(x), self._checked(x):
                 b = predict(c)
                 self.full[x] = fit(c, self.budget, b)
             self.evaluations += 1
@@ -292,21 +347,17 @@ def _guess(probe: _Probe, x: int, q: Quadratic | None) -> int | None:
         return None
     rho = Fraction(probe.size(x)) / raw
     root = q.root(Fraction(probe.budget) / rho)
-    return None if root is None or root < 1 else min(int(root), LIMIT)
+    return None if root is None or root < 1 else probe.snap(min(int(root), LIMIT))
 
 
-def _gallop(probe: _Probe, x: int, step: int) -> tuple[int, int]:
-    """A bracket ``(lo, hi)`` around ``x``: ``fits(lo)`` (or ``lo == 0``), not ``fits(hi)``,
-    with steps doubling away from ``x``."""
+def _gallop(probe: _Probe, x: int, step: int) -> tuple[int, int | None]:
+    """A bracket ``(lo, hi)`` around ``x``, an accepted value: ``fits(lo)`` (or ``lo ==
+    0``), not ``fits(hi)``, with steps (multiples of the accepted step) doubling away from
+    ``x``; ``hi`` None when ``lo`` fits and is the largest value accepted."""
+    grid = probe.accepted.step
+    step = max(grid, step - step % grid)
     if probe(x):
-        lo = x
-        while True:
-            hi = lo + step
-            if hi >= LIMIT:
-                raise ValueError(f"{probe.config.impl}: still fits at {probe.field} = {lo}")
-            if not probe(hi):
-                return lo, hi
-            lo, step = hi, step * 2
+        return _gallop_up(probe, x, step)
     hi = x
     while True:
         lo = max(0, hi - step)
@@ -315,11 +366,32 @@ def _gallop(probe: _Probe, x: int, step: int) -> tuple[int, int]:
         hi, step = lo, step * 2
 
 
+def _gallop_up(probe: _Probe, lo: int, step: int) -> tuple[int, int | None]:
+    """From ``lo``, which fits: steps doubling up to one that does not, or to the largest
+    accepted value, which fits (``hi`` None)."""
+    while True:
+        hi = probe.accepted.floor(lo + step)
+        if hi <= lo:  # lo is the implementation's limit: nothing above it to try
+            return lo, None
+        if hi >= LIMIT:
+            raise ValueError(f"{probe.config.impl}: still fits at {probe.field} = {lo}")
+        if not probe(hi):
+            return lo, hi
+        lo, step = hi, step * 2
+
+
+def _midpoint(accepted: Accepted, lo: int, hi: int) -> int | None:
+    """The accepted value halfway between ``lo`` and ``hi`` (0 or accepted values), or None
+    when they are neighbours: nothing accepted lies between them."""
+    gap = (hi - lo) // accepted.step
+    return lo + gap // 2 * accepted.step if gap > 1 else None
+
+
 def _narrow(probe: _Probe, lo: int, hi: int) -> int:
-    """Bisect ``(lo, hi)`` down to adjacent values (the steering sizes are step functions
-    of the field near a threshold: interpolating on them does not beat halving)."""
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
+    """Bisect ``(lo, hi)`` down to neighbouring accepted values (the steering sizes are
+    step functions of the field near a threshold: interpolating on them does not beat
+    halving)."""
+    while (mid := _midpoint(probe.accepted, lo, hi)) is not None:
         if probe(mid):
             lo = mid
         else:
@@ -332,9 +404,10 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
     """A value ``N`` of ``field`` with ``fits(N)`` and not ``fits(N + 1)`` for
     ``budget_bytes``, searched from the closed-form estimate of the top of the fitting range
     (so in practice the largest: see the module docstring), with the figures at ``N`` and
-    ``N + 1``. ``Unsolved`` after ``time_limit`` seconds."""
+    ``N + 1`` (over accepted values only: ``N + 1`` is the next one, if any). ``Unsolved``
+    after ``time_limit`` seconds."""
     probe = _Probe(config, field, budget_bytes, time_limit)
-    x = start or getattr(config.shape, field)
+    x = probe.snap(start or getattr(config.shape, field))
     try:
         try:
             return _search(probe, x, field)
@@ -365,7 +438,7 @@ def _search(probe: _Probe, x: int, field: str) -> Solved:
         step = max(1, abs(x - previous) // 8)
     _approach(probe, x)
     lo, hi = _gallop(probe, x, step)
-    return _solved(probe, _narrow(probe, lo, hi), field)
+    return _solved(probe, lo if hi is None else _narrow(probe, lo, hi), field)
 
 
 def _approach(probe: _Probe, x: int) -> None:
@@ -387,11 +460,13 @@ def _closed_form(probe: _Probe, n: int, field: str) -> Quadratic | None:
     it: the answer stands without it. A loop's is replayed at n/4, n/2 and 3n/4 (at 2n, 3n
     and 4n, the chunked loop at 80 GiB would replay 90 million rows, with 4x the memory)."""
     loop = probe.grows()
+    most = probe.accepted.most
+    below = loop or (most is not None and 4 * n > most)  # 2n..4n: sizes the kernel refuses
     try:
         probe.say(f"closed form at {field}={n:,}")
         with probe._limited(3 * n // 2 if loop else 9 * n, timed=False):
             return live_polynomial(probe.config.replace(**{field: n}), field,
-                                   probe.breakdowns.get(n), below=loop)
+                                   probe.breakdowns.get(n), below=below)
     except Unsolved:
         return None
 
@@ -409,8 +484,8 @@ def _climb(probe: _Probe) -> Unsolved:
             lo, hi = probe.bounds()
             if lo == 0:
                 break
-            x = probe.reachable(lo, _step_top(probe, lo, hi))
-            if x == lo:
+            x = probe.accepted.floor(probe.reachable(lo, _step_top(probe, lo, hi)))
+            if x <= lo:
                 break
             probe.fit(x)
     except Unsolved:
@@ -451,24 +526,39 @@ def program_events(config: Config) -> int:
     return len(p.forward) + len(p.backward)
 
 
+def accepted_start(config: Config, field: str) -> Config:
+    """``config`` with ``field`` moved to an accepted value at or below it (or the smallest
+    one): where a search starts (the value given is only a starting point)."""
+    rule = get_impl(config.impl).rule(config.dims, field)
+    return config.replace(**{field: rule.floor(getattr(config.shape, field)) or rule.step})
+
+
 def events_growth(config: Config, field: str) -> tuple[int, int]:
-    """The program's events at ``field`` = 256 and at 512: more at 512 is a loop (chunks)."""
+    """The program's events at ``field`` = 256 and at 512: more at 512 is a loop (chunks).
+    Where the implementation refuses either value (the fused kernels' head dims), its
+    events at the accepted start, twice: taken as constant."""
+    rule = get_impl(config.impl).rule(config.dims, field)
+    if not (rule.accepts(256) and rule.accepts(512)):
+        events = program_events(accepted_start(config, field))
+        return events, events
     small, large = (program_events(config.replace(**{field: n})) for n in (256, 512))
     return small, large
 
 
 def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",
                time_limit: float | None = None) -> Solved:
-    """The reference solver: double from 1 until a step does not fit, then bisect, every
-    step a full prediction (what ``benchmarks/`` compares ``max_fitting`` with)."""
+    """The reference solver: double from the smallest accepted value until a step does
+    not fit (or up to the largest accepted), then bisect, every step a full prediction
+    (what ``benchmarks/`` compares ``max_fitting`` with)."""
     probe = _Probe(config, field, budget_bytes, time_limit)
-    lo, hi = 0, 1
+    lo, hi = 0, probe.accepted.step
     while probe.fit(hi).fits:
-        lo, hi = hi, hi * 2
+        lo, hi = hi, probe.accepted.floor(2 * hi)
+        if hi <= lo:  # the largest accepted value fits
+            return _solved(probe, lo, field, approximate=False)
         if hi >= LIMIT:
             raise ValueError(f"{config.impl}: still fits at {field} = {lo}")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    while (mid := _midpoint(probe.accepted, lo, hi)) is not None:
         if probe.fit(mid).fits:
             lo = mid
         else:
@@ -477,15 +567,26 @@ def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",
 
 
 def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solved:
-    config = probe.config
-    at_next = probe.fit(n + 1)
+    """The answer ``n`` with the figures at it and at the next accepted value (none past
+    the implementation's largest), checked to be a threshold."""
+    config, following = probe.config, probe.accepted.after(n)
+    at_next = probe.fit(following) if following is not None else None
     at_max = probe.fit(n) if n >= 1 else None
-    if at_next.fits or (at_max is not None and not at_max.fits):
+    if (at_next is not None and at_next.fits) or (at_max is not None and not at_max.fits):
         raise AssertionError(f"{config.impl}: the bracket at {n} is not a threshold")
-    power = 1 << max(0, n).bit_length()  # the smallest power of two above n
-    while probe(power):  # only if fitting is not monotone
-        power *= 2
+    power = _first_failing_power(probe, n)
     q = _closed_form(probe, n, field) if approximate and n >= 1 else None
-    return Solved(impl=config.impl, field=field, max_value=n,
+    return Solved(impl=config.impl, field=field, max_value=n, next_value=following,
                   first_failing_power_of_two=power, at_max=at_max, at_next=at_next,
-                  approximation=q, evaluations=probe.evaluations)
+                  accepted=probe.accepted, approximation=q, evaluations=probe.evaluations)
+
+
+def _first_failing_power(probe: _Probe, n: int) -> int | None:
+    """The smallest power of two above ``n`` that the implementation accepts and that does
+    not fit (above ``n`` only if fitting is not monotone); None when none is accepted."""
+    power = 1 << max(0, n).bit_length()
+    while power < LIMIT and (probe.accepted.most is None or power <= probe.accepted.most):
+        if probe.accepted.accepts(power) and not probe(power):
+            return power
+        power *= 2
+    return None

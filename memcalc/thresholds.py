@@ -18,9 +18,9 @@ from memcalc.config import Config
 from memcalc.errors import one_line
 from memcalc.impls import impl_names
 from memcalc.render import Column, Table
-from memcalc.solver import (Interrupted, SolveField, Solved, Unsolved, events_growth, max_fitting,
-                            program_events)
-from memcalc.units import GiB, fixed
+from memcalc.solver import (Interrupted, SolveField, Solved, Unsolved, accepted_start,
+                            events_growth, max_fitting, program_events)
+from memcalc.units import GiB, fixed, human
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -40,22 +40,51 @@ def _cell_gib(f: Fit | None, key: str) -> str:
     return "-" if f is None else gib(getattr(f, key))
 
 
-def _columns(field: str) -> list[Column]:
+def _dash(value):
+    """A cell that may have no value: ``-``."""
+    return "-" if value is None else value
+
+
+def _next_label(field: str, results) -> str:
+    """What the last column is at: ``N+1``, or ``next d`` when an implementation accepts
+    only some values (multiples of 8: the next one it accepts)."""
+    s = SYMBOL[field]
+    plus_one = all(r.next_value in (None, r.max_value + 1) for r in results)
+    return f"{s}+1" if plus_one else f"next {s}"
+
+
+def _columns(field: str, results) -> list[Column]:
     """The table's columns. ``reserved at N`` is the reserved peak of the replay under the
     budget (with the allocator's release-and-retry, so never above the budget); ``needs at
     N+1`` is what the failing replay asked for (reserved + the segment that failed), above
-    it: the two figures that decide the threshold."""
+    it: the two figures that decide the threshold (``-`` when the implementation accepts
+    no larger value: its limit, not memory, bounds the answer)."""
     s = SYMBOL[field]
     return [
         Column("implementation", lambda r: r.impl),
         Column(f"max {s}", lambda r: r.max_value, "right"),
-        Column("first 2^k OOM", lambda r: r.first_failing_power_of_two, "right", drop=3),
+        Column("first 2^k OOM", lambda r: _dash(r.first_failing_power_of_two), "right", drop=3),
         Column(f"allocated at {s}, GiB", lambda r: _cell_gib(r.at_max, "peak_bytes"), "right",
                drop=2),
         Column(f"reserved at {s}, GiB", lambda r: _cell_gib(r.at_max, "reserved_bytes"), "right"),
-        Column(f"needs at {s}+1, GiB", lambda r: _cell_gib(r.at_next, "reserved_bytes"), "right",
-               drop=1),
+        Column(f"needs at {_next_label(field, results)}, GiB",
+               lambda r: _cell_gib(r.at_next, "reserved_bytes"), "right", drop=1),
     ]
+
+
+def _accepted_note(r: Solved) -> str | None:
+    """What an implementation's rule on the solved field did to its answer: its limit
+    bounds it (with the bytes to spare there), or only some values were tried; None when
+    it accepts every value."""
+    if r.limit is not None:
+        spare = r.spare_bytes_at_max
+        room = (f"fits with {spare:,} B ({human(spare)}) to spare: memory does not bound it"
+                if r.at_max else "does not fit")
+        return f"{r.impl}: {r.max_value:,}, {r.limit}; {room}"
+    if r.next_value != r.max_value + 1:
+        return (f"{r.impl}: {r.accepted.steps()}: {r.max_value:,} fits, {r.next_value:,}, "
+                f"the next it takes, does not")
+    return None
 
 
 def _number(q: Fraction) -> str:
@@ -82,15 +111,26 @@ def _formula(r) -> str:
             + f" ({kind}; coefficients rounded to 0.01, fractions in --json)")
 
 
+def _blank(value):
+    """A CSV cell that may have no value: empty."""
+    return "" if value is None else value
+
+
 def _byte_columns(field: str) -> list[Column]:
+    """The CSV's columns: the JSON's figures, one row per solved implementation."""
     return [
         Column("impl", lambda r: r.impl),
         Column(f"max_{field}", lambda r: r.max_value),
-        Column("first_failing_power_of_two", lambda r: r.first_failing_power_of_two),
-        Column("peak_bytes_at_max", lambda r: r.peak_bytes_at_max if r.at_max else ""),
+        Column(f"next_{field}", lambda r: _blank(r.next_value)),
+        Column("limit", lambda r: _blank(r.limit)),
+        Column("accepted_step", lambda r: r.accepted.step),
+        Column("accepted_most", lambda r: _blank(r.accepted.most)),
+        Column("first_failing_power_of_two", lambda r: _blank(r.first_failing_power_of_two)),
+        Column("peak_bytes_at_max", lambda r: _blank(r.peak_bytes_at_max)),
         Column("reserved_bytes_at_max", lambda r: r.at_max.reserved_bytes if r.at_max else ""),
-        Column("needed_bytes_at_next", lambda r: r.at_next.reserved_bytes),
-        Column("peak_bytes_at_next", lambda r: r.peak_bytes_at_next),
+        Column("spare_bytes_at_max", lambda r: _blank(r.spare_bytes_at_max)),
+        Column("needed_bytes_at_next", lambda r: r.at_next.reserved_bytes if r.at_next else ""),
+        Column("peak_bytes_at_next", lambda r: _blank(r.peak_bytes_at_next)),
         Column("a", lambda r: str(r.approximation.a) if r.approximation else ""),
         Column("b", lambda r: str(r.approximation.b) if r.approximation else ""),
         Column("c", lambda r: str(r.approximation.c) if r.approximation else ""),
@@ -113,7 +153,9 @@ class OomReport(Result):
 
     def tables(self) -> list[Table]:
         """The thresholds' table; none when nothing was solved (each skip says why)."""
-        return [Table(self.title(), _columns(self.field), self.results)] if self.results else []
+        if not self.results:
+            return []
+        return [Table(self.title(), _columns(self.field, self.results), self.results)]
 
     def csv_table(self) -> Table:
         return Table(None, _byte_columns(self.field), self.results)
@@ -121,24 +163,26 @@ class OomReport(Result):
     def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats
 
-        s = SYMBOL[self.field]
+        s, after = SYMBOL[self.field], _next_label(self.field, self.results)
         skips = [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
         if not self.results:  # no table: its title is the first note
             return [*self.title().split("\n"), *skips, *caveats([])]
         lines = [f"fits: replaying the step with capacity = budget raises no OOM; reserved at "
                  f"{s}: the reserved peak of that replay (the allocator releases its cached free "
-                 f"segments and retries before failing); needs at {s}+1: reserved + the segment "
+                 f"segments and retries before failing); needs at {after}: reserved + the segment "
                  f"that failed, over the budget. Near a threshold fitting is not monotone "
                  f"(reserved memory moves by 2 MiB segments between neighbours): the search "
                  f"starts from the closed-form estimate of the top of the fitting range.",
                  "why, the raw bytes of the tensors alive at the peak (before rounding to "
                  "blocks):"]
         lines += [f"  {r.impl}: {_formula(r)}" for r in self.results]
-        return lines + skips + caveats([r.impl for r in self.results])
+        rules = [note for r in self.results if (note := _accepted_note(r))]
+        return lines + rules + skips + caveats([r.impl for r in self.results])
 
     def headline(self) -> str:
         s = SYMBOL[self.field]
-        best = ", ".join(f"{r.impl} {s}={r.max_value:,}" for r in self.results[:3])
+        best = ", ".join(f"{r.impl} {s}={r.max_value:,}{' (its limit)' if r.limit else ''}"
+                         for r in self.results[:3])
         more = f" (+{len(self.results) - 3} more)" if len(self.results) > 3 else ""
         return f"largest {self.field} within {gib(self.budget.budget_bytes)} GiB: {best}{more}"
 
@@ -151,7 +195,8 @@ class OomReport(Result):
         reserved peak under the budget) and ``needed_bytes_at_next``."""
         def result(r: Solved) -> dict:
             return {**r.to_dict(), "reserved_bytes_at_max": r.at_max.reserved_bytes
-                    if r.at_max else None, "needed_bytes_at_next": r.at_next.reserved_bytes}
+                    if r.at_max else None,
+                    "needed_bytes_at_next": r.at_next.reserved_bytes if r.at_next else None}
         return {"budget_bytes": self.budget.budget_bytes, "solve": self.field,
                 "budget": self.budget.model_dump(mode="json"),
                 "results": [result(r) for r in self.results],
@@ -193,17 +238,18 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
           impls: Iterable[str] | None = None, time_limit: float | None = None,
           solver: Callable[..., Solved] = max_fitting) -> OomReport:
     """The threshold of each implementation (every registered one by default) for
-    ``base``'s other options. Without ``impls``, implementations that reject the options
-    (fp32 for a kernel that has none, say) or whose replays are too slow (``MAX_EVENTS``)
-    are listed as skipped with the reason; named ones are solved or raise. ``time_limit``:
-    seconds per implementation."""
+    ``base``'s other options. Implementations that reject the options (fp32 for a kernel
+    that has none, say) are listed as skipped with the reason, and so, without ``impls``,
+    are those whose replays are too slow (``MAX_EVENTS``); one implementation named alone
+    is solved or raises. ``time_limit``: seconds per implementation."""
     if time_limit is not None and not 0 < time_limit < float("inf"):
         raise ValueError(f"time_limit: must be positive (got {time_limit})")
     named = list(impls) if impls else None
+    alone = named is not None and len(named) == 1  # its refusal is the answer: raise it
     results, skipped = [], []
     for name in named or impl_names():
         try:
-            config = base.replace(impl=name)
+            config = accepted_start(base.replace(impl=name), field)
             reason = None if named else _too_big(config, field)
             if reason is None:
                 results.append(solver(config, budget.budget_bytes, field, time_limit=time_limit))
@@ -216,11 +262,11 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
         except Unsolved as error:
             reason = f"{error}; raise the time limit (--time-limit, time_limit=)"
         except ValueError as error:  # pydantic's ValidationError is one
-            if named:
+            if alone:
                 raise
             reason = _first_line(error)
         except Exception as error:  # noqa: BLE001 - one broken model must not hide the others
-            if named:
+            if alone:
                 raise
             reason = f"the model raised {type(error).__name__}: {_first_line(error)}"
         skipped.append(Skipped(impl=name, reason=reason))

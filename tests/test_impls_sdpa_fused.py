@@ -172,6 +172,13 @@ def test_efficient_rejects_what_it_does_not_cover():
         Config(impl="sdpa-efficient", shape={"heads": 4, "kv_heads": 2})
 
 
+def test_efficient_refuses_head_dims_past_its_largest_kernel():
+    """No kernel of cutlassB.h has kMaxK above 65,536: a head dim of 65,544 (a multiple of
+    8) is refused in one line, as torch finds no kernel to launch, not an assertion."""
+    with pytest.raises(ValueError, match=r"head_dim 65544 > 65536: .* kMaxK"):
+        sdpa_efficient.program(dims(D=65544, N=16))
+
+
 # ---- the autograd skeleton on the meta device ----------------------------------------------
 def _flash_skeleton(q, k, v, causal):
     """attention.cpp's flash branch with the aten op's meta kernel: pad, op, slice."""

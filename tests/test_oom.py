@@ -85,3 +85,34 @@ def test_ctrl_c_elsewhere_is_one_line_and_exit_130(capsys, monkeypatch):
 
     monkeypatch.setattr(breakdown, "run", interrupted)
     assert run(capsys, "breakdown") == (130, "", "memcalc: interrupted\n")
+
+
+def test_oom_head_dim_of_the_fused_kernels_answers_and_checks_out(capsys):
+    """The issue's command: no error but an answer, which `memcalc breakdown` confirms:
+    sdpa-flash fits at its limit 256 and refuses 257 (exit 2, one line); sdpa-efficient
+    fits at 2,944 and not at 2,952, the next multiple of 8 it takes."""
+    options = ["--gpu-gb", "80", "--dtype", "fp16"]
+    code, out, _ = run(capsys, "oom", "--impl", "sdpa-flash,sdpa-efficient", "--solve",
+                       "head-dim", *options, "--json")
+    assert code == 0
+    flash, efficient = json.loads(out)["results"]
+    assert (flash["max_head_dim"], flash["next_head_dim"]) == (256, None)
+    assert (efficient["max_head_dim"], efficient["next_head_dim"]) == (2944, 2952)
+    for impl, d, expected in (("sdpa-flash", 256, True), ("sdpa-efficient", 2944, True),
+                              ("sdpa-efficient", 2952, False)):
+        _, out, _ = run(capsys, "breakdown", "--impl", impl, "--head-dim", str(d), *options,
+                        "--json")
+        assert json.loads(out)["fits"] is expected, (impl, d)
+    code, out, err = run(capsys, "breakdown", "--impl", "sdpa-flash", "--head-dim", "257",
+                         *options)
+    assert code == 2 and err == ("memcalc: error: sdpa-flash: head_dim 257 > 256: the largest "
+                                 "head_dim FlashAttention supports (sdp_utils.cpp "
+                                 "check_head_dim_size_flash)\n")
+
+
+def test_oom_named_alone_a_refusal_is_one_line(capsys):
+    """One implementation named: the options it refuses (fp32 FlashAttention) are bad input."""
+    code, out, err = run(capsys, "oom", "--impl", "sdpa-flash", "--solve", "head-dim",
+                         "--gpu-gb", "80")
+    assert_refused(code, out, err, "sdpa-flash")
+    assert "fp16 and bf16 only" in err

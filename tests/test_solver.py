@@ -240,3 +240,71 @@ def test_ctrl_c_stops_a_search_with_what_it_knows(monkeypatch):
     known = caught.value.known
     assert isinstance(caught.value, Interrupted) and (known.lo, known.hi) == (16384, None)
     assert re.match(r"no exact answer: interrupted after \d+ s \(fits at 16,384", str(known))
+
+
+def _tried(heard: list[str], field: str) -> set[int]:
+    """The values a search replayed, from its status lines (``... trying head_dim=2,944``)."""
+    found = (re.search(rf"trying {field}=([\d,]+)", h) for h in heard)
+    return {int(m.group(1).replace(",", "")) for m in found if m}
+
+
+def test_flash_head_dim_is_bounded_by_the_kernel_not_memory():
+    """FlashAttention takes head dims up to 256; at 80 GiB (B=8 N=16384 fp16) 256 fits with
+    room to spare, so the answer is 256, with no next value, no failing power of two, and
+    no value above 256 tried. Reserved at 256: q, k, v, grad_out, out, dq, dk, dv (8 x
+    8 x 16384 x 256 x 2 B = 8 x 64 MiB) and dq_accum (8 x 16384 x 256 x 4 B = 128 MiB) in
+    640 MiB of segments, lse and softmax_d (512 KiB each) in one 2 MiB small segment:
+    673,185,792 B; spare 85,362,475,008 - 673,185,792 = 84,689,289,216."""
+    heard: list[str] = []
+    with progress.listen(heard.append):
+        s = max_fitting(Config(impl="sdpa-flash", dtype="fp16"), GIB80, "head_dim",
+                        time_limit=60)
+    assert (s.max_value, s.next_value, s.at_next, s.first_failing_power_of_two) == (
+        256, None, None, None)
+    assert s.at_max.reserved_bytes == 673_185_792 and s.spare_bytes_at_max == 84_689_289_216
+    assert s.limit == ("the largest head_dim FlashAttention supports "
+                       "(sdp_utils.cpp check_head_dim_size_flash)")
+    assert max(_tried(heard, "head_dim")) == 256
+    assert bisect_max(Config(impl="sdpa-flash", dtype="fp16"), GIB80, "head_dim").max_value == 256
+
+
+def test_efficient_head_dim_is_the_largest_multiple_of_8_that_fits():
+    """The memory-efficient kernel takes multiples of 8 in fp16: only those are tried, and
+    the next one is the value shown failing. At 80 GiB: 28,836,096 x 2,944 + 1,048,576 =
+    84,894,515,200 B alive at the peak, reserved 84,896,907,264 <= 85,362,475,008; at
+    2,952 the replay needs 88,302,682,112 B."""
+    config = Config(impl="sdpa-efficient", dtype="fp16")
+    heard: list[str] = []
+    with progress.listen(heard.append):
+        s = max_fitting(config, GIB80, "head_dim", time_limit=60)
+    assert (s.max_value, s.next_value) == (2944, 2952)
+    assert s.approximation.text() == "28,836,096*d + 1,048,576"
+    assert s.at_max.reserved_bytes == 84_896_907_264 and s.at_next.reserved_bytes == 88_302_682_112
+    assert s.limit is None and s.first_failing_power_of_two == 4096
+    assert all(x % 8 == 0 for x in _tried(heard, "head_dim"))
+    assert fits(config.replace(head_dim=2944), GIB80)
+    assert not fits(config.replace(head_dim=2952), GIB80)
+    assert bisect_max(config, GIB80, "head_dim").next_value == 2952
+
+
+def test_a_start_the_kernel_refuses_moves_to_one_it_accepts():
+    """The value given is only where the search starts: --head-dim 20 starts the
+    memory-efficient search at 16, 300 FlashAttention's at 256, 3 either at its smallest."""
+    efficient = _Probe(Config(impl="sdpa-efficient", dtype="fp16"), "head_dim", GIB80)
+    flash = _Probe(Config(impl="sdpa-flash", dtype="fp16"), "head_dim", GIB80)
+    assert (efficient.snap(20), efficient.snap(3), flash.snap(300), flash.snap(3)) == (
+        16, 8, 256, 3)
+    s = max_fitting(Config(impl="sdpa-efficient", dtype="fp16", shape={"head_dim": 20}),
+                    GIB80, "head_dim")
+    assert s.max_value == 2944
+
+
+def test_a_rule_across_sizes_stops_the_search_in_one_line():
+    """Causal linear attention needs kv_len == seq_len: with --kv-len 4096 it accepts
+    seq_len 4,096 only, which no per-size rule says; the search's first step up, 4,096 +
+    4,096 // 64 = 4,160, is refused with both values named."""
+    config = Config(impl="linear-causal", shape={"seq_len": 4096, "kv_len": 4096})
+    with pytest.raises(ValueError, match=r"^--kv-len: causal linear attention needs kv_len == "
+                                         r"seq_len \(4096 != 4160\); solving seq_len from "
+                                         r"4,096, linear-causal refuses 4,160$"):
+        max_fitting(config, GIB80)

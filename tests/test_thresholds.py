@@ -1,6 +1,8 @@
 """The report over every implementation: what is solved, what is skipped and why."""
 
+import csv
 import inspect
+import io
 
 import pytest
 
@@ -91,3 +93,62 @@ def test_a_report_with_nothing_solved_shows_its_question_and_the_reasons():
     assert lines[1].startswith("budget 8,388,608 B (8.00 MiB) = test 8,388,608 B")
     assert lines[2] == "naive: skipped, no exact answer (fits at 1)"
     assert not any(line.startswith(("fits:", "why")) for line in lines)
+
+
+def test_head_dims_over_every_implementation_answer_each_fused_kernel():
+    """--solve head-dim without --impl (fp16, 80 GiB): FlashAttention's answer is its limit,
+    the memory-efficient kernel's a multiple of 8, and neither is skipped for a value the
+    search itself chose (before: "head_dim 512 > 256", from the event count at 512)."""
+    from memcalc.render import text
+
+    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    report = solve(Config(dtype="fp16"), budget, "head_dim")
+    solved = {r.impl: r for r in report.results}
+    assert (solved["sdpa-flash"].max_value, solved["sdpa-flash"].next_value) == (256, None)
+    assert (solved["sdpa-efficient"].max_value, solved["sdpa-efficient"].next_value) == (
+        2944, 2952)
+    assert {k.impl for k in report.skipped} == {"linear-causal-chunked",
+                                                "checkpoint-linear-causal-chunked"}  # slow
+    out = text(report, 400)
+    assert "needs at next d" in out  # 2,952 is 2,944 + 8, not + 1
+    # spare: 85,362,475,008 - 673,185,792 reserved at 256 (test_solver.py)
+    assert ("sdpa-flash: 256, the largest head_dim FlashAttention supports (sdp_utils.cpp "
+            "check_head_dim_size_flash); fits with 84,689,289,216 B (78.87 GiB) to spare: "
+            "memory does not bound it") in out
+    assert ("sdpa-efficient: the memory-efficient kernel takes head_dim in multiples of 8 only "
+            "(sdp_utils.cpp check_head_dim_size_mem_efficient): 2,944 fits, 2,952, the next it "
+            "takes, does not") in out
+
+
+def test_several_named_implementations_skip_a_refusal_one_alone_raises():
+    """fp32 has no FlashAttention: named with others, sdpa-flash is a skip with the
+    check's reason and the others are solved; named alone, its refusal is the answer."""
+    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    report = solve(Config(), budget, "head_dim", impls=["sdpa-flash", "sdpa-efficient"])
+    (skipped,) = report.skipped
+    assert skipped.impl == "sdpa-flash" and "fp16 and bf16 only" in skipped.reason
+    assert [r.impl for r in report.results] == ["sdpa-efficient"]
+    assert report.results[0].max_value % 4 == 0  # fp32: multiples of 4
+    with pytest.raises(ValueError, match="fp16 and bf16 only"):
+        solve(Config(), budget, "head_dim", impls=["sdpa-flash"])
+
+
+def test_the_json_and_csv_carry_the_kernels_rule():
+    """Each row: the next accepted value (none at the limit), the limit in words, the
+    accepted step and largest value, the bytes to spare at the answer."""
+    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    report = solve(Config(dtype="fp16"), budget, "head_dim",
+                   impls=["sdpa-flash", "sdpa-efficient"])
+    assert report.headline().endswith("sdpa-flash d=256 (its limit), sdpa-efficient d=2,944")
+    flash, efficient = report.to_dict()["results"]
+    assert (flash["max_head_dim"], flash["next_head_dim"], flash["accepted_step"],
+            flash["accepted_most"], flash["needed_bytes_at_next"]) == (256, None, 1, 256, None)
+    assert flash["limit"].startswith("the largest head_dim FlashAttention supports")
+    assert flash["spare_bytes_at_max"] == 84_689_289_216  # 85,362,475,008 - 673,185,792
+    assert (efficient["next_head_dim"], efficient["limit"], efficient["accepted_step"],
+            efficient["accepted_most"]) == (2952, None, 8, 65536)
+    flash_row, efficient_row = csv.DictReader(io.StringIO(report.to_csv()))
+    assert (flash_row["next_head_dim"], flash_row["limit"], flash_row["accepted_most"],
+            flash_row["spare_bytes_at_max"]) == ("", flash["limit"], "256", "84689289216")
+    assert (efficient_row["next_head_dim"], efficient_row["limit"],
+            efficient_row["accepted_step"]) == ("2952", "", "8")

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
+from memcalc.accepted import Accepted
 from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.impls.sdpa_flash import Gpu, gpu_of, round_up
@@ -63,12 +64,22 @@ _HALF = ((64, 64, 32), (64, 64, 64), (128, 128, 128), (64, 64, 128), (128, 64, 6
 _FLOAT = ((64, 64, 32), (64, 64, 64), (128, 64, 128), (64, 64, 128), (128, 64, 65536))
 
 
+def accepted(d: Dims) -> tuple[Accepted, ...]:
+    """The head dims the kernels take: multiples of ``minimum_gemm_alignment`` (sm80+: 4
+    elements in fp32, 8 in fp16 and bf16), up to the largest ``kMaxK`` (``_HALF``,
+    ``_FLOAT``); ``check`` refuses the rest, a search probes only these."""
+    kernels = _FLOAT if d.dtype == F32 else _HALF
+    return (Accepted("head_dim", step=4 if d.dtype == F32 else 8,
+                     most=max(k for _, _, k in kernels),
+                     kernel="the memory-efficient kernel",
+                     step_source="sdp_utils.cpp check_head_dim_size_mem_efficient",
+                     most_source="kernels/cutlassB.h kMaxK"),)
+
+
 def check(d: Dims, gpu: Gpu) -> None:
     """Inputs and devices this model covers; torch uses another backend or kernel otherwise."""
-    align = 4 if d.dtype == F32 else 8  # sdp_utils.cpp minimum_gemm_alignment, sm80+
-    if d.D % align:
-        raise ValueError(f"sdpa-efficient: head_dim {d.D} is not a multiple of {align} "
-                         "(sdp_utils.cpp check_head_dim_size_mem_efficient)")
+    for rule in accepted(d):
+        rule.refuse("sdpa-efficient", d.D)
     if gpu.compute_capability not in ((8, 0), (9, 0)):
         raise ValueError("sdpa-efficient is modelled for compute capability 8.0 and 9.0: 8.6/8.9 "
                          "pick other kernels (shared memory), >= 10.0 has none in cutlassB.h")
@@ -187,7 +198,7 @@ def program(d: Dims, gpu: Gpu | None = None, on: str = "cuda", grad: bool = True
 
 
 @register("sdpa-efficient", "SDPA memory-efficient backend: saves the (B, H, ceil32(N)) "
-          "logsumexp", traced=False)
+          "logsumexp", traced=False, accepted=accepted)
 def sdpa_efficient(d: Dims) -> Program:
     """Saved: the logsumexp; backward: the grad copy, (B, N, H, D) grads copied into the
     leaves' layout, float32 delta and the kernel's workspace."""

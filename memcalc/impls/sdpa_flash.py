@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from math import ceil
 
 
+from memcalc.accepted import Accepted
 from memcalc.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.tensors import Dims, Program, Role, free, new, release
@@ -108,6 +109,13 @@ def num_splits(d: Dims, gpu: Gpu) -> int:
     return num_splits_heuristic(bnm, 2 * gpu.sm_count, ceil(d.M / block_n), 128)
 
 
+def accepted(d: Dims) -> tuple[Accepted, ...]:
+    """The head dims FlashAttention takes: up to 256 (others are padded to a multiple of 8,
+    ``pads``); ``check`` refuses the rest, a search probes only these."""
+    return (Accepted("head_dim", most=256, kernel="FlashAttention",
+                     most_source="sdp_utils.cpp check_head_dim_size_flash"),)
+
+
 def check(d: Dims, gpu: Gpu) -> None:
     """What ``sdp_utils.cpp`` / ``mha_fwd`` accept; torch picks another backend otherwise."""
     if gpu.compute_capability < (8, 0):
@@ -116,8 +124,8 @@ def check(d: Dims, gpu: Gpu) -> None:
     if d.dtype == F32:
         raise ValueError("sdpa-flash: FlashAttention supports fp16 and bf16 only "
                          "(flash_api.cpp mha_fwd); torch would pick another backend for fp32")
-    if d.D > 256:
-        raise ValueError(f"sdpa-flash: head_dim {d.D} > 256 is not supported by FlashAttention")
+    for rule in accepted(d):
+        rule.refuse("sdpa-flash", d.D)
     if d.causal and d.N != d.M:
         raise ValueError("sdpa-flash: causal attention with kv_len != seq_len is not dispatched "
                          "to flash (sdp_utils.cpp check_flash_causal_non_square_seqlens)")
@@ -243,7 +251,7 @@ def program(d: Dims, gpu: Gpu | None = None, on: str = "cuda") -> Program:
 
 
 @register("sdpa-flash", "SDPA FlashAttention-2 backend: saves the (B, H, N) logsumexp",
-          gqa=True, traced=False)
+          gqa=True, traced=False, accepted=accepted)
 def sdpa_flash(d: Dims) -> Program:
     """Saved: logsumexp, rng_state, unused (and padded q, k, v when D % 8 != 0); backward:
     layout copies of grad and out, dq, dk, dv, float32 softmax_d and dq_accum."""
