@@ -16,13 +16,20 @@ from memcalc.config import Config
 from memcalc.deadline import TimeUp
 from memcalc.tensors import Role
 from memcalc.timeline import predict, tensor_sizes
+from memcalc.units import fixed
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 SYMBOL = {"seq_len": "N", "batch": "B", "head_dim": "d"}
 
 
-def _fraction_text(q: Fraction) -> str:
-    return f"{q.numerator:,}" if q.denominator == 1 else f"{q.numerator:,}/{q.denominator:,}"
+def _coefficient(q: Fraction, places: int | None) -> str:
+    """A coefficient's magnitude: the integer; else its fraction, or with ``places``, its
+    decimal rounded to that many places (exactly, half up)."""
+    if q.denominator == 1:
+        return f"{q.numerator:,}"
+    if places is None:
+        return f"{q.numerator:,}/{q.denominator:,}"
+    return fixed(q.numerator, q.denominator, places)
 
 
 class Quadratic(BaseModel):
@@ -55,17 +62,21 @@ class Quadratic(BaseModel):
             return None
         return (-b + Fraction(math.isqrt(int(disc)))) / (2 * a) if a > 0 else None
 
-    def text(self) -> str:
+    def text(self, places: int | None = None) -> str:
+        """``a*x^2 + b*x + c`` without its zero terms: exact coefficients (integers or
+        fractions, `` (fit)`` after an inexact form), or each rounded to ``places`` decimals
+        (a term that rounds to zero left out)."""
         x = self.symbol
-        terms = [(self.a, f"*{x}^2"), (self.b, f"*{x}"), (self.c, "")]
-        parts = [f"{_fraction_text(abs(q))}{s}" for q, s in terms if q]
-        signs = ["-" if q < 0 else "+" for q, _ in terms if q]
-        if not parts:
+        terms = [(q, _coefficient(abs(q), places), s)
+                 for q, s in ((self.a, f"*{x}^2"), (self.b, f"*{x}"), (self.c, "")) if q]
+        terms = [(q, text, s) for q, text, s in terms if text.strip("0.,")]
+        if not terms:
             return "0"
-        out = ("-" if signs[0] == "-" else "") + parts[0]
-        for sign, part in zip(signs[1:], parts[1:]):
-            out += f" {sign} {part}"
-        return out + ("" if self.exact else " (fit)")
+        out = ""
+        for i, (q, text, s) in enumerate(terms):
+            sign = "-" if q < 0 else "+"
+            out += (("-" if sign == "-" else "") if i == 0 else f" {sign} ") + text + s
+        return out + ("" if self.exact or places is not None else " (fit)")
 
     def to_dict(self) -> dict:
         return {"a": str(self.a), "b": str(self.b), "c": str(self.c), "exact": self.exact,

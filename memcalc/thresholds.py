@@ -6,7 +6,6 @@ runs them over the implementations and renders the table.
 
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict
@@ -87,13 +86,6 @@ def _accepted_note(r: Solved) -> str | None:
     return None
 
 
-def _number(q: Fraction) -> str:
-    """A coefficient: the integer, or its decimal rounded to 0.01 (exactly, half up)."""
-    if q.denominator == 1:
-        return f"{q.numerator:,}"
-    return fixed(q.numerator, q.denominator, 2)
-
-
 def _formula(r) -> str:
     """The closed form, readable: integer coefficients as they are (exact, or marked a fit);
     fractional ones as decimals, labelled approximate (the exact fractions are in --json)."""
@@ -104,11 +96,8 @@ def _formula(r) -> str:
     if all(c.denominator == 1 for c in (q.a, q.b, q.c)):
         return q.text()
     x = q.symbol
-    terms = [f"{_number(c)}{t}" for c, t in ((q.a, f"*{x}^2"), (q.b, f"*{x}"), (q.c, ""))
-             if _number(c) not in ("0.00", "-0.00")]
     kind = "exact" if q.exact else f"fitted through {x}={q.at:,}, {2 * q.at:,}, {4 * q.at:,}"
-    return (f"about {' + '.join(terms) or '0'}".replace("+ -", "- ")
-            + f" ({kind}; coefficients rounded to 0.01, fractions in --json)")
+    return f"about {q.text(places=2)} ({kind}; coefficients rounded to 0.01, fractions in --json)"
 
 
 def _blank(value):

@@ -196,7 +196,8 @@ def test_random_words(capsys, argv):
     (["breakdown", "--seq"], "--seq"),
     (["breakdown", "--gpu", "h100 90gb"], "--gpu"),  # "h100 80gb" is accepted
     (["breakdown", "--gpu-gb", "0"], "--gpu-gb"),
-    (["breakdown", "--gpu-gb", "0.1"], "--gpu-gb"),  # not whole bytes
+    (["breakdown", "--gpu-gb", "1/3"], "--gpu-gb"),  # no decimal: not a GB figure
+    (["breakdown", "--gpu-gb", "0.1"], "--reserve"),  # 107,374,182 B, under the 512 MiB
     (["breakdown", "--gpu-gb", "0.5"], "--reserve"),  # 512 MiB, all of it reserved
     (["breakdown", "--seq", "64", "--plot", "/"], "--plot"),
     (["compare", "--seq", "64", "--plot", "/nonexistent-dir/x.png"], "--plot"),

@@ -24,3 +24,22 @@ def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
     at_1920 = predict(config.replace(seq_len=1920))
     assert q.exact and q(1920) == sum(c.nbytes for c in at_1920.components)
     assert q.a == 0  # linear: each chunk adds the same tensors
+
+
+def test_text_leaves_out_zero_terms_exact_or_rounded():
+    """A zero coefficient is no term, and neither is one that rounds to 0.00 (the oom
+    report's rounded form printed ``0*d^2``)."""
+    from fractions import Fraction
+
+    from memcalc.closed_form import Quadratic
+
+    def form(a, b, c, exact=True):
+        return Quadratic(symbol="d", a=a, b=b, c=c, exact=exact, at=64, components=())
+
+    assert form(0, 28_836_096, 1_048_576).text() == "28,836,096*d + 1,048,576"
+    fractional = form(0, Fraction(3, 2), -7, exact=False)
+    assert fractional.text() == "3/2*d - 7 (fit)"
+    assert fractional.text(places=2) == "1.50*d - 7"  # 3/2 = 1.50; no "0*d^2"
+    # 1/1000 rounds to 0.00: left out; -1/3 = -0.33 keeps its sign in the operator
+    assert form(Fraction(1, 1000), Fraction(-1, 3), 0).text(places=2) == "-0.33*d"
+    assert form(0, 0, 0).text() == "0"

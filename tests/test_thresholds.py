@@ -101,7 +101,7 @@ def test_head_dims_over_every_implementation_answer_each_fused_kernel():
     search itself chose (before: "head_dim 512 > 256", from the event count at 512)."""
     from memcalc.render import text
 
-    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    budget = Budget.of(Device(), memory_gb=80)
     report = solve(Config(dtype="fp16"), budget, "head_dim")
     solved = {r.impl: r for r in report.results}
     assert (solved["sdpa-flash"].max_value, solved["sdpa-flash"].next_value) == (256, None)
@@ -123,7 +123,7 @@ def test_head_dims_over_every_implementation_answer_each_fused_kernel():
 def test_several_named_implementations_skip_a_refusal_one_alone_raises():
     """fp32 has no FlashAttention: named with others, sdpa-flash is a skip with the
     check's reason and the others are solved; named alone, its refusal is the answer."""
-    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    budget = Budget.of(Device(), memory_gb=80)
     report = solve(Config(), budget, "head_dim", impls=["sdpa-flash", "sdpa-efficient"])
     (skipped,) = report.skipped
     assert skipped.impl == "sdpa-flash" and "fp16 and bf16 only" in skipped.reason
@@ -136,7 +136,7 @@ def test_several_named_implementations_skip_a_refusal_one_alone_raises():
 def test_the_json_and_csv_carry_the_kernels_rule():
     """Each row: the next accepted value (none at the limit), the limit in words, the
     accepted step and largest value, the bytes to spare at the answer."""
-    budget = Budget.of(Device(), memory_bytes=80 * 2**30)
+    budget = Budget.of(Device(), memory_gb=80)
     report = solve(Config(dtype="fp16"), budget, "head_dim",
                    impls=["sdpa-flash", "sdpa-efficient"])
     assert report.headline().endswith("sdpa-flash d=256 (its limit), sdpa-efficient d=2,944")
