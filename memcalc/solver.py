@@ -55,15 +55,19 @@ STRETCH = 0.8  # the share of the time left a climb's step is planned to take
 
 
 class Solved(BaseModel):
-    """One implementation's threshold: ``max_value`` fits, ``max_value + 1`` does not."""
+    """One implementation's threshold: ``max_value`` fits, ``max_value + 1`` does not. A
+    search its time limit cut short after proving both (``max_fitting``) may lack the
+    figures it had no time to replay in full: None."""
 
     model_config = _FROZEN
     impl: str
     field: SolveField
     max_value: int = Field(description="largest value that fits (0: not even 1)")
-    first_failing_power_of_two: int
-    at_max: Fit | None = Field(description="the step at max_value (None when 0)")
-    at_next: Fit
+    first_failing_power_of_two: int | None = Field(description="None: not replayed in time")
+    at_max: Fit | None = Field(description="the step at max_value (None when 0, or not "
+                                           "replayed in full in time)")
+    at_next: Fit | None = Field(description="the step at max_value + 1 (None: not replayed "
+                                            "in full in time)")
     approximation: Quadratic | None
     evaluations: int = Field(description="full predictions the solver made")
 
@@ -74,27 +78,30 @@ class Solved(BaseModel):
 
     @computed_field
     @property
-    def peak_bytes_at_next(self) -> int:
-        return self.at_next.peak_bytes
+    def peak_bytes_at_next(self) -> int | None:
+        return self.at_next.peak_bytes if self.at_next else None
 
     def to_dict(self) -> dict:
         key = f"max_{self.field}"
+        at_max, at_next = self.at_max, self.at_next
         return {
             "impl": self.impl, key: self.max_value,
             "first_failing_power_of_two": self.first_failing_power_of_two,
             "peak_bytes_at_max": self.peak_bytes_at_max,
             "peak_bytes_at_next": self.peak_bytes_at_next,
-            "reserved_peak_bytes_at_max": self.at_max.reserved_peak_bytes if self.at_max else None,
-            "reserved_peak_bytes_at_next": self.at_next.reserved_peak_bytes,
-            "fit_at_max": self.at_max.describe() if self.at_max else None,
-            "fit_at_next": self.at_next.describe(),
+            "reserved_peak_bytes_at_max": at_max.reserved_peak_bytes if at_max else None,
+            "reserved_peak_bytes_at_next": at_next.reserved_peak_bytes if at_next else None,
+            "fit_at_max": at_max.describe() if at_max else None,
+            "fit_at_next": at_next.describe() if at_next else None,
             "approximation": self.approximation.to_dict() if self.approximation else None,
             "evaluations": self.evaluations,
         }
 
 
 class Unsolved(Exception):
-    """The solver ran out of time; what it knows so far."""
+    """The solver ran out of time; what it knows so far: ``lo`` fits (0: nothing known
+    to), ``hi`` does not (None: nothing known not to), the closed-form ``estimate`` not
+    replayed, and the ``ceiling`` past which nothing fits."""
 
     def __init__(self, lo: int, hi: int | None, seconds: float | None,
                  estimate: int | None = None, ceiling: int | None = None,
@@ -182,10 +189,14 @@ class _Probe:
             known.append(f"{spent:.0f} of {self.time_limit:g} s")
         say("; ".join([f"{self.config.impl}: {doing}", *known]))
 
+    def verdicts(self) -> dict[int, bool]:
+        """``fits`` at every value replayed so far (capped replays and judged predictions)."""
+        fits = {x: f for x, (f, _) in self.known.items()}
+        return fits | {x: r.fits for x, r in self.full.items()}  # unbounded predictions, judged
+
     def bounds(self) -> tuple[int, int | None]:
         """The largest value replayed that fits (0: none), the smallest that does not."""
-        fits = {x: f for x, (f, _) in self.known.items()}
-        fits |= {x: r.fits for x, r in self.full.items()}  # unbounded predictions, judged
+        fits = self.verdicts()
         lo = max((x for x, f in fits.items() if f), default=0)
         hi = min((x for x, f in fits.items() if not f), default=None)
         return lo, hi
@@ -332,14 +343,19 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
     """A value ``N`` of ``field`` with ``fits(N)`` and not ``fits(N + 1)`` for
     ``budget_bytes``, searched from the closed-form estimate of the top of the fitting range
     (so in practice the largest: see the module docstring), with the figures at ``N`` and
-    ``N + 1``. ``Unsolved`` after ``time_limit`` seconds."""
+    ``N + 1``. ``Unsolved`` after ``time_limit`` seconds, unless by then the largest value
+    replayed that fits is such an ``N`` (``N + 1`` replayed, not fitting: adjacent bounds):
+    that answer, exact, with the figures it had time to replay (``_cut_short``)."""
     probe = _Probe(config, field, budget_bytes, time_limit)
     x = start or getattr(config.shape, field)
     try:
         try:
             return _search(probe, x, field)
         except Unsolved:
-            raise _climb(probe) from None
+            known = _climb(probe)
+        if probe.verdicts().get(known.lo + 1) is not False:  # lo + 1 not replayed, or fits
+            raise known
+        return _cut_short(probe, known.lo, field)
     except KeyboardInterrupt:
         raise probe.interrupted() from None
 
@@ -474,6 +490,21 @@ def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",
         else:
             hi = mid
     return _solved(probe, lo, field, approximate=False)
+
+
+def _cut_short(probe: _Probe, n: int, field: str) -> Solved:
+    """The answer of a search its time limit stopped once it had replayed ``n`` fitting
+    and ``n + 1`` not (adjacent bounds: exact), with what it had replayed in time: the
+    figures at both (in full, or None), the first power of two above ``n`` known to fail
+    (None if not replayed), and the closed form it started from."""
+    verdicts = probe.verdicts()
+    power = 1 << n.bit_length()
+    while verdicts.get(power):
+        power *= 2
+    return Solved(impl=probe.config.impl, field=field, max_value=n,
+                  first_failing_power_of_two=power if verdicts.get(power) is False else None,
+                  at_max=probe.full.get(n) if n >= 1 else None, at_next=probe.full.get(n + 1),
+                  approximation=probe.model, evaluations=probe.evaluations)
 
 
 def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solved:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Callable, Iterable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from memcalc.breakdown import Result
 from memcalc.budget import Budget, Fit
@@ -17,7 +17,7 @@ from memcalc.closed_form import SYMBOL
 from memcalc.config import Config
 from memcalc.errors import one_line
 from memcalc.impls import impl_names
-from memcalc.render import Column, Table
+from memcalc.render import Column, Table, record_table
 from memcalc.solver import (Interrupted, SolveField, Solved, Unsolved, events_growth, max_fitting,
                             program_events)
 from memcalc.units import GiB, fixed
@@ -31,13 +31,44 @@ def gib(nbytes: int) -> str:
 
 
 class Skipped(BaseModel):
+    """An implementation not searched: it rejects the options, or its replays are slow."""
+
     model_config = _FROZEN
     impl: str
     reason: str
 
 
+class Bounds(BaseModel):
+    """A search stopped (time limit, Ctrl-C) before an exact answer: what it proved. None
+    where it knows nothing of that kind."""
+
+    model_config = _FROZEN
+    impl: str
+    fits_at: int | None = Field(description="the largest value replayed that fits")
+    fails_at: int | None = Field(description="the smallest value replayed that does not")
+    estimate: int | None = Field(description="the closed-form estimate, not replayed")
+    ceiling: int | None = Field(description="past it, the tensors alive at the peak alone "
+                                            "exceed the budget")
+    reason: str
+
+    @classmethod
+    def of(cls, impl: str, known: Unsolved, reason: str) -> "Bounds":
+        return cls(impl=impl, fits_at=known.lo or None, fails_at=known.hi,
+                   estimate=known.estimate, ceiling=known.ceiling, reason=reason)
+
+
 def _cell_gib(f: Fit | None, key: str) -> str:
     return "-" if f is None else gib(getattr(f, key))
+
+
+def _missing_figures(r: Solved) -> bool:
+    """Whether a time limit left ``r`` (solved) without some of its figures."""
+    return (r.at_next is None or r.first_failing_power_of_two is None
+            or (r.at_max is None and r.max_value > 0))
+
+
+def _or_dash(value):
+    return "-" if value is None else value
 
 
 def _columns(field: str) -> list[Column]:
@@ -49,7 +80,8 @@ def _columns(field: str) -> list[Column]:
     return [
         Column("implementation", lambda r: r.impl),
         Column(f"max {s}", lambda r: r.max_value, "right"),
-        Column("first 2^k OOM", lambda r: r.first_failing_power_of_two, "right", drop=3),
+        Column("first 2^k OOM", lambda r: _or_dash(r.first_failing_power_of_two), "right",
+               drop=3),
         Column(f"allocated at {s}, GiB", lambda r: _cell_gib(r.at_max, "peak_bytes"), "right",
                drop=2),
         Column(f"reserved at {s}, GiB", lambda r: _cell_gib(r.at_max, "reserved_bytes"), "right"),
@@ -79,22 +111,22 @@ def _formula(r) -> str:
              if _number(c) not in ("0.00", "-0.00")]
     kind = "exact" if q.exact else f"fitted through {x}={q.at:,}, {2 * q.at:,}, {4 * q.at:,}"
     return (f"about {' + '.join(terms) or '0'}".replace("+ -", "- ")
-            + f" ({kind}; coefficients rounded to 0.01, fractions in --json)")
+            + f" ({kind}; coefficients rounded to 0.01, exact in --json and --csv)")
 
 
-def _byte_columns(field: str) -> list[Column]:
-    return [
-        Column("impl", lambda r: r.impl),
-        Column(f"max_{field}", lambda r: r.max_value),
-        Column("first_failing_power_of_two", lambda r: r.first_failing_power_of_two),
-        Column("peak_bytes_at_max", lambda r: r.peak_bytes_at_max if r.at_max else ""),
-        Column("reserved_bytes_at_max", lambda r: r.at_max.reserved_bytes if r.at_max else ""),
-        Column("needed_bytes_at_next", lambda r: r.at_next.reserved_bytes),
-        Column("peak_bytes_at_next", lambda r: r.peak_bytes_at_next),
-        Column("a", lambda r: str(r.approximation.a) if r.approximation else ""),
-        Column("b", lambda r: str(r.approximation.b) if r.approximation else ""),
-        Column("c", lambda r: str(r.approximation.c) if r.approximation else ""),
-    ]
+SOLVED_KEYS = ("first_failing_power_of_two", "peak_bytes_at_max", "reserved_bytes_at_max",
+               "needed_bytes_at_next", "peak_bytes_at_next")
+CLOSED_FORM_KEYS = ("a", "b", "c", "denominator", "exact")  # Quadratic.to_dict's
+BOUND_KEYS = ("fits_at", "fails_at", "estimate", "ceiling")
+
+
+def record_keys(field: str) -> tuple[str, ...]:
+    """The report's CSV columns, the keys of ``OomReport.records()``: every implementation
+    with its ``status`` (solved, unsolved, skipped), the figures of a solved one, the
+    closed form's integer coefficients over their ``denominator``, the bounds of an
+    unsolved one, and the ``reason`` for one without an answer."""
+    return ("impl", "status", f"max_{field}", *SOLVED_KEYS, *CLOSED_FORM_KEYS, *BOUND_KEYS,
+            "reason")
 
 
 class OomReport(Result):
@@ -105,6 +137,7 @@ class OomReport(Result):
     field: SolveField
     base: Config
     results: tuple[Solved, ...]
+    unsolved: tuple[Bounds, ...] = ()
     skipped: tuple[Skipped, ...] = ()
 
     def title(self) -> str:
@@ -116,13 +149,17 @@ class OomReport(Result):
         return [Table(self.title(), _columns(self.field), self.results)] if self.results else []
 
     def csv_table(self) -> Table:
-        return Table(None, _byte_columns(self.field), self.results)
+        return record_table(record_keys(self.field), self.records())
 
     def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats
 
         s = SYMBOL[self.field]
-        skips = [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
+        skips = [f"{k.impl}: not solved, {k.reason}" for k in self.unsolved]
+        skips += [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
+        skips += [f"{r.impl}: exact ({r.max_value:,} fits, {r.max_value + 1:,} does not), but "
+                  f"the time limit left no time to replay every figure in full (-: not known)"
+                  for r in self.results if _missing_figures(r)]
         if not self.results:  # no table: its title is the first note
             return [*self.title().split("\n"), *skips, *caveats([])]
         lines = [f"fits: replaying the step with capacity = budget raises no OOM; reserved at "
@@ -143,20 +180,32 @@ class OomReport(Result):
         return f"largest {self.field} within {gib(self.budget.budget_bytes)} GiB: {best}{more}"
 
     def records(self) -> list[dict]:
-        """One dict per solved implementation."""
-        return self.to_dict()["results"]
+        """One flat dict per implementation (``record_keys``): solved, then unsolved, then
+        skipped; None where a row has no such figure. The CSV's rows."""
+        rows = [{**_result(r), **(r.approximation.coefficients() if r.approximation else {}),
+                 "exact": r.approximation.exact if r.approximation else None,
+                 "status": "solved"} for r in self.results]
+        rows += [{**k.model_dump(), "status": "unsolved"} for k in self.unsolved]
+        rows += [{**k.model_dump(), "status": "skipped"} for k in self.skipped]
+        return [{key: row.get(key) for key in record_keys(self.field)} for row in rows]
 
     def to_dict(self) -> dict:
         """``results`` carry, besides the solver's figures, ``reserved_bytes_at_max`` (the
-        reserved peak under the budget) and ``needed_bytes_at_next``."""
-        def result(r: Solved) -> dict:
-            return {**r.to_dict(), "reserved_bytes_at_max": r.at_max.reserved_bytes
-                    if r.at_max else None, "needed_bytes_at_next": r.at_next.reserved_bytes}
+        reserved peak under the budget) and ``needed_bytes_at_next``; ``unsolved`` the
+        bounds of each search stopped before an answer; ``skipped`` why each other was
+        not searched."""
         return {"budget_bytes": self.budget.budget_bytes, "solve": self.field,
                 "budget": self.budget.model_dump(mode="json"),
-                "results": [result(r) for r in self.results],
+                "results": [_result(r) for r in self.results],
+                "unsolved": [k.model_dump() for k in self.unsolved],
                 "skipped": [k.model_dump() for k in self.skipped],
                 "config": self.base.model_dump(mode="json")}
+
+
+def _result(r: Solved) -> dict:
+    """A solved row's JSON: the solver's, with the reserved bytes that decide it."""
+    return {**r.to_dict(), "reserved_bytes_at_max": r.at_max.reserved_bytes if r.at_max
+            else None, "needed_bytes_at_next": r.at_next.reserved_bytes if r.at_next else None}
 
 
 MAX_EVENTS = 4000
@@ -200,7 +249,12 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
     if time_limit is not None and not 0 < time_limit < float("inf"):
         raise ValueError(f"time_limit: must be positive (got {time_limit})")
     named = list(impls) if impls else None
-    results, skipped = [], []
+    results, unsolved, skipped = [], [], []
+
+    def report() -> OomReport:
+        return OomReport(budget=budget, field=field, base=base, results=tuple(results),
+                         unsolved=tuple(unsolved), skipped=tuple(skipped))
+
     for name in named or impl_names():
         try:
             config = base.replace(impl=name)
@@ -209,12 +263,12 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
                 results.append(solver(config, budget.budget_bytes, field, time_limit=time_limit))
                 continue
         except Interrupted as stop:
-            skipped.append(Skipped(impl=name, reason=str(stop.known)))
-            raise PartialReport(OomReport(budget=budget, field=field, base=base,
-                                          results=tuple(results), skipped=tuple(skipped))
-                                ) from None
+            unsolved.append(Bounds.of(name, stop.known, str(stop.known)))
+            raise PartialReport(report()) from None
         except Unsolved as error:
-            reason = f"{error}; raise the time limit (--time-limit, time_limit=)"
+            unsolved.append(Bounds.of(name, error, f"{error}; raise the time limit "
+                                                   "(--time-limit, time_limit=)"))
+            continue
         except ValueError as error:  # pydantic's ValidationError is one
             if named:
                 raise
@@ -224,8 +278,7 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
                 raise
             reason = f"the model raised {type(error).__name__}: {_first_line(error)}"
         skipped.append(Skipped(impl=name, reason=reason))
-    return OomReport(budget=budget, field=field, base=base, results=tuple(results),
-                     skipped=tuple(skipped))
+    return report()
 
 
 def _first_line(error: Exception) -> str:
