@@ -123,10 +123,12 @@ class Component(Result):
     op: str
     shape: tuple[int, ...]
     dtype: str
-    nbytes: int = Field(serialization_alias="raw_bytes",
-                        validation_alias=AliasChoices("nbytes", "raw_bytes"))
-    block_bytes: int = Field(serialization_alias="bytes",
-                             validation_alias=AliasChoices("block_bytes", "bytes"))
+    # named in JSON and CSV as in the tables: ``bytes`` the tensor asks for, ``allocated``
+    # the block the allocator gives it (every figure sums these)
+    nbytes: int = Field(serialization_alias="bytes",
+                        validation_alias=AliasChoices("nbytes", "bytes"))
+    block_bytes: int = Field(serialization_alias="allocated",
+                             validation_alias=AliasChoices("block_bytes", "allocated"))
     source: str = ""
 
     @computed_field
@@ -208,16 +210,25 @@ class Breakdown(Result):
 
     def to_dict(self) -> dict:
         """JSON-ready: the figures at the top level, ``components`` alive at the peak
-        (``bytes`` allocated, ``raw_bytes`` requested), ``saved`` and the config."""
+        (``records``), ``saved`` (``bytes`` requested, ``allocated`` the block) and the
+        config."""
         figures = {k: getattr(self, k) for k in ("saved_bytes", "forward_peak_bytes",
                    "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "workspace_bytes")}
-        dump = lambda cs: [c.model_dump(mode="json", by_alias=True) for c in cs]  # noqa: E731
-        return {**figures, "peak_phase": self.peak_phase, "components": dump(self.components),
-                "saved": dump(self.saved), "config": self.config.model_dump(mode="json")}
+        return {**figures, "peak_phase": self.peak_phase, "components": self.records(),
+                "saved": [c.to_dict() for c in self.saved],
+                "config": self.config.model_dump(mode="json")}
 
     def records(self) -> list[dict]:
-        """One dict per component alive at the peak."""
-        return self.to_dict()["components"]
+        """One dict per component alive at the peak, largest first: its fields (``bytes``
+        requested, ``allocated`` the block), who made it (``made_by``, as the table's
+        column) and its ``share`` of the peak (a fraction, ``memcalc.units.ratio_number``).
+        The CSV's rows."""
+        from memcalc.legend import made_by
+        from memcalc.units import ratio_number
+
+        peak = self.peak_bytes
+        return [{**c.to_dict(), "made_by": made_by(c),
+                 "share": ratio_number(c.block_bytes, peak)} for c in self.components]
 
     @property
     def fits(self) -> bool:
@@ -256,11 +267,11 @@ class Breakdown(Result):
         return breakdown_tables(self)
 
     def csv_table(self):
-        """One row per tensor alive at the peak (the tables show a loop's tensors by kind)."""
-        from memcalc.render_results import components_table
+        """One row per tensor alive at the peak (the tables show a loop's tensors by kind),
+        ``records()`` as columns."""
+        from memcalc.render_results import components_csv
 
-        live = self.components
-        return components_table(self, live, live)
+        return components_csv(self)
 
     def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats

@@ -78,9 +78,18 @@ class Quadratic(BaseModel):
             out += (("-" if sign == "-" else "") if i == 0 else f" {sign} ") + text + s
         return out + ("" if self.exact or places is not None else " (fit)")
 
+    def coefficients(self) -> dict[str, int]:
+        """``a``, ``b``, ``c`` as integers over one ``denominator``, exactly: the bytes are
+        ``(a x^2 + b x + c) / denominator``. An exact closed form sums sizes that are
+        products of the dimensions, so its coefficients are integers (denominator 1); a
+        fit's (sizes with ``ceil`` in them) are fractions (``-212/46,875*N^2 + ...``)."""
+        d = math.lcm(*(q.denominator for q in (self.a, self.b, self.c)))
+        return {"a": int(self.a * d), "b": int(self.b * d), "c": int(self.c * d),
+                "denominator": d}
+
     def to_dict(self) -> dict:
-        return {"a": str(self.a), "b": str(self.b), "c": str(self.c), "exact": self.exact,
-                "at": self.at, "text": self.text(), "components": list(self.components)}
+        return {**self.coefficients(), "exact": self.exact, "at": self.at, "text": self.text(),
+                "components": list(self.components)}
 
 
 def live_polynomial(config: Config, field: str, breakdown=None,

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pydantic import computed_field
 
-from memcalc.breakdown import Breakdown, Result
+from memcalc.breakdown import FIGURES, Breakdown, Result
 from memcalc.budget import Budget
 from memcalc.config import Config
 from memcalc.progress import say
 from memcalc.quadratic import quadratic_saved
-from memcalc.render import Column, Table
+from memcalc.render import Column, Table, record_table
 from memcalc.timeline import shared_predictions
-from memcalc.units import human
+from memcalc.units import human, ratio_number
 
 
 def ratio(a: int, b: int) -> str:
@@ -28,12 +28,21 @@ def ratio(a: int, b: int) -> str:
 
 
 class Row(Result):
-    """One implementation: its breakdown and its largest fitting seq_len (or why none)."""
+    """One implementation: its breakdown and its largest fitting seq_len, or why there is
+    none (``note``: the implementation rejects the options, or the solver skipped it)."""
 
     impl: str
     breakdown: Breakdown | None = None
     max_seq_len: int | None = None
     note: str = ""
+
+    @property
+    def status(self) -> str:
+        """``solved``; ``unsolved`` (figures, no largest seq_len); ``rejected`` (no figures:
+        the implementation rejects the options)."""
+        if self.breakdown is None:
+            return "rejected"
+        return "unsolved" if self.max_seq_len is None else "solved"
 
 
 class Comparison(Result):
@@ -49,14 +58,13 @@ class Comparison(Result):
         base = next((r for r in self.rows if r.impl == self.baseline and r.breakdown), None)
         return base.breakdown.peak_bytes if base else None
 
-    def _columns(self, human_units: bool) -> list[Column]:
-        """The columns; on a narrow terminal the phase peaks and the N x M count go first,
-        the peak, the saving and the threshold stay."""
-        size = human if human_units else (lambda x: x)
+    def _columns(self) -> list[Column]:
+        """The table's columns; on a narrow terminal the phase peaks and the N x M count go
+        first, the peak, the saving and the threshold stay."""
         base = self.baseline_peak_bytes
 
         def fig(name):
-            return lambda r: size(getattr(r.breakdown, name)) if r.breakdown else "-"
+            return lambda r: human(getattr(r.breakdown, name)) if r.breakdown else "-"
 
         return [
             Column("implementation", lambda r: r.impl),
@@ -66,13 +74,22 @@ class Comparison(Result):
             Column("forward peak", fig("forward_peak_bytes"), "right", drop=4),
             Column("backward peak", fig("backward_peak_bytes"), "right", drop=4),
             Column("peak", fig("peak_bytes"), "right"),
-            Column(f"saves vs {self.baseline}", lambda r: size(base - r.breakdown.peak_bytes)
+            Column(f"saves vs {self.baseline}", lambda r: human(base - r.breakdown.peak_bytes)
                    if r.breakdown and base is not None else "-", "right", drop=2),
             Column("factor", lambda r: ratio(base, r.breakdown.peak_bytes)
                    if r.breakdown and base is not None else "-", "right", drop=1),
             Column("max seq_len", lambda r: r.max_seq_len if r.max_seq_len is not None
                    else ("n/a" if not r.breakdown else "not solved"), "right"),
         ]
+
+    def _saving(self, r: Row) -> tuple[int | None, float | None]:
+        """``r``'s saving against the baseline's peak, in bytes and as the factor baseline
+        peak / peak (None without figures)."""
+        base = self.baseline_peak_bytes
+        if r.breakdown is None or base is None:
+            return None, None
+        peak = r.breakdown.peak_bytes
+        return base - peak, ratio_number(base, peak)
 
     def _title(self) -> str:
         c = next((r.breakdown.config for r in self.rows if r.breakdown), None)
@@ -90,17 +107,20 @@ class Comparison(Result):
                 f"{get_impl(other).summary}")
 
     def tables(self) -> list[Table]:
-        return [Table(self._title(), self._columns(True), self.rows)]
+        return [Table(self._title(), self._columns(), self.rows)]
 
     def csv_table(self) -> Table:
-        return Table(None, self._columns(False), self.rows)
+        """``records()``, one column per key: bytes, the factor as a number, empty cells
+        where a row has no figure, and its ``status`` and ``reason``."""
+        return record_table(RECORD_KEYS, self.records())
 
     def footnotes(self) -> list[str]:
         """Why a row has no figures (n/a) or no threshold (not solved); the baseline;
         the caveats."""
         from memcalc.render_results import caveats
 
-        rows = [r.note if r.note.startswith(f"{r.impl}:") else f"{r.impl}: {r.note}"
+        rows = [r.note if r.note.startswith(f"{r.impl}:") else
+                f"{r.impl}: {'not solved: ' * (r.status == 'unsolved')}{r.note}"
                 for r in self.rows if r.note]
         shown = [r.impl for r in self.rows if r.breakdown]
         return rows + [self._baseline_note(), *caveats(shown)]
@@ -116,13 +136,25 @@ class Comparison(Result):
         return self.to_dict()["rows"]
 
     def to_dict(self) -> dict:
-        def row(r: Row) -> dict:
-            b = r.breakdown
-            figures = b.figures() if b else {}
-            return {"impl": r.impl, "quadratic_saved": quadratic_saved(b) if b else None,
-                    **figures, "max_seq_len": r.max_seq_len, "note": r.note}
+        """The baseline, the budget and one record per implementation (``records()``)."""
         return {"baseline": self.baseline, "budget_bytes": self.budget.budget_bytes,
-                "rows": [row(r) for r in self.rows]}
+                "rows": [self._record(r) for r in self.rows]}
+
+    def _record(self, r: Row) -> dict:
+        """``RECORD_KEYS`` of one row: None for a figure it lacks, with the reason."""
+        b = r.breakdown
+        figures = b.figures() if b else dict.fromkeys(FIGURES)
+        saving, factor = self._saving(r)
+        return {"impl": r.impl, "status": r.status,
+                "quadratic_saved": quadratic_saved(b) if b else None, **figures,
+                "saving_bytes": saving, "factor": factor, "max_seq_len": r.max_seq_len,
+                "reason": r.note or None}
+
+
+RECORD_KEYS = ("impl", "status", "quadratic_saved", *FIGURES, "saving_bytes", "factor",
+               "max_seq_len", "reason")
+"""A comparison's CSV columns, the keys of each of its JSON ``rows``: ``saving_bytes`` is the
+baseline's peak less the row's, ``factor`` the baseline's peak over the row's."""
 
 
 def compare(base: Config, budget: Budget, impls: list[str] | None = None,
@@ -144,7 +176,7 @@ def _thresholds(base: Config, budget: Budget) -> dict[str, tuple[int | None, str
 
     report = solve(base, budget)
     solved = {r.impl: (r.max_value, "") for r in report.results}
-    return solved | {s.impl: (None, f"not solved: {s.reason}") for s in report.skipped}
+    return solved | {s.impl: (None, s.reason) for s in (*report.unsolved, *report.skipped)}
 
 
 def _reason(error: ValueError) -> str:

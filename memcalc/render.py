@@ -86,6 +86,13 @@ def csv_table(columns: Sequence[Column], rows: Iterable[Any]) -> str:
     return out.getvalue()
 
 
+def record_table(keys: Sequence[str], records: Sequence[dict]) -> Table:
+    """A machine table (CSV) of ``records``, the dicts the JSON and ``records()`` hold: a
+    column per key, named as the key, holding its value (None: an empty cell), so that a
+    CSV column and a JSON key of the same name always hold the same figure."""
+    return Table(None, [Column(k, (lambda k: lambda r: r[k])(k)) for k in keys], records)
+
+
 def _bold_title(title: str) -> str:
     """Markdown: the title's first line in bold, the rest as a paragraph."""
     first, _, rest = title.partition("\n")

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from memcalc.legend import legend, made_by
-from memcalc.render import Column, Table
+from memcalc.render import Column, Table, record_table
 from memcalc.repeats import collapse
 from memcalc.units import human, mib, share
 
@@ -66,6 +66,20 @@ def component_columns(peak: int, with_source: bool = False) -> list[Column]:
     ]
     return columns + [Column("source", lambda c: c.source, drop=8, wrap=True)] if with_source \
         else columns
+
+
+COMPONENT_KEYS = ("name", "made_by", "role", "op", "dtype", "formula", "bytes", "allocated",
+                  "share")
+"""The CSV's columns of what is alive at a peak: keys of ``Breakdown.records()`` (the
+JSON's ``components``), plus ``source`` when a component has one (a traced step)."""
+
+
+def components_csv(b) -> Table:
+    """One row per tensor alive at the peak, every figure a number (``share``: a fraction
+    of the peak), named as in the JSON."""
+    records = b.records()
+    sourced = any(r["source"] for r in records)
+    return record_table(COMPONENT_KEYS + (("source",) if sourced else ()), records)
 
 
 FIGURE_LABELS = {

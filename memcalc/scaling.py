@@ -27,7 +27,7 @@ from memcalc.budget import Budget, fit
 from memcalc.breakdown import Result
 from memcalc.config import Config
 from memcalc.render import Column, Table
-from memcalc.units import fixed, human, mib, share
+from memcalc.units import fixed, human, mib, ratio_number, share
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 Figure = Literal["peak", "saved", "reserved", "forward", "backward"]
@@ -75,6 +75,12 @@ def growth(peak: int, first: int) -> Fraction:
     """A peak over its series' first, exactly (0 where the first is 0: a program that
     allocates nothing)."""
     return Fraction(peak, first) if first else Fraction(0)
+
+
+def growth_number(peak: int, first: int) -> float | None:
+    """The growth in CSV and JSON: a number (``memcalc.units.ratio_number``), None where
+    the first peak is 0."""
+    return ratio_number(peak, first)
 
 
 def _growth(r: SweepRow) -> str:
@@ -192,7 +198,8 @@ class Sweep(Result):
                 ("impl", "dtype", "batch", "heads", "seq_len", "head_dim", "peak_bytes",
                  "saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
                  "reserved_peak_bytes", "quadratic_bytes")]
-        cols += [Column("growth", lambda r: str(r.growth)), Column("fits", lambda r: r.fits)]
+        cols += [Column("growth", lambda r: growth_number(r.peak_bytes, r.first_peak_bytes)),
+                 Column("fits", lambda r: r.fits)]
         return Table(None, cols, self.rows)
 
     def headline(self) -> str:
@@ -202,16 +209,15 @@ class Sweep(Result):
                 f"{human(self.budget.budget_bytes)}")
 
     def records(self) -> list[dict]:
-        """One dict per row (configuration); ``growth`` as a float (the JSON keeps the exact
-        fraction)."""
-        return [{**r, "growth": float(Fraction(r["growth"]))} for r in self.to_dict()["rows"]]
+        """One dict per row (configuration), as in the JSON."""
+        return self.to_dict()["rows"]
 
     def to_dict(self) -> dict:
         c = self.columns
         peaks = [max(f, b) for f, b in zip(c["forward_peak_bytes"], c["backward_peak_bytes"])]
         names = [k for k in c if k != "first_peak_bytes"]
         rows = [{**dict(zip(names, values)), "peak_bytes": peak,
-                 "growth": str(growth(peak, first))}
+                 "growth": growth_number(peak, first)}
                 for values, peak, first in zip(zip(*(c[k] for k in names)), peaks,
                                                c["first_peak_bytes"])]
         return {"budget_bytes": self.budget.budget_bytes,

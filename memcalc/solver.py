@@ -65,7 +65,9 @@ STRETCH = 0.8  # the share of the time left a climb's step is planned to take
 class Solved(BaseModel):
     """One implementation's threshold: ``max_value`` fits, ``next_value`` (``max_value +
     1``, or the next value the implementation accepts: ``accepted``) does not; no
-    ``next_value`` when ``max_value`` is the largest value it accepts (its ``limit``)."""
+    ``next_value`` when ``max_value`` is the largest value it accepts (its ``limit``). A
+    search its time limit cut short after proving both (``max_fitting``) may lack the
+    figures it had no time to replay in full: None."""
 
     model_config = _FROZEN
     impl: str
@@ -75,9 +77,11 @@ class Solved(BaseModel):
                                                "(None: max_value is the largest accepted)")
     first_failing_power_of_two: int | None = Field(
         description="the smallest accepted power of two above max_value that does not fit "
-                    "(None: none is accepted)")
-    at_max: Fit | None = Field(description="the step at max_value (None when 0)")
-    at_next: Fit | None = Field(description="the step at next_value (None without one)")
+                    "(None: none is accepted, or not replayed in time)")
+    at_max: Fit | None = Field(description="the step at max_value (None when 0, or not "
+                                           "replayed in full in time)")
+    at_next: Fit | None = Field(description="the step at next_value (None without one, or "
+                                            "not replayed in full in time)")
     accepted: Accepted = Field(description="the values of field the implementation accepts")
     approximation: Quadratic | None
     evaluations: int = Field(description="full predictions the solver made")
@@ -125,7 +129,9 @@ class Solved(BaseModel):
 
 
 class Unsolved(Exception):
-    """The solver ran out of time; what it knows so far."""
+    """The solver ran out of time; what it knows so far: ``lo`` fits (0: nothing known
+    to), ``hi`` does not (None: nothing known not to), the closed-form ``estimate`` not
+    replayed, and the ``ceiling`` past which nothing fits."""
 
     def __init__(self, lo: int, hi: int | None, seconds: float | None,
                  estimate: int | None = None, ceiling: int | None = None,
@@ -237,10 +243,14 @@ class _Probe:
             known.append(f"{spent:.0f} of {self.time_limit:g} s")
         say("; ".join([f"{self.config.impl}: {doing}", *known]))
 
+    def verdicts(self) -> dict[int, bool]:
+        """``fits`` at every value replayed so far (capped replays and judged predictions)."""
+        fits = {x: f for x, (f, _) in self.known.items()}
+        return fits | {x: r.fits for x, r in self.full.items()}  # unbounded predictions, judged
+
     def bounds(self) -> tuple[int, int | None]:
         """The largest value replayed that fits (0: none), the smallest that does not."""
-        fits = {x: f for x, (f, _) in self.known.items()}
-        fits |= {x: r.fits for x, r in self.full.items()}  # unbounded predictions, judged
+        fits = self.verdicts()
         lo = max((x for x, f in fits.items() if f), default=0)
         hi = min((x for x, f in fits.items() if not f), default=None)
         return lo, hi
@@ -405,14 +415,20 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
     ``budget_bytes``, searched from the closed-form estimate of the top of the fitting range
     (so in practice the largest: see the module docstring), with the figures at ``N`` and
     ``N + 1`` (over accepted values only: ``N + 1`` is the next one, if any). ``Unsolved``
-    after ``time_limit`` seconds."""
+    after ``time_limit`` seconds, unless by then the largest value replayed that fits is
+    such an ``N`` (the next accepted value replayed, not fitting: adjacent bounds): that
+    answer, exact, with the figures it had time to replay (``_cut_short``)."""
     probe = _Probe(config, field, budget_bytes, time_limit)
     x = probe.snap(start or getattr(config.shape, field))
     try:
         try:
             return _search(probe, x, field)
         except Unsolved:
-            raise _climb(probe) from None
+            known = _climb(probe)
+        after = probe.accepted.after(known.lo)
+        if after is not None and probe.verdicts().get(after) is not False:  # not replayed,
+            raise known  # or fits
+        return _cut_short(probe, known.lo, field)
     except KeyboardInterrupt:
         raise probe.interrupted() from None
 
@@ -564,6 +580,23 @@ def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",
         else:
             hi = mid
     return _solved(probe, lo, field, approximate=False)
+
+
+def _cut_short(probe: _Probe, n: int, field: str) -> Solved:
+    """The answer of a search its time limit stopped once it had replayed ``n`` fitting
+    and the next accepted value not (adjacent bounds: exact), with what it had replayed in
+    time: the figures at both (in full, or None), the first accepted power of two above
+    ``n`` known to fail (None if not replayed), and the closed form it started from."""
+    verdicts, following = probe.verdicts(), probe.accepted.after(n)
+    power = 1 << n.bit_length()
+    while power < LIMIT and (not probe.accepted.accepts(power) or verdicts.get(power)):
+        power *= 2
+    return Solved(impl=probe.config.impl, field=field, max_value=n, next_value=following,
+                  first_failing_power_of_two=power if verdicts.get(power) is False else None,
+                  at_max=probe.full.get(n) if n >= 1 else None,
+                  at_next=probe.full.get(following) if following is not None else None,
+                  accepted=probe.accepted, approximation=probe.model,
+                  evaluations=probe.evaluations)
 
 
 def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solved:

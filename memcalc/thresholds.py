@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from memcalc.breakdown import Result
 from memcalc.budget import Budget, Fit
@@ -16,7 +16,7 @@ from memcalc.closed_form import SYMBOL
 from memcalc.config import Config
 from memcalc.errors import one_line
 from memcalc.impls import impl_names
-from memcalc.render import Column, Table
+from memcalc.render import Column, Table, record_table
 from memcalc.solver import (Interrupted, SolveField, Solved, Unsolved, accepted_start,
                             events_growth, max_fitting, program_events)
 from memcalc.units import GiB, fixed, human
@@ -30,9 +30,30 @@ def gib(nbytes: int) -> str:
 
 
 class Skipped(BaseModel):
+    """An implementation not searched: it rejects the options, or its replays are slow."""
+
     model_config = _FROZEN
     impl: str
     reason: str
+
+
+class Bounds(BaseModel):
+    """A search stopped (time limit, Ctrl-C) before an exact answer: what it proved. None
+    where it knows nothing of that kind."""
+
+    model_config = _FROZEN
+    impl: str
+    fits_at: int | None = Field(description="the largest value replayed that fits")
+    fails_at: int | None = Field(description="the smallest value replayed that does not")
+    estimate: int | None = Field(description="the closed-form estimate, not replayed")
+    ceiling: int | None = Field(description="past it, the tensors alive at the peak alone "
+                                            "exceed the budget")
+    reason: str
+
+    @classmethod
+    def of(cls, impl: str, known: Unsolved, reason: str) -> "Bounds":
+        return cls(impl=impl, fits_at=known.lo or None, fails_at=known.hi,
+                   estimate=known.estimate, ceiling=known.ceiling, reason=reason)
 
 
 def _cell_gib(f: Fit | None, key: str) -> str:
@@ -42,6 +63,12 @@ def _cell_gib(f: Fit | None, key: str) -> str:
 def _dash(value):
     """A cell that may have no value: ``-``."""
     return "-" if value is None else value
+
+
+def _missing_figures(r: Solved) -> bool:
+    """Whether a time limit left ``r`` (solved) without some of its figures."""
+    return ((r.at_next is None and r.next_value is not None)
+            or (r.at_max is None and r.max_value > 0))
 
 
 def _next_label(field: str, results) -> str:
@@ -97,33 +124,25 @@ def _formula(r) -> str:
         return q.text()
     x = q.symbol
     kind = "exact" if q.exact else f"fitted through {x}={q.at:,}, {2 * q.at:,}, {4 * q.at:,}"
-    return f"about {q.text(places=2)} ({kind}; coefficients rounded to 0.01, fractions in --json)"
+    return (f"about {q.text(places=2)} ({kind}; coefficients rounded to 0.01, exact in --json "
+            f"and --csv)")
 
 
-def _blank(value):
-    """A CSV cell that may have no value: empty."""
-    return "" if value is None else value
+SOLVED_KEYS = ("limit", "accepted_step", "accepted_most", "first_failing_power_of_two",
+               "peak_bytes_at_max", "reserved_bytes_at_max", "spare_bytes_at_max",
+               "needed_bytes_at_next", "peak_bytes_at_next")
+CLOSED_FORM_KEYS = ("a", "b", "c", "denominator", "exact")  # Quadratic.to_dict's
+BOUND_KEYS = ("fits_at", "fails_at", "estimate", "ceiling")
 
 
-def _byte_columns(field: str) -> list[Column]:
-    """The CSV's columns: the JSON's figures, one row per solved implementation."""
-    return [
-        Column("impl", lambda r: r.impl),
-        Column(f"max_{field}", lambda r: r.max_value),
-        Column(f"next_{field}", lambda r: _blank(r.next_value)),
-        Column("limit", lambda r: _blank(r.limit)),
-        Column("accepted_step", lambda r: r.accepted.step),
-        Column("accepted_most", lambda r: _blank(r.accepted.most)),
-        Column("first_failing_power_of_two", lambda r: _blank(r.first_failing_power_of_two)),
-        Column("peak_bytes_at_max", lambda r: _blank(r.peak_bytes_at_max)),
-        Column("reserved_bytes_at_max", lambda r: r.at_max.reserved_bytes if r.at_max else ""),
-        Column("spare_bytes_at_max", lambda r: _blank(r.spare_bytes_at_max)),
-        Column("needed_bytes_at_next", lambda r: r.at_next.reserved_bytes if r.at_next else ""),
-        Column("peak_bytes_at_next", lambda r: _blank(r.peak_bytes_at_next)),
-        Column("a", lambda r: str(r.approximation.a) if r.approximation else ""),
-        Column("b", lambda r: str(r.approximation.b) if r.approximation else ""),
-        Column("c", lambda r: str(r.approximation.c) if r.approximation else ""),
-    ]
+def record_keys(field: str) -> tuple[str, ...]:
+    """The report's CSV columns, the keys of ``OomReport.records()``: every implementation
+    with its ``status`` (solved, unsolved, skipped), the figures of a solved one (the next
+    value it accepts, its rule on ``field``), the closed form's integer coefficients over
+    their ``denominator``, the bounds of an unsolved one, and the ``reason`` for one
+    without an answer."""
+    return ("impl", "status", f"max_{field}", f"next_{field}", *SOLVED_KEYS,
+            *CLOSED_FORM_KEYS, *BOUND_KEYS, "reason")
 
 
 class OomReport(Result):
@@ -134,6 +153,7 @@ class OomReport(Result):
     field: SolveField
     base: Config
     results: tuple[Solved, ...]
+    unsolved: tuple[Bounds, ...] = ()
     skipped: tuple[Skipped, ...] = ()
 
     def title(self) -> str:
@@ -147,13 +167,17 @@ class OomReport(Result):
         return [Table(self.title(), _columns(self.field, self.results), self.results)]
 
     def csv_table(self) -> Table:
-        return Table(None, _byte_columns(self.field), self.results)
+        return record_table(record_keys(self.field), self.records())
 
     def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats
 
         s, after = SYMBOL[self.field], _next_label(self.field, self.results)
-        skips = [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
+        skips = [f"{k.impl}: not solved, {k.reason}" for k in self.unsolved]
+        skips += [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
+        skips += [f"{r.impl}: exact ({r.max_value:,} fits, {r.next_value:,} does not), but "
+                  f"the time limit left no time to replay every figure in full (-: not known)"
+                  for r in self.results if _missing_figures(r)]
         if not self.results:  # no table: its title is the first note
             return [*self.title().split("\n"), *skips, *caveats([])]
         lines = [f"fits: replaying the step with capacity = budget raises no OOM; reserved at "
@@ -176,21 +200,32 @@ class OomReport(Result):
         return f"largest {self.field} within {gib(self.budget.budget_bytes)} GiB: {best}{more}"
 
     def records(self) -> list[dict]:
-        """One dict per solved implementation."""
-        return self.to_dict()["results"]
+        """One flat dict per implementation (``record_keys``): solved, then unsolved, then
+        skipped; None where a row has no such figure. The CSV's rows."""
+        rows = [{**_result(r), **(r.approximation.coefficients() if r.approximation else {}),
+                 "exact": r.approximation.exact if r.approximation else None,
+                 "status": "solved"} for r in self.results]
+        rows += [{**k.model_dump(), "status": "unsolved"} for k in self.unsolved]
+        rows += [{**k.model_dump(), "status": "skipped"} for k in self.skipped]
+        return [{key: row.get(key) for key in record_keys(self.field)} for row in rows]
 
     def to_dict(self) -> dict:
         """``results`` carry, besides the solver's figures, ``reserved_bytes_at_max`` (the
-        reserved peak under the budget) and ``needed_bytes_at_next``."""
-        def result(r: Solved) -> dict:
-            return {**r.to_dict(), "reserved_bytes_at_max": r.at_max.reserved_bytes
-                    if r.at_max else None,
-                    "needed_bytes_at_next": r.at_next.reserved_bytes if r.at_next else None}
+        reserved peak under the budget) and ``needed_bytes_at_next``; ``unsolved`` the
+        bounds of each search stopped before an answer; ``skipped`` why each other was
+        not searched."""
         return {"budget_bytes": self.budget.budget_bytes, "solve": self.field,
                 "budget": self.budget.model_dump(mode="json"),
-                "results": [result(r) for r in self.results],
+                "results": [_result(r) for r in self.results],
+                "unsolved": [k.model_dump() for k in self.unsolved],
                 "skipped": [k.model_dump() for k in self.skipped],
                 "config": self.base.model_dump(mode="json")}
+
+
+def _result(r: Solved) -> dict:
+    """A solved row's JSON: the solver's, with the reserved bytes that decide it."""
+    return {**r.to_dict(), "reserved_bytes_at_max": r.at_max.reserved_bytes if r.at_max
+            else None, "needed_bytes_at_next": r.at_next.reserved_bytes if r.at_next else None}
 
 
 MAX_EVENTS = 4000
@@ -235,7 +270,12 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
         raise ValueError(f"time_limit: must be positive (got {time_limit})")
     named = list(impls) if impls else None
     alone = named is not None and len(named) == 1  # its refusal is the answer: raise it
-    results, skipped = [], []
+    results, unsolved, skipped = [], [], []
+
+    def report() -> OomReport:
+        return OomReport(budget=budget, field=field, base=base, results=tuple(results),
+                         unsolved=tuple(unsolved), skipped=tuple(skipped))
+
     for name in named or impl_names():
         try:
             config = accepted_start(base.replace(impl=name), field)
@@ -244,12 +284,12 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
                 results.append(solver(config, budget.budget_bytes, field, time_limit=time_limit))
                 continue
         except Interrupted as stop:
-            skipped.append(Skipped(impl=name, reason=str(stop.known)))
-            raise PartialReport(OomReport(budget=budget, field=field, base=base,
-                                          results=tuple(results), skipped=tuple(skipped))
-                                ) from None
+            unsolved.append(Bounds.of(name, stop.known, str(stop.known)))
+            raise PartialReport(report()) from None
         except Unsolved as error:
-            reason = f"{error}; raise the time limit (--time-limit, time_limit=)"
+            unsolved.append(Bounds.of(name, error, f"{error}; raise the time limit "
+                                                   "(--time-limit, time_limit=)"))
+            continue
         except ValueError as error:  # pydantic's ValidationError is one
             if alone:
                 raise
@@ -259,8 +299,7 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
                 raise
             reason = f"the model raised {type(error).__name__}: {_first_line(error)}"
         skipped.append(Skipped(impl=name, reason=reason))
-    return OomReport(budget=budget, field=field, base=base, results=tuple(results),
-                     skipped=tuple(skipped))
+    return report()
 
 
 def _first_line(error: Exception) -> str:

@@ -66,6 +66,19 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+RATIO_PLACES = 6
+"""Decimals of a ratio in the machine formats (CSV, JSON): more than any table shows."""
+
+
+def ratio_number(numerator: int, denominator: int, places: int = RATIO_PLACES) -> float | None:
+    """``numerator / denominator`` for CSV and JSON: a plain number, rounded half up to
+    ``places`` decimals exactly (as ``fixed``), with no separator or unit; None (empty,
+    null) where the denominator is 0 and the ratio means nothing."""
+    if denominator == 0:
+        return None
+    return float(fixed(numerator, denominator, places).replace(",", ""))
+
+
 def share(part: int, whole: int) -> str:
     """``part / whole`` as a percentage with one decimal."""
     return f"{fixed(part * 100, whole, 1)}%" if whole else "-"

@@ -19,3 +19,23 @@ def assert_refused(code: int, out: str, err: str, option: str) -> None:
     option, no traceback."""
     assert code == 2 and out == "", (code, out)
     assert err.count("\n") == 1 and option in err and "Traceback" not in err, err
+
+
+def csv_as_json(text: str) -> list[dict]:
+    """The rows of a CSV, each cell read back as JSON would hold it: empty -> None, an
+    integer -> int, a decimal (``0.25``, ``1.5e-05``) -> float, True/False -> bool, else
+    the text (to compare a result's CSV with its JSON records cell by cell)."""
+    import csv
+    import io
+    import re
+
+    def value(cell: str):
+        if cell == "":
+            return None
+        if cell in ("True", "False"):
+            return cell == "True"
+        if re.fullmatch(r"-?\d+", cell):
+            return int(cell)
+        return float(cell) if re.fullmatch(r"-?\d+\.\d+(e-?\d+)?|-?\d+e-?\d+", cell) else cell
+
+    return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(io.StringIO(text))]

@@ -1,6 +1,11 @@
 """The result model: totals summed from the live sets, kept once made, never stale."""
 
+import pytest
+from pydantic import ValidationError
+
+from memcalc.breakdown import Component
 from memcalc.config import Config
+from memcalc.tensors import Role
 from memcalc.timeline import predict
 
 ND = 8_388_608  # 8 x 16384 x 16 x 4 B: q, k, v, grad_out, out at the default shape
@@ -33,3 +38,18 @@ def test_kept_sums_change_neither_equality_nor_output():
     assert read.peak_bytes > 0  # sums kept by ``read`` only
     assert read == fresh and hash(read) == hash(fresh)
     assert read.to_dict() == fresh.to_dict()
+
+
+
+def test_a_component_reads_back_under_its_json_names_and_refuses_the_old_ones():
+    """JSON names a component's request ``bytes`` and its block ``allocated`` (as the
+    tables do); it reads back. The old names (``raw_bytes`` the request, ``bytes`` the
+    block) are refused rather than read with the meanings swapped."""
+    row_sum = Component(name="row_sum", role=Role.saved, op="sum", shape=(1, 1, 64, 1),
+                        dtype="float32", nbytes=256, block_bytes=512)  # 64 x 4 B; a 512 B block
+    data = row_sum.to_dict()
+    assert (data["bytes"], data["allocated"]) == (256, 512) and "raw_bytes" not in data
+    assert Component.model_validate(data) == row_sum
+    old = {k: v for k, v in data.items() if k not in ("bytes", "allocated", "formula")}
+    with pytest.raises(ValidationError, match="raw_bytes"):
+        Component.model_validate({**old, "raw_bytes": 256, "bytes": 512})

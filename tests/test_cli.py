@@ -20,7 +20,12 @@ def test_breakdown_json_has_figures_and_components(capsys):
 
 def test_breakdown_csv_and_markdown(capsys):
     _, csv_out, _ = run(capsys, "breakdown", "--seq", "1024", "--csv")
-    assert csv_out.splitlines()[0] == "component,made by,role,dtype,formula (shape x element),bytes,allocated,MiB,share"
+    lines = csv_out.splitlines()
+    assert lines[0] == "name,made_by,role,op,dtype,formula,bytes,allocated,share"  # JSON's keys
+    # exp_x: 8 x 1 x 1024 x 1024 x 4 B = 33,554,432 B asked for, and its block, a number;
+    # its share of the peak 33,554,432 / 271,679,488 = 0.1235074..., not "12.4%"
+    assert lines[3] == ('exp_x,"exp: e = exp(s - m), kept by ExpBackward0 and DivBackward0",'
+                        'saved,exp,float32,8 x 1 x 1024 x 1024 x 4 B,33554432,33554432,0.123507')
     _, md, _ = run(capsys, "breakdown", "--seq", "1024", "--markdown")
     assert "| saved for backward | " in md
 

@@ -1,5 +1,7 @@
 """The closed form of a step: the raw bytes alive at its peak as a quadratic in a field."""
 
+from fractions import Fraction
+
 from memcalc.config import Config
 from memcalc.closed_form import live_polynomial
 from memcalc.timeline import predict
@@ -29,8 +31,6 @@ def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
 def test_text_leaves_out_zero_terms_exact_or_rounded():
     """A zero coefficient is no term, and neither is one that rounds to 0.00 (the oom
     report's rounded form printed ``0*d^2``)."""
-    from fractions import Fraction
-
     from memcalc.closed_form import Quadratic
 
     def form(a, b, c, exact=True):
@@ -43,3 +43,18 @@ def test_text_leaves_out_zero_terms_exact_or_rounded():
     # 1/1000 rounds to 0.00: left out; -1/3 = -0.33 keeps its sign in the operator
     assert form(Fraction(1, 1000), Fraction(-1, 3), 0).text(places=2) == "-0.33*d"
     assert form(0, 0, 0).text() == "0"
+
+
+def test_json_coefficients_are_integers_over_one_denominator():
+    """Exact closed forms sum sizes that are products of the dimensions: integer
+    coefficients, denominator 1. A fit (sdpa-efficient pads rows, a ceil) has fractions
+    -41/1,875, 790,568/125 and -128,128/3: over lcm(1,875, 125, 3) = 1,875 (3 x 5^4) they
+    are -41, 790,568 x 15 = 11,858,520 and -128,128 x 625 = -80,080,000, exact."""
+    naive = live_polynomial(Config(impl="naive", shape={"seq_len": 4096}), "seq_len")
+    assert {k: naive.to_dict()[k] for k in ("a", "b", "c", "denominator", "exact")} == {
+        "a": 192, "b": 3168, "c": 67_108_864, "denominator": 1, "exact": True}
+    fit = live_polynomial(Config(impl="sdpa-efficient", shape={"seq_len": 1000}), "seq_len")
+    assert fit.text() == "-41/1,875*N^2 + 790,568/125*N - 128,128/3 (fit)"
+    assert fit.coefficients() == {"a": -41, "b": 11_858_520, "c": -80_080_000,
+                                  "denominator": 1875}
+    assert (-41 * 3000**2 + 11_858_520 * 3000 - 80_080_000) / Fraction(1875) == fit(3000)

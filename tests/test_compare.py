@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import memcalc
-from cli_helpers import assert_refused, run
+from cli_helpers import assert_refused, csv_as_json, run
 from memcalc.cli import PIPED_WIDTH, build_parser
 from memcalc.comparison import ratio
 from memcalc.config import make_config
@@ -62,20 +62,25 @@ def test_json_agrees_with_the_library_and_the_replay(capsys):
 
 
 def test_csv_and_markdown_print_the_comparison(capsys):
-    """--csv: exact bytes, the saving against naive as an integer; --markdown: the bold
-    title, then the table; both the library's own text."""
+    """--csv: the JSON's row keys as columns, exact bytes, the saving against naive as an
+    integer and the factor as a number; --markdown: the bold title, then the table; both
+    the library's own text."""
     api = memcalc.compare(seq_len=256, batch=1, impls=["naive", "naive-softmax"])
     base, soft = (r.breakdown for r in api.rows)
     out = compared(capsys, *PAIR, "--csv")
     assert out == api.to_csv()
     assert out.splitlines() == [
-        "implementation,N x M saved,saved,forward peak,backward peak,peak,saves vs naive,"
-        "factor,max seq_len",
-        f"naive,2,{NAIVE_SAVED},{base.forward_peak_bytes},{base.backward_peak_bytes},"
-        f"{base.peak_bytes},0,1.00x,{api.rows[0].max_seq_len}",
-        f"naive-softmax,1,{NN},{soft.forward_peak_bytes},{soft.backward_peak_bytes},"
-        f"{soft.peak_bytes},{PEAK_GAP},{ratio(base.peak_bytes, soft.peak_bytes)},"
-        f"{api.rows[1].max_seq_len}"]
+        "impl,status,quadratic_saved,saved_bytes,forward_peak_bytes,backward_peak_bytes,"
+        "peak_bytes,reserved_peak_bytes,saving_bytes,factor,max_seq_len,reason",
+        f"naive,solved,2,{NAIVE_SAVED},{base.forward_peak_bytes},{base.backward_peak_bytes},"
+        f"{base.peak_bytes},{base.reserved_peak_bytes},0,1.0,{api.rows[0].max_seq_len},",
+        # 68,783,104 / 67,993,600 = 1.0116113..., to 6 decimals (the table: 1.01x)
+        f"naive-softmax,solved,1,{NN},{soft.forward_peak_bytes},{soft.backward_peak_bytes},"
+        f"{soft.peak_bytes},{soft.reserved_peak_bytes},{PEAK_GAP},1.011611,"
+        f"{api.rows[1].max_seq_len},"]
+    # 64 MiB of cuBLAS workspaces (67,108,864 B) + 1,674,240 B; + 884,736 B (PEAK_GAP less)
+    assert (base.peak_bytes, soft.peak_bytes) == (68_783_104, 67_993_600)
+    assert csv_as_json(out) == json.loads(compared(capsys, *PAIR, "--json"))["rows"]
     out = compared(capsys, *PAIR, "--markdown")
     assert out == api.to_markdown()
     lines = out.splitlines()
@@ -89,13 +94,29 @@ def test_baseline_sets_what_the_savings_are_against(capsys):
     naive-softmax's peak over naive's (below 1)."""
     out = compared(capsys, *PAIR, "--baseline", "naive-softmax", "--csv")
     data = json.loads(compared(capsys, *PAIR, "--baseline", "naive-softmax", "--json"))
-    base, soft = (r["peak_bytes"] for r in data["rows"])
     assert data["baseline"] == "naive-softmax"
-    header, naive, softmax = (line.split(",") for line in out.splitlines())
-    assert header[6] == "saves vs naive-softmax"
-    assert (naive[6], naive[7]) == (str(-PEAK_GAP), ratio(soft, base))
-    assert (softmax[6], softmax[7]) == ("0", "1.00x")
-    assert ratio(soft, base).startswith("0.")
+    naive, softmax = csv_as_json(out)
+    # 67,993,600 / 68,783,104 = 0.98852199..., to 6 decimals (the table: 0.99x)
+    assert (naive["saving_bytes"], naive["factor"]) == (-PEAK_GAP, 0.988522)
+    assert (softmax["saving_bytes"], softmax["factor"]) == (0, 1.0)
+    assert [naive, softmax] == data["rows"]
+
+
+def test_rows_without_a_figure_have_empty_cells_and_say_why(capsys):
+    """sdpa-flash has no fp32 kernel (rejected: no figures), linear-causal-chunked's loop is
+    not solved: their absent figures are empty in the CSV and null in the JSON, with the
+    status and the reason beside them, never "n/a" or "not solved" in a number's column."""
+    argv = ["--impl", "naive,sdpa-flash,linear-causal-chunked"]
+    rows = csv_as_json(compared(capsys, *argv, "--csv"))
+    assert rows == json.loads(compared(capsys, *argv, "--json"))["rows"]
+    assert [(r["impl"], r["status"]) for r in rows] == [
+        ("naive", "solved"), ("sdpa-flash", "rejected"), ("linear-causal-chunked", "unsolved")]
+    naive, flash, chunked = rows
+    assert naive["reason"] is None and naive["factor"] == 1.0
+    assert {k for k, v in flash.items() if v is not None} == {"impl", "status", "reason"}
+    assert flash["reason"].startswith("sdpa-flash: FlashAttention supports fp16 and bf16 only")
+    assert chunked["max_seq_len"] is None and chunked["peak_bytes"] > 0
+    assert "its program's events grow with seq_len" in chunked["reason"]
 
 
 @pytest.mark.parametrize("width", [60, 80, 120, None])  # None: piped, no COLUMNS

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from breakers import interrupt_after
-from cli_helpers import assert_refused, run
+from cli_helpers import assert_refused, csv_as_json, run
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
 
@@ -73,8 +73,22 @@ def test_ctrl_c_prints_what_is_known_then_one_line_and_exit_130(capsys, monkeypa
     data = json.loads(out)
     assert [r["impl"] for r in data["results"]] == ["naive"]
     assert data["results"][0]["max_seq_len"] == 19511
-    (skipped,) = data["skipped"]
-    assert skipped["impl"] == "naive-softmax" and "interrupted after" in skipped["reason"]
+    (unsolved,) = data["unsolved"]
+    assert unsolved["impl"] == "naive-softmax" and "interrupted after" in unsolved["reason"]
+    # its first replay, at the default 16,384 rows, fits; nothing was seen not to
+    assert (unsolved["fits_at"], unsolved["fails_at"]) == (16384, None)
+
+
+def test_a_search_out_of_time_gives_its_bounds_as_csv_columns(capsys):
+    """The chunked loop in 0.75 GB has no exact answer within 1 s: its row says so in
+    ``status`` and ``reason``, with the largest length it replayed that fits in ``fits_at``
+    (a number, as in the JSON), its maximum empty."""
+    argv = ["oom", "--impl", "linear-causal-chunked", "--gpu-gb", "0.75", "--time-limit", "1"]
+    code, out, _ = run(capsys, *argv, "--csv")
+    (row,) = csv_as_json(out)
+    assert code == 0 and (row["status"], row["max_seq_len"]) == ("unsolved", None)
+    assert isinstance(row["fits_at"], int) and row["fits_at"] >= 1
+    assert row["reason"].startswith(f"no exact answer within 1 s (fits at {row['fits_at']:,}")
 
 
 def test_ctrl_c_elsewhere_is_one_line_and_exit_130(capsys, monkeypatch):

@@ -15,6 +15,7 @@ from memcalc.render import text
 from memcalc.render_results import (breakdown_headline, breakdown_tables, breakdown_title,
                                     caveats, component_columns)
 from memcalc.tensors import Role
+from cli_helpers import csv_as_json
 
 MiB = 1 << 20
 ALLOCATOR = "the allocator model follows PyTorch's source and is not yet checked on a GPU"
@@ -138,6 +139,26 @@ def test_csv_keeps_one_row_per_tensor_and_a_source_column_when_one_has_a_source(
     assert [r[0] for r in rows[1:]] == ["cuBLAS workspace, main thread", "exp_x", "S0", "S1",
                                         "S2", "q", "k", "v", "grad_out", "row_sum"]
     assert rows[-1][-1] == "model.py:12" and rows[1][-1] == ""
+
+
+def test_csv_and_json_name_the_request_bytes_and_the_block_allocated():
+    """The table's words in both formats: ``bytes`` is what a tensor asks for, ``allocated``
+    the allocator's block (row_sum: 64 x 4 B = 256 B in a 512 B block); the CSV's rows are
+    the JSON's components, every figure a number (``share``: a fraction of the peak)."""
+    b = made()
+    rows = csv_as_json(b.to_csv())
+    assert list(rows[0]) == ["name", "made_by", "role", "op", "dtype", "formula", "bytes",
+                             "allocated", "share"]
+    assert rows == [{k: c[k] for k in rows[0]} for c in b.to_dict()["components"]]
+    assert rows[0]["share"] == 0.997549  # 33,554,432 / 33,636,864 = 0.9975494...
+    assert rows[-1] == {"name": "row_sum", "made_by": "sum: r = e.sum(-1), kept by DivBackward0",
+                        "role": "saved", "op": "sum", "dtype": "float32",
+                        "formula": "1 x 1 x 64 x 1 x 4 B", "bytes": 256, "allocated": 512,
+                        "share": 0.000015}  # 512 / 33,636,864 = 0.0000152...
+    assert sum(r["allocated"] for r in rows) == PEAK
+    saved = b.to_dict()["saved"]
+    assert [(c["name"], c["bytes"], c["allocated"]) for c in saved] == [
+        ("exp_x", 16_384, 16_384), ("row_sum", 256, 512)]  # 64 x 64 x 4 B; 64 x 4 B
 
 
 # Widths of the components table's columns (its longest cell, or header word; "made by"

@@ -181,13 +181,14 @@ def test_pivot_tables_one_per_series_group_lengths_sorted_oom_marked(toys):
                              ["1024", "4.00 OOM", "4.00 OOM"]]
 
 
-def test_csv_json_and_records_keep_bytes_and_the_exact_growth_whatever_the_layout(toys):
+def test_csv_json_and_records_keep_bytes_and_the_growth_as_a_number_whatever_the_layout(toys):
     s = sweep(base(), BUDGET, seq_len=(512, 256), pivot="saved")  # MiB and a pivot: not in CSV
+    # growth: 344,064 / 1,212,416 = 21/74 = 0.2837837..., to 6 decimals (the table: x0.28)
     assert s.to_csv() == (
         "impl,dtype,batch,heads,seq_len,head_dim,peak_bytes,saved_bytes,forward_peak_bytes,"
         "backward_peak_bytes,reserved_peak_bytes,quadratic_bytes,growth,fits\n"
-        f"{TOY},fp32,1,1,512,16,1212416,1048576,1212416,1212416,2097152,1048576,1,True\n"
-        f"{TOY},fp32,1,1,256,16,344064,262144,344064,344064,2097152,262144,21/74,True\n")
+        f"{TOY},fp32,1,1,512,16,1212416,1048576,1212416,1212416,2097152,1048576,1.0,True\n"
+        f"{TOY},fp32,1,1,256,16,344064,262144,344064,344064,2097152,262144,0.283784,True\n")
     data = s.to_dict()
     assert data["budget_bytes"] == 3 * MiB  # 4 MiB - 1 MiB
     assert data["axes"] == {"impl": [TOY], "dtype": ["fp32"], "batch": [1], "heads": [1],
@@ -196,8 +197,8 @@ def test_csv_json_and_records_keep_bytes_and_the_exact_growth_whatever_the_layou
         "impl": TOY, "dtype": "fp32", "batch": 1, "heads": 1, "seq_len": 256, "head_dim": 16,
         "saved_bytes": 262_144, "forward_peak_bytes": 344_064, "backward_peak_bytes": 344_064,
         "reserved_peak_bytes": 2 * MiB, "quadratic_bytes": 262_144, "fits": True,
-        "peak_bytes": 344_064, "growth": "21/74"}
-    assert [r["growth"] for r in s.records()] == [1.0, 21 / 74]  # the fraction as a float
+        "peak_bytes": 344_064, "growth": 0.283784}
+    assert s.records() == data["rows"]
 
 
 def test_headline_counts_configurations_and_those_that_fit(toys):

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from memcalc import closed_form, progress
+from memcalc import closed_form, progress, solver
 from memcalc.budget import fits
 from memcalc.closed_form import live_polynomial
 from memcalc.config import Config
@@ -220,6 +220,40 @@ def test_a_climb_of_predictions_estimates_again_too():
     assert probe.fit(16384).fits and 16384 not in probe.known
     _estimate_again(probe)
     assert probe.estimate == 19510
+
+
+def test_a_search_cut_short_at_adjacent_bounds_is_solved(monkeypatch):
+    """The time limit stops the naive search at 80 GiB after its bisection replayed 19,511
+    fitting and 19,512 not, as it would replay both in full for their figures: that is the
+    exact answer, Solved, with the figures it had time for (here none: None), not Unsolved
+    (fitting is not monotone: 19,510 was replayed too and does not fit)."""
+    def stopped(probe, n, field, approximate=True):
+        raise probe.unsolved()  # what the deadline raises inside probe.fit(n + 1)
+
+    monkeypatch.setattr(solver, "_solved", stopped)
+    s = max_fitting(Config(impl="naive"), GIB80, time_limit=600)
+    assert (s.max_value, s.at_max, s.at_next, s.first_failing_power_of_two) == (
+        19511, None, None, None)
+    assert s.approximation.text() == "192*N^2 + 3,168*N + 67,108,864"  # from the start
+    assert s.approximation.at == 16384
+    assert s.to_dict()["peak_bytes_at_next"] is None
+
+
+def test_a_search_cut_short_keeps_the_figures_it_replayed_in_full(monkeypatch):
+    """Stopped while looking for the first power of two that fails (fits(32,768) replayed,
+    above it nothing): the figures at 19,511 and 19,512 stand, the power is not known."""
+    real = solver._Probe.__call__
+
+    def stopped(probe, x):
+        if x == 32768:
+            raise probe.unsolved()
+        return real(probe, x)
+
+    monkeypatch.setattr(solver._Probe, "__call__", stopped)
+    s = max_fitting(Config(impl="naive"), GIB80, time_limit=600)
+    assert s.max_value == 19511 and s.first_failing_power_of_two is None
+    assert s.at_max.fits and not s.at_next.fits
+    assert s.peak_bytes_at_max == predict(Config(impl="naive", shape={"seq_len": 19511})).peak_bytes
 
 
 def test_a_time_limited_search_approaches_a_far_estimate():

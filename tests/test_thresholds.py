@@ -6,10 +6,15 @@ import io
 
 import pytest
 
+from memcalc.accepted import every
 from memcalc.budget import Budget
 from memcalc.config import Config, Device
-from memcalc.thresholds import PartialReport, solve
+from memcalc.closed_form import live_polynomial
+from memcalc.render import text
+from memcalc.solver import Solved, Unsolved, max_fitting
+from memcalc.thresholds import OomReport, PartialReport, Skipped, solve
 from breakers import interrupt_after
+from cli_helpers import csv_as_json
 from toy_programs import one_event_pair_per_64_rows
 
 
@@ -34,7 +39,6 @@ def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
     """Every row: the reserved peak at N (replayed under the budget, with release-and-retry)
     is within the budget and what N+1 needs is over it; closed forms print no fractions."""
     import memcalc
-    from memcalc.render import text
 
     report = memcalc.oom(gpu_gb=80, impls=["naive", "linear", "sdpa-efficient"])
     budget = report.budget.budget_bytes  # 80 x 2^30 - 512 x 2^20 = 85,362,475,008
@@ -49,23 +53,88 @@ def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
 
 def test_the_api_has_the_commands_time_limit():
     """``memcalc.oom`` stops a search at ``time_limit`` seconds (60 by default, as
-    ``memcalc oom``): a chunked loop's is listed as skipped with what it found."""
+    ``memcalc oom``): a chunked loop's is listed unsolved, with what it found."""
     import memcalc
 
     assert inspect.signature(memcalc.oom).parameters["time_limit"].default == 60
     # 0.75 GB: without the limit, an exact answer in seconds (28,672)
     report = memcalc.oom(gpu_gb=0.75, impls=["linear-causal-chunked"], time_limit=1)
-    (skipped,) = report.skipped
-    assert skipped.reason.startswith("no exact answer within 1 s (fits at ")
-    assert skipped.reason.endswith("raise the time limit (--time-limit, time_limit=)")
+    (unsolved,) = report.unsolved
+    assert unsolved.reason.startswith(f"no exact answer within 1 s (fits at {unsolved.fits_at:,}")
+    assert unsolved.reason.endswith("raise the time limit (--time-limit, time_limit=)")
+    assert report.results == report.skipped == ()
     with pytest.raises(ValueError, match="time_limit: must be positive"):
         memcalc.oom(time_limit=0)
 
 
+def test_csv_and_json_give_every_implementation_its_status_bounds_and_reason():
+    """One CSV row per implementation, named as the JSON's keys: naive solved in 8 GiB (the
+    default 512 MiB reserve: 8,053,063,680 B) with its closed form's integer coefficients;
+    naive-softmax's search stopped with bounds, each its own column (no figure in prose
+    only); sdpa-flash skipped. Absent figures are empty, null in the JSON."""
+    def solver(config, budget_bytes, field, time_limit=None):
+        if config.impl == "naive-softmax":
+            raise Unsolved(1000, 1200, 5, estimate=1100)
+        return max_fitting(config, budget_bytes, field, time_limit=time_limit)
+
+    budget = Budget.of(Device(), memory_gb=8)
+    report = solve(Config(), budget, impls=["naive", "naive-softmax"], solver=solver)
+    report = report.model_copy(update={"skipped": (Skipped(impl="sdpa-flash", reason="fp16"),)})
+    naive, softmax, flash = csv_as_json(report.to_csv())
+    assert csv_as_json(report.to_csv()) == report.records()
+    (solved,) = report.results
+    # 5,970: reserved 8,042,577,920 B <= budget 8,053,063,680 B < 8,057,257,984 B at 5,971
+    assert (solved.at_max.reserved_bytes, solved.at_next.reserved_bytes) == (
+        8_042_577_920, 8_057_257_984)
+    assert naive == {
+        "impl": "naive", "status": "solved", "max_seq_len": 5970, "next_seq_len": 5971,
+        "limit": None, "accepted_step": 1, "accepted_most": None,  # naive takes every N
+        "first_failing_power_of_two": 8192,  # 2^13, the first power above 5,970
+        "peak_bytes_at_max": solved.at_max.peak_bytes,
+        "reserved_bytes_at_max": solved.at_max.reserved_bytes,
+        "spare_bytes_at_max": 10_485_760,  # 8,053,063,680 - 8,042,577,920 = 10 MiB
+        "needed_bytes_at_next": solved.at_next.reserved_bytes,
+        "peak_bytes_at_next": solved.at_next.peak_bytes,
+        # 6 N x N fp32 tensors x 8 x 4 B = 192; 3,168 B per N; two 32 MiB workspaces
+        "a": 192, "b": 3168, "c": 67_108_864, "denominator": 1, "exact": True,
+        "fits_at": None, "fails_at": None, "estimate": None, "ceiling": None, "reason": None}
+    reason = ("no exact answer within 5 s (fits at 1,000, not at 1,200; the closed-form "
+              "estimate, not replayed: 1,100); raise the time limit (--time-limit, time_limit=)")
+    assert {k: v for k, v in softmax.items() if v is not None} == {
+        "impl": "naive-softmax", "status": "unsolved", "fits_at": 1000, "fails_at": 1200,
+        "estimate": 1100, "reason": reason}
+    assert {k: v for k, v in flash.items() if v is not None} == {
+        "impl": "sdpa-flash", "status": "skipped", "reason": "fp16"}
+    data = report.to_dict()
+    assert data["unsolved"] == [{"impl": "naive-softmax", "fits_at": 1000, "fails_at": 1200,
+                                 "estimate": 1100, "ceiling": None, "reason": reason}]
+    assert data["skipped"] == [{"impl": "sdpa-flash", "reason": "fp16"}]
+    assert data["results"][0]["approximation"]["a"] == 192  # a number, not "192"
+    assert text(report, 200).splitlines()[-3:-1] == [
+        f"naive-softmax: not solved, {reason}", "sdpa-flash: skipped, fp16"]
+
+
+def test_a_solved_row_without_its_figures_shows_dashes_and_says_why():
+    """A search its time limit stopped at adjacent bounds is solved; the figures it had no
+    time to replay in full are dashes in the table, empty in the CSV, and a note says so."""
+    q = live_polynomial(Config(impl="naive", shape={"seq_len": 1024}), "seq_len")
+    cut = Solved(impl="naive", field="seq_len", max_value=19511, next_value=19512,
+                 first_failing_power_of_two=None, at_max=None, at_next=None,
+                 accepted=every("seq_len"), approximation=q, evaluations=5)
+    budget = Budget.of(Device(), memory_gb=80)
+    report = OomReport(budget=budget, field="seq_len", base=Config(), results=(cut,))
+    assert report.tables()[0].cells() == [["naive", "19511", "-", "-", "-", "-"]]
+    assert "naive: exact (19,511 fits, 19,512 does not), but the time limit left no time to " \
+        "replay every figure in full (-: not known)" in text(report, 200)
+    (row,) = csv_as_json(report.to_csv())
+    assert (row["status"], row["max_seq_len"], row["peak_bytes_at_max"], row["a"]) == (
+        "solved", 19511, None, 192)
+
+
 def test_ctrl_c_keeps_the_implementations_solved_before_it(monkeypatch):
     """Interrupted in naive-softmax's search, after naive's: naive's row stays, and
-    naive-softmax is listed with what its search knew (its first replay, at 16,384 rows,
-    fits). Still a KeyboardInterrupt for a caller that does not look."""
+    naive-softmax is listed unsolved with what its search knew (its first replay, at 16,384
+    rows, fits). Still a KeyboardInterrupt for a caller that does not look."""
     budget = Budget.of(Device(), memory_gb=80)
     interrupt_after(monkeypatch, "naive-softmax", 1)
     with pytest.raises(KeyboardInterrupt) as caught:
@@ -73,17 +142,14 @@ def test_ctrl_c_keeps_the_implementations_solved_before_it(monkeypatch):
     report = caught.value.report
     assert isinstance(caught.value, PartialReport)
     assert [r.impl for r in report.results] == ["naive"] and report.results[0].max_value == 19511
-    (skipped,) = report.skipped
-    assert skipped.impl == "naive-softmax"
-    assert skipped.reason.startswith("no exact answer: interrupted after ")
-    assert "(fits at 16,384" in skipped.reason
+    (unsolved,) = report.unsolved
+    assert (unsolved.impl, unsolved.fits_at, unsolved.fails_at) == ("naive-softmax", 16384, None)
+    assert unsolved.reason.startswith("no exact answer: interrupted after ")
+    assert "(fits at 16,384" in unsolved.reason
 
 
 def test_a_report_with_nothing_solved_shows_its_question_and_the_reasons():
     """No empty table, no explanation of its columns: the title, then why each is skipped."""
-    from memcalc.render import text
-    from memcalc.thresholds import OomReport, Skipped
-
     budget = Budget(device="test", memory_bytes=8 * 2**20, reserve_bytes=0)  # 8 MiB
     report = OomReport(budget=budget, field="seq_len", base=Config(), results=(),
                        skipped=(Skipped(impl="naive", reason="no exact answer (fits at 1)"),))

@@ -8,7 +8,6 @@ torch = pytest.importorskip("torch")
 from memcalc.budget import Budget  # noqa: E402
 from memcalc.cli import PIPED_WIDTH, main  # noqa: E402
 from memcalc.config import make_config  # noqa: E402
-from memcalc.impls import IMPLS  # noqa: E402
 from memcalc.tracing import register_function, trace, traced  # noqa: E402
 from memcalc.tracing.report import Traced  # noqa: E402
 
@@ -17,16 +16,6 @@ FIRST = (f"traced as on {H100}: CUDA code paths emulated (memcalc README, 'Your 
          "attention code')")
 CAVEAT = ("caveat: the allocator model follows PyTorch's source and is not yet checked on a "
           "GPU.")
-
-
-@pytest.fixture(autouse=True)
-def unregister_traced():
-    """The functions traced here (``register_function``, as ``memcalc trace`` does) leave
-    the registry as it was."""
-    before = set(IMPLS)
-    yield
-    for name in set(IMPLS) - before:
-        IMPLS.pop(name)
 
 
 def mul(q, k, v):

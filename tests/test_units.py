@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from memcalc.units import GiB, KiB, MiB, decimal, fixed, human, mib, share
+from memcalc.units import GiB, KiB, MiB, decimal, fixed, human, mib, ratio_number, share
 
 
 def test_mib_rounds_an_exact_half_up():
@@ -82,3 +82,12 @@ def test_decimal_is_exact_for_denominators_of_twos_and_fives():
     assert decimal(Fraction(80)) == "80"
     with pytest.raises(ValueError, match="no finite decimal"):
         decimal(Fraction(1, 3))
+
+
+def test_a_ratio_for_csv_and_json_is_a_plain_number_or_none():
+    """Six decimals, half up, exactly; no separator, no unit; None without a denominator."""
+    assert ratio_number(68_783_104, 67_993_600) == 1.011611  # 1.0116113...
+    assert ratio_number(1, 16) == 0.0625 and ratio_number(3, 3) == 1.0
+    assert ratio_number(1, 2_000_000) == 0.000001  # 0.0000005, half up
+    assert ratio_number(2_000_000_000, 3) == 666_666_666.666667  # no "666,666,666.67"
+    assert ratio_number(5, 0) is None
