@@ -4,8 +4,9 @@ import pytest
 
 from memcalc.breakdown import FIGURES
 from memcalc.config import Config
-from memcalc.validation.compare import (ALLOCATOR, KERNEL, RELEASE, UNTRACED, WORKSPACE, Check,
-                                        Report, case_key)
+from memcalc.validation.compare import (ALLOCATOR, KERNEL, RECORD_KEYS, RELEASE, UNTRACED,
+                                        WORKSPACE, Check, Report, _label, case_key)
+from cli_helpers import csv_as_json
 
 SMALL = {"batch": 2, "heads": 1, "seq_len": 256, "head_dim": 16}
 CONFIG = Config(impl="naive", shape=SMALL, protocol={"cublas_workspace_config": ":16:8"})
@@ -141,17 +142,30 @@ def test_report_shows_mismatches_first_and_says_how_many_are_hidden():
     assert list(report.tables()[0].rows) == bad + good[:17]  # 20 rows: 3 mismatches, 17 others
     assert report.footnotes()[0] == ("20 of 25 configurations shown (mismatches first); "
                                      "--json, --csv or --out give them all")
-    assert list(report.csv_table().rows) == good + bad  # the CSV has every row, in order
+    rows = report.csv_table().rows  # the CSV has every row, in order
+    assert [r["seq_len"] for r in rows] == [*range(100, 122), *range(200, 203)]
     many = Report(backend="emulated", environment={}, checks=(*good[:5], *bad * 20))
     assert list(many.tables()[0].rows) == (bad * 20)[:50]  # 60 mismatches: the first 50 only
 
 
 def test_records_hold_each_difference_and_cause_by_figure():
+    """One row per check, the CSV's columns exactly (``RECORD_KEYS``): every figure's
+    difference and cause has its own column, None where it has none."""
     workspace = live_checks()[1]
-    (record,) = Report(backend="cuda", environment={}, checks=(workspace,)).records()
-    assert record == {"case": "grid", "impl": "naive", "seq_len": 300, "dtype": "fp32",
-                      "causal": False, "ok": False, "outcome": "measured",
+    report = Report(backend="cuda", environment={}, checks=(workspace,))
+    (record,) = report.records()
+    assert record == {"case": "grid", "configuration": _label(workspace), "impl": "naive",
+                      "seq_len": 300, "dtype": "fp32", "causal": False, "outcome": "measured",
+                      "verdict": "MISMATCH", "ok": False,
+                      "predicted_peak_bytes": 4096, "emulated_peak_bytes": 4096,  # figures()
+                      "measured_peak_bytes": 4096,  # only the backward peak differs
                       "diff_saved_bytes": 0, "diff_forward_peak_bytes": 0,
                       "diff_backward_peak_bytes": WS, "diff_peak_bytes": 0,
                       "diff_reserved_peak_bytes": 0,
-                      "cause_backward_peak_bytes": WORKSPACE}
+                      "cause_saved_bytes": None, "cause_forward_peak_bytes": None,
+                      "cause_backward_peak_bytes": WORKSPACE, "cause_peak_bytes": None,
+                      "cause_reserved_peak_bytes": None}
+    assert list(record) == list(RECORD_KEYS)
+    assert csv_as_json(report.to_csv()) == [record]  # the CSV holds the same, cell by cell
+
+

@@ -15,7 +15,7 @@ from pydantic import computed_field
 
 from memcalc.breakdown import FIGURES, Result
 from memcalc.config import Config
-from memcalc.render import Column, Table
+from memcalc.render import Column, Table, record_table
 from memcalc.validation.calibration import Calibration
 
 Outcome = Literal["measured", "oom", "error", "absent"]
@@ -233,7 +233,7 @@ class Report(Result):
         return [Table(f"{self.summary()}\n{env}", self._columns(), self._shown())]
 
     def csv_table(self) -> Table:
-        return Table(None, self._columns(), self.checks)
+        return record_table(RECORD_KEYS, self.records())
 
     def footnotes(self) -> list[str]:
         from memcalc.render_results import caveats
@@ -252,9 +252,26 @@ class Report(Result):
         return self.model_dump(mode="json")
 
     def records(self) -> list[dict]:
-        """One dict per configuration: its impl, sizes, verdict and figure differences."""
-        return [{"case": c.case, "impl": c.config.impl, "seq_len": c.config.shape.seq_len,
-                 "dtype": c.config.dtype.value, "causal": c.config.causal, "ok": c.ok,
-                 "outcome": c.outcome, **{f"diff_{k}": v for k, v in c.differences.items()},
-                 **{f"cause_{k}": v for k, v in c.attribution.items()}}
-                for c in self.checks]
+        """One dict per configuration (``RECORD_KEYS``, the CSV's columns): the case, the
+        configuration, the outcome and verdict, the peaks (None where not run), and per
+        figure the difference (live or emulated less model) and its cause."""
+        return [_record(c) for c in self.checks]
+
+
+RECORD_KEYS = ("case", "configuration", "impl", "seq_len", "dtype", "causal", "outcome",
+               "verdict", "ok", "predicted_peak_bytes", "emulated_peak_bytes",
+               "measured_peak_bytes", *(f"diff_{k}" for k in FIGURES),
+               *(f"cause_{k}" for k in FIGURES))
+
+
+def _record(c: Check) -> dict:
+    """``Report.records``' row of one check."""
+    peak = lambda figures: figures["peak_bytes"] if figures else None  # noqa: E731
+    row = {"case": c.case, "configuration": _label(c), "impl": c.config.impl,
+           "seq_len": c.config.shape.seq_len, "dtype": c.config.dtype.value,
+           "causal": c.config.causal, "outcome": c.outcome, "verdict": c.verdict(),
+           "ok": c.ok, "predicted_peak_bytes": peak(c.predicted),
+           "emulated_peak_bytes": peak(c.emulated), "measured_peak_bytes": peak(c.measured),
+           **{f"diff_{k}": v for k, v in c.differences.items()},
+           **{f"cause_{k}": v for k, v in c.attribution.items()}}
+    return {key: row.get(key) for key in RECORD_KEYS}
