@@ -47,6 +47,7 @@ class Quadratic(BaseModel):
     exact: bool
     at: int = Field(description="where the live set was taken (x; fitted at x, 2x, 4x, or "
                                 "at x/4, x/2, x)")
+    points: tuple[int, int, int] = Field(description="the values it was fitted through")
     components: tuple[str, ...]
 
     def __call__(self, x: int) -> Fraction:
@@ -88,18 +89,21 @@ class Quadratic(BaseModel):
                 "denominator": d}
 
     def to_dict(self) -> dict:
-        return {**self.coefficients(), "exact": self.exact, "at": self.at, "text": self.text(),
+        return {**self.coefficients(), "exact": self.exact, "at": self.at,
+                "points": list(self.points), "text": self.text(),
                 "components": list(self.components)}
 
 
 def live_polynomial(config: Config, field: str, breakdown=None,
-                    below: bool = False) -> Quadratic | None:
+                    below: bool = False, snap=None) -> Quadratic | None:
     """The raw bytes of what is alive at ``config``'s peak, as a quadratic in ``field``
     (None when the program's tensors change names with the field). A program whose number
     of tensors grows with the field (a loop over chunks) is replayed at each point: its
     live set at ``x`` does not tell which of them are alive at ``2x``. ``below``: fitted
     at ``x/4``, ``x/2`` and ``x`` (for a loop at a large ``x``: replays of 1.5x rows in
-    all, instead of 9x at 2x, 3x and 4x, each larger than the one at ``x``)."""
+    all, instead of 9x at 2x, 3x and 4x, each larger than the one at ``x``). ``snap``: moves
+    each point to a value the implementation accepts (the memory-efficient kernel's head
+    dims are multiples of 4 or 8; ``memcalc.accepted``)."""
     b = breakdown if breakdown is not None else predict(config)
     x0 = getattr(config.shape, field)
     live = b.components
@@ -121,6 +125,8 @@ def live_polynomial(config: Config, field: str, breakdown=None,
         return total
 
     xs, check_x = ((x0 // 4, x0 // 2, x0), 3 * x0 // 4) if below else ((x0, 2 * x0, 4 * x0), 3 * x0)
+    if snap is not None:
+        xs, check_x = tuple(snap(x) for x in xs), snap(check_x)
     if len({*xs, check_x}) < 4 or xs[0] < 1:
         return None
     try:
@@ -139,5 +145,5 @@ def live_polynomial(config: Config, field: str, breakdown=None,
     bb = d1 - a * (x1 + x2)
     c = y1 - a * x1 * x1 - bb * x1
     q = Quadratic(symbol=SYMBOL.get(field, field), a=a, b=bb, c=c, exact=False, at=x0,
-                  components=tuple(comp.name for comp in live))
+                  points=xs, components=tuple(comp.name for comp in live))
     return q.model_copy(update={"exact": check is not None and q(check_x) == check})

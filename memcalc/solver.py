@@ -482,7 +482,7 @@ def _closed_form(probe: _Probe, n: int, field: str) -> Quadratic | None:
         probe.say(f"closed form at {field}={n:,}")
         with probe._limited(3 * n // 2 if loop else 9 * n, timed=False):
             return live_polynomial(probe.config.replace(**{field: n}), field,
-                                   probe.breakdowns.get(n), below=below)
+                                   probe.breakdowns.get(n), below=below, snap=probe.snap)
     except Unsolved:
         return None
 

@@ -123,7 +123,8 @@ def _formula(r) -> str:
     if all(c.denominator == 1 for c in (q.a, q.b, q.c)):
         return q.text()
     x = q.symbol
-    kind = "exact" if q.exact else f"fitted through {x}={q.at:,}, {2 * q.at:,}, {4 * q.at:,}"
+    through = ", ".join(f"{p:,}" for p in q.points)
+    kind = "exact" if q.exact else f"fitted through {x}={through}"
     return (f"about {q.text(places=2)} ({kind}; coefficients rounded to 0.01, exact in --json "
             f"and --csv)")
 

@@ -34,7 +34,8 @@ def test_text_leaves_out_zero_terms_exact_or_rounded():
     from memcalc.closed_form import Quadratic
 
     def form(a, b, c, exact=True):
-        return Quadratic(symbol="d", a=a, b=b, c=c, exact=exact, at=64, components=())
+        return Quadratic(symbol="d", a=a, b=b, c=c, exact=exact, at=64, points=(16, 32, 64),
+                         components=())
 
     assert form(0, 28_836_096, 1_048_576).text() == "28,836,096*d + 1,048,576"
     fractional = form(0, Fraction(3, 2), -7, exact=False)

@@ -170,8 +170,18 @@ def test_closed_form_of_a_loop_at_the_answer_is_fitted_below_it(monkeypatch):
                         lambda c: replayed.append(c.shape.seq_len) or predict(c))
     below = _closed_form(probe, 2560, "seq_len")  # 640, 1280, 2560; checked at 1920
     assert sorted(replayed) == [640, 1280, 1920, 2560]
-    assert below.exact and below.at == 2560
+    assert below.exact and below.at == 2560 and below.points == (640, 1280, 2560)
     assert (below.a, below.b, below.c) == (up.a, up.b, up.c)
+
+
+def test_a_closed_form_is_fitted_through_values_the_kernel_accepts():
+    """sdpa-efficient in fp32 takes head dims in multiples of 4: at 17,880 the points below
+    it, 4,470 and 13,410 (3/4), are not; each is moved down to one (4,468, 13,408), where
+    the fit had given up (the kernel refused 4,470). The report names the points."""
+    probe = _Probe(Config(impl="sdpa-efficient"), "head_dim", GIB80)
+    q = _closed_form(probe, 17_880, "head_dim")  # 17,880 x 4 > 65,536: fitted below it
+    assert q is not None and q.points == (4_468, 8_940, 17_880)  # 4,470 -> 4,468
+    assert not q.exact  # rows padded by the kernel: a fit, not the sizes' own polynomial
 
 
 def test_closed_form_is_left_out_when_no_time_is_left():

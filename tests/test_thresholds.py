@@ -218,3 +218,13 @@ def test_the_json_and_csv_carry_the_kernels_rule():
             flash_row["spare_bytes_at_max"]) == ("", flash["limit"], "256", "84689289216")
     assert (efficient_row["next_head_dim"], efficient_row["limit"],
             efficient_row["accepted_step"]) == ("2952", "", "8")
+
+
+def test_a_fitted_closed_form_names_the_points_it_went_through():
+    """Fitted below the answer (x/4, x/2, x, each a head dim the kernel takes), the note
+    names those points; it said x, 2x, 4x whatever the fit used."""
+    budget = Budget.of(Device(), memory_gb=80)
+    report = solve(Config(), budget, "head_dim", impls=["sdpa-efficient"])
+    (r,) = report.results
+    assert r.max_value == 17_880  # fp32: multiples of 4; 17,884 does not fit
+    assert "(fitted through d=4,468, 8,940, 17,880;" in text(report, 400)
