@@ -151,11 +151,12 @@ class Unsolved(Exception):
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a search: still a ``KeyboardInterrupt``, with what the search knew
-    (``known``, an ``Unsolved``): a command can show it before it stops."""
+    (``known``, an ``Unsolved``; ``solved`` when it had proven adjacent bounds): a command
+    can show it before it stops."""
 
-    def __init__(self, known: Unsolved):
+    def __init__(self, known: Unsolved, solved: "Solved | None" = None):
         super().__init__(str(known))
-        self.known = known
+        self.known, self.solved = known, solved
 
 
 class _Probe:
@@ -265,6 +266,12 @@ class _Probe:
         if ceiling is not None and (ceiling <= max(lo, estimate or 0) or hi and hi <= ceiling):
             ceiling = None
         return Unsolved(lo, hi, self.time_limit, estimate, ceiling)
+
+    def proven(self, lo: int) -> bool:
+        """Whether ``lo`` (the largest value replayed that fits, or 0) is an exact answer:
+        the next accepted value was replayed and does not fit, or there is none."""
+        after = self.accepted.after(lo)
+        return after is None or self.verdicts().get(after) is False
 
     def interrupted(self) -> Interrupted:
         """What is known when Ctrl-C stops the search, and after how long."""
@@ -425,12 +432,14 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
             return _search(probe, x, field)
         except Unsolved:
             known = _climb(probe)
-        after = probe.accepted.after(known.lo)
-        if after is not None and probe.verdicts().get(after) is not False:  # not replayed,
-            raise known  # or fits
+        if not probe.proven(known.lo):
+            raise known
         return _cut_short(probe, known.lo, field)
     except KeyboardInterrupt:
-        raise probe.interrupted() from None
+        stop = probe.interrupted()
+        if probe.proven(stop.known.lo):
+            stop.solved = _cut_short(probe, stop.known.lo, field)
+        raise stop from None
 
 
 def _search(probe: _Probe, x: int, field: str) -> Solved:

@@ -284,8 +284,11 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
             if reason is None:
                 results.append(solver(config, budget.budget_bytes, field, time_limit=time_limit))
                 continue
-        except Interrupted as stop:
-            unsolved.append(Bounds.of(name, stop.known, str(stop.known)))
+        except Interrupted as stop:  # what the search had, proven or not
+            if stop.solved is not None:
+                results.append(stop.solved)
+            else:
+                unsolved.append(Bounds.of(name, stop.known, str(stop.known)))
             raise PartialReport(report()) from None
         except Unsolved as error:
             unsolved.append(Bounds.of(name, error, f"{error}; raise the time limit "

@@ -148,6 +148,20 @@ def test_ctrl_c_keeps_the_implementations_solved_before_it(monkeypatch):
     assert "(fits at 16,384" in unsolved.reason
 
 
+def test_ctrl_c_after_adjacent_bounds_reports_the_answer_solved(monkeypatch):
+    """naive in 8 GiB: the search's 28th replay (the bisection's last, at 5,970, which fits;
+    5,971 did not) proves the answer; Ctrl-C at the 29th (the full figures at 5,971) keeps
+    it as solved, as a time limit there would, not as unsolved bounds."""
+    budget = Budget.of(Device(), memory_gb=8)
+    interrupt_after(monkeypatch, "naive", 28)
+    with pytest.raises(PartialReport) as caught:
+        solve(Config(), budget, impls=["naive"])
+    report = caught.value.report
+    (solved,) = report.results
+    assert (solved.max_value, solved.next_value, report.unsolved) == (5970, 5971, ())
+    assert solved.at_next is None  # its full figures were what Ctrl-C stopped
+
+
 def test_a_report_with_nothing_solved_shows_its_question_and_the_reasons():
     """No empty table, no explanation of its columns: the title, then why each is skipped."""
     budget = Budget(device="test", memory_bytes=8 * 2**20, reserve_bytes=0)  # 8 MiB
