@@ -318,21 +318,21 @@ class _Probe:
         return lo
 
     def events_at(self, x: int) -> int:
-        """The events of the program at ``x``, extrapolated from the programs at 256 and
-        512 (a chunked loop's grow with the length; building it at ``x`` would take about
-        as long as replaying it)."""
+        """The events of the program at ``x``, extrapolated from the programs at 2,048 and
+        4,096 (``events_growth``: a chunked loop's grow with the length; building it at
+        ``x`` would take about as long as replaying it)."""
         if self._events is None:
             try:
                 small, large = events_growth(self.config, self.field)
             except ValueError:  # sizes the implementation rejects: take it as constant
                 small = large = program_events(self.config)
             self._events = (small, large - small)
-        small, per_256 = self._events
-        return max(1, small + per_256 * (x - 256) // 256)
+        small, per_2048 = self._events
+        return max(1, small + per_2048 * (x - PROBED[1]) // PROBED[1])
 
     def grows(self) -> bool:
         """Whether the program's events grow with the field (a loop over chunks)."""
-        return self.events_at(512) > self.events_at(256)
+        return self.events_at(PROBED[2]) > self.events_at(PROBED[1])
 
     def size(self, x: int) -> int:
         """What steers the search: the reserved peak (fits) or reserved + the failed
@@ -558,16 +558,24 @@ def accepted_start(config: Config, field: str) -> Config:
     return config.replace(**{field: rule.floor(getattr(config.shape, field)) or rule.step})
 
 
+PROBED = (1024, 2048, 4096)
+"""Where a program's events are counted to tell a loop: a loop's grow at every doubling."""
+
+
 def events_growth(config: Config, field: str) -> tuple[int, int]:
-    """The program's events at ``field`` = 256 and at 512: more at 512 is a loop (chunks).
-    Where the implementation refuses either value (the fused kernels' head dims), its
-    events at the accepted start, twice: taken as constant."""
+    """The program's events at ``field`` = 2,048 and at 4,096 when they grow at every
+    doubling from 1,024 (a loop over chunks); else its most events there, twice: constant
+    (FlashAttention's change with its split count at short lengths: 15, 12, 12). Where
+    the implementation refuses these values (the fused kernels' head dims), its events at
+    the accepted start, twice."""
     rule = get_impl(config.impl).rule(config.dims, field)
-    if not (rule.accepts(256) and rule.accepts(512)):
+    if not all(rule.accepts(n) for n in PROBED):
         events = program_events(accepted_start(config, field))
         return events, events
-    small, large = (program_events(config.replace(**{field: n})) for n in (256, 512))
-    return small, large
+    counts = [program_events(config.replace(**{field: n})) for n in PROBED]
+    if counts[0] < counts[1] < counts[2]:
+        return counts[1], counts[2]
+    return max(counts), max(counts)
 
 
 def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",

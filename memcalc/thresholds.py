@@ -17,8 +17,8 @@ from memcalc.config import Config
 from memcalc.errors import one_line
 from memcalc.impls import impl_names
 from memcalc.render import Column, Table, record_table
-from memcalc.solver import (Interrupted, SolveField, Solved, Unsolved, accepted_start,
-                            events_growth, max_fitting, program_events)
+from memcalc.solver import (PROBED, Interrupted, SolveField, Solved, Unsolved,
+                            accepted_start, events_growth, max_fitting, program_events)
 from memcalc.units import GiB, fixed, human
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -239,7 +239,8 @@ def _too_big(config: Config, field: str) -> str | None:
     """Why solving ``config``'s implementation would be slow, or None."""
     small, large = events_growth(config, field)
     if large > small:
-        return (f"its program's events grow with {field} ({small:,} at 256, {large:,} at 512), "
+        return (f"its program's events grow with {field} ({small:,} at {PROBED[1]:,}, "
+                f"{large:,} at {PROBED[2]:,}), "
                 f"so exact replays near the threshold take too long; solve it with memcalc "
                 f"oom --impl {config.impl} --time-limit SECONDS")
     x = getattr(config.shape, field)

@@ -9,7 +9,7 @@ from memcalc.budget import fits
 from memcalc.closed_form import live_polynomial
 from memcalc.config import Config
 from memcalc.solver import (REACH, Interrupted, Unsolved, _climb, _closed_form, _estimate_again,
-                            _guess, _Probe, _step_top, bisect_max, max_fitting)
+                            _guess, _Probe, _step_top, bisect_max, events_growth, max_fitting)
 from memcalc.timeline import predict
 from breakers import interrupt_after
 
@@ -352,3 +352,18 @@ def test_a_rule_across_sizes_stops_the_search_in_one_line():
                                          r"seq_len \(4096 != 4160\); solving seq_len from "
                                          r"4,096, linear-causal refuses 4,160$"):
         max_fitting(config, GIB80)
+
+
+def test_a_loop_grows_at_every_doubling_a_split_heuristic_does_not():
+    """FlashAttention's program has 15 events at 1,024 rows and 12 from 2,048 (its split
+    count, chosen by length, changes which accumulators it allocates): not a loop. It was
+    taken for one from 12 at 256 to 15 at 512, and its search was planned as a loop's:
+    "no exact answer within 60 s" after 0.4 s. The chunked loop: 64 rows a chunk, 1,085,
+    2,173, 4,349 events at 1,024, 2,048 and 4,096 rows (about 34 a chunk)."""
+    flash = Config(impl="sdpa-flash", dtype="fp16")
+    assert events_growth(flash, "seq_len") == (15, 15)  # the most of 15, 12, 12
+    assert not _Probe(flash, "seq_len", GIB80).grows()
+    chunked = Config(impl="linear-causal-chunked")
+    assert events_growth(chunked, "seq_len") == (2173, 4349)
+    s = max_fitting(flash, GIB80, time_limit=5)  # the default limit in a tenth of it
+    assert s.max_value > 0 and s.next_value == s.max_value + 1
