@@ -73,6 +73,21 @@ def test_meta_failures_name_the_line(tmp_path, capsys, body, message):
     assert code == 2 and err.count("\n") == 1 and message in err
 
 
+def test_a_mask_on_a_fused_backend_is_not_modelled_and_says_so(tmp_path, capsys):
+    """fp16 on an H100: torch picks cuDNN, whose masked variant memcalc does not model;
+    memcalc's limit, not the user's code nor the meta device."""
+    (tmp_path / "user.py").write_text(
+        "import torch\nimport torch.nn.functional as F\n"
+        "def attn(q, k, v):\n"
+        "    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)\n"
+        "    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)\n")
+    code = main(["trace", f"{tmp_path}/user.py:attn", "--seq", "64", "--dtype", "fp16"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Hint" not in err and "raised" not in err
+    assert "scaled_dot_product_attention: an attn_mask on the cudnn backend (which torch " \
+        "picks for these inputs on this GPU) is not modelled; --meta-paths" in err
+
+
 def test_a_call_memcalc_does_not_model_names_the_line_and_why_with_no_meta_hint(tmp_path,
                                                                                  capsys):
     """The efficient backend (fp32 on an H100) takes a value head dim unlike the query's;

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from memcalc.gpus import GPU
 from memcalc.tracing import cudnn, sdpa_select
+from memcalc.tracing.errors import NotModelled
 from memcalc.tracing.sdpa_select import MATH, Call, Flags, Release
 
 
@@ -157,8 +158,10 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
                        "overstated by the difference, not modelled")
         return func(*args, **kwargs)
     if mask is not None:
-        raise ValueError("scaled_dot_product_attention with attn_mask on the "
-                         f"{choice.backend} backend is not modelled")
+        raise NotModelled(f"scaled_dot_product_attention: an attn_mask on the {choice.backend} "
+                          "backend (which torch picks for these inputs on this GPU) is not "
+                          "modelled; --meta-paths traces the math backend's instead, or "
+                          "another --gpu may pick another backend")
     paths.kernels[choice.backend] = None
     return kernels.run(paths, choice.backend, q, k, v, call)
 
