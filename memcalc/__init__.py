@@ -220,8 +220,9 @@ def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(),
 
 
 @_signature(_kw("gpu_gb"), _kw("reserve"), _kw("impls"), _kw("baseline", "naive"))
-def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str = "naive", **options):
-    """Every implementation side by side against ``baseline``: a ``Comparison``.
+def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = None, **options):
+    """Every implementation side by side against ``baseline`` (default naive, or the first
+    with figures for the options when naive is not compared or has none): a ``Comparison``.
 
     >>> rows = memcalc.compare(seq_len=4096, impls=["naive", "naive-softmax"]).rows
     >>> [(r.impl, r.breakdown.saved_bytes) for r in rows]  # 8 x 4096^2 x 4 B = 536,870,912
@@ -235,7 +236,8 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str = "naive", *
     known = _impl_names()
     if impls is not None:
         impls = _names(impls, "impls (impl)", known)
-    _names([baseline], "baseline", known)
+    if baseline is not None:
+        _names([baseline], "baseline", known)
     config = make_config(**_options("compare", options))
     return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
 

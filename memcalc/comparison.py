@@ -158,17 +158,34 @@ baseline's peak less the row's, ``factor`` the baseline's peak over the row's.""
 
 
 def compare(base: Config, budget: Budget, impls: list[str] | None = None,
-            baseline: str = "naive", solve: bool = True) -> Comparison:
+            baseline: str | None = None, solve: bool = True) -> Comparison:
     """Every implementation (or ``impls``) at ``base``'s sizes; with ``solve``, also the
     largest seq_len that fits ``budget`` (``memcalc.thresholds.solve``, which skips, with
-    the reason, what it cannot solve quickly)."""
+    the reason, what it cannot solve quickly). ``baseline``: what the savings are against
+    (``choose_baseline`` when None)."""
     from memcalc.impls import impl_names
 
     names = impls or [n for n in impl_names() if not n.startswith("trace:")]
     with shared_predictions():  # the rows and the searches' first probes are the same steps
         thresholds = _thresholds(base, budget) if solve else {}
         rows = tuple(_row(base, n, thresholds.get(n, (None, ""))) for n in names)
-    return Comparison(rows=rows, baseline=baseline, budget=budget)
+    return Comparison(rows=rows, baseline=choose_baseline(rows, baseline), budget=budget)
+
+
+def choose_baseline(rows: tuple[Row, ...], asked: str | None) -> str:
+    """The baseline: ``asked``, which must have figures; else naive if it is compared and
+    has them, else the first row that has them. ``ValueError`` naming ``--baseline`` (or
+    why no row has figures)."""
+    with_figures = [r.impl for r in rows if r.breakdown is not None]
+    if asked is not None:
+        row = next(r for r in rows if r.impl == asked)
+        if row.breakdown is None:
+            raise ValueError(f"--baseline: {asked} has no figures for these options: {row.note}")
+        return asked
+    if not with_figures:
+        raise ValueError("no implementation has figures for these options: "
+                         + "; ".join(f"{r.impl}: {r.note}" for r in rows))
+    return "naive" if "naive" in with_figures else with_figures[0]
 
 
 def _thresholds(base: Config, budget: Budget) -> dict[str, tuple[int | None, str]]:
@@ -179,13 +196,6 @@ def _thresholds(base: Config, budget: Budget) -> dict[str, tuple[int | None, str
     return solved | {s.impl: (None, s.reason) for s in (*report.unsolved, *report.skipped)}
 
 
-def _reason(error: ValueError) -> str:
-    """The message of a rejection, without pydantic's framing."""
-    from memcalc.errors import one_line
-
-    return one_line(error)
-
-
 def _row(base: Config, impl: str, threshold: tuple[int | None, str]) -> Row:
     from memcalc.timeline import predict
 
@@ -193,5 +203,7 @@ def _row(base: Config, impl: str, threshold: tuple[int | None, str]) -> Row:
     try:
         b = predict(Config.model_validate({**base.model_dump(), "impl": impl}))
     except ValueError as error:  # the implementation rejects these options
-        return Row(impl=impl, note=_reason(error))
+        from memcalc.errors import refusal
+
+        return Row(impl=impl, note=refusal(error, impl))
     return Row(impl=impl, breakdown=b, max_seq_len=threshold[0], note=threshold[1])

@@ -33,6 +33,15 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
     return first
 
 
+def refusal(error: Exception, impl: str) -> str:
+    """Why ``impl`` has no figures, in one line, for a row or a skip line that names it: its
+    refusal without the ``impl: `` its messages start with, or what the model raised."""
+    text = one_line(error).removeprefix(f"{impl}: ")
+    if isinstance(error, ValueError):  # pydantic's ValidationError is one
+        return text
+    return f"the model raised {type(error).__name__}: {text}"
+
+
 def _first_line(text: str, otherwise: str) -> str:
     """The first line of ``text`` that says something; ``otherwise`` if none does."""
     return next((line for line in text.splitlines() if line.strip()), otherwise)

@@ -257,12 +257,11 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
             config = base.replace(impl=impl, dtype=dtype)
             figures = evaluate(config, batch=b_, heads=h_, head_dim=d_, seq_len=n_)
         except Exception as error:  # noqa: BLE001 - a model that rejects (or breaks on) these
-            from memcalc.errors import one_line
+            from memcalc.errors import refusal
 
             if len(axes["impl"]) * len(axes["dtype"]) == 1:
                 raise
-            kind = "" if isinstance(error, ValueError) else f"the model raised {type(error).__name__}: "
-            skipped.append((f"{impl} {dtype}", kind + one_line(error)))
+            skipped.append((f"{impl} {dtype}", refusal(error, impl)))
             continue
         _add_series(columns, config, figures, (b_, h_, d_, n_), len(axes["seq_len"]), budget)
     return Sweep(budget=budget, base=base, axes=axes,

@@ -14,7 +14,7 @@ from memcalc.breakdown import Result
 from memcalc.budget import Budget, Fit
 from memcalc.closed_form import SYMBOL
 from memcalc.config import Config
-from memcalc.errors import one_line
+from memcalc.errors import refusal
 from memcalc.impls import impl_names
 from memcalc.render import Column, Table, record_table
 from memcalc.solver import (PROBED, Interrupted, SolveField, Solved, Unsolved,
@@ -295,17 +295,9 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
             unsolved.append(Bounds.of(name, error, f"{error}; raise the time limit "
                                                    "(--time-limit, time_limit=)"))
             continue
-        except ValueError as error:  # pydantic's ValidationError is one
-            if alone:
-                raise
-            reason = _first_line(error)
         except Exception as error:  # noqa: BLE001 - one broken model must not hide the others
             if alone:
                 raise
-            reason = f"the model raised {type(error).__name__}: {_first_line(error)}"
+            reason = refusal(error, name)
         skipped.append(Skipped(impl=name, reason=reason))
     return report()
-
-
-def _first_line(error: Exception) -> str:
-    return one_line(error)

@@ -2,10 +2,12 @@
 
 import json
 
+import pytest
+
 from memcalc.budget import Budget
 from memcalc.cli import main
 from memcalc.comparison import compare, ratio
-from memcalc.config import make_config
+from memcalc.config import Device, make_config
 
 NN = 8 * 16384 * 16384 * 4  # one N x N fp32 tensor of the seeds' benchmark: 8,589,934,592
 
@@ -26,8 +28,22 @@ def test_rows_count_quadratic_tensors_and_savings():
 
 def test_rejected_options_are_a_note_not_a_crash():
     base = make_config(seq_len=1024)  # fp32: the flash kernel has none
-    row = compare(base, Budget.of(base.device), ["sdpa-flash"], solve=False).rows[0]
-    assert row.breakdown is None and "fp16 and bf16" in row.note
+    rows = compare(base, Budget.of(base.device), ["sdpa-flash", "flash2"], solve=False).rows
+    assert rows[0].breakdown is None and "fp16 and bf16" in rows[0].note
+
+
+def test_the_default_baseline_is_naive_else_the_first_with_figures():
+    """No --baseline: naive when compared, else the first row with figures (sdpa-flash has
+    none in fp32); one asked for without figures, or no row with any, says why."""
+    base, budget = make_config(seq_len=256), Budget.of(Device())
+    assert compare(base, budget, ["flash2", "naive"], solve=False).baseline == "naive"
+    assert compare(base, budget, ["sdpa-flash", "flash2"], solve=False).baseline == "flash2"
+    with pytest.raises(ValueError, match="^--baseline: sdpa-flash has no figures for these "
+                                         "options: FlashAttention supports fp16"):
+        compare(base, budget, ["sdpa-flash", "flash2"], "sdpa-flash", solve=False)
+    with pytest.raises(ValueError, match="^no implementation has figures for these options: "
+                                         "sdpa-flash: FlashAttention supports fp16"):
+        compare(base, budget, ["sdpa-flash"], solve=False)
 
 
 def test_ratio_is_exact():

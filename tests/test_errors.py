@@ -137,3 +137,14 @@ def test_a_library_field_prefix_becomes_the_option():
     assert one_line(ValueError("seq: not a configuration field\nknown: ..."), FLAGS) == (
         "seq: not a configuration field")
     assert one_line(ValueError("dtype"), FLAGS) == "dtype"  # a field's name, no "field: "
+
+
+def test_a_refusal_drops_the_name_the_line_already_shows():
+    """A skip line or a row names the implementation: its refusal does not again
+    ("sdpa-flash: skipped, sdpa-flash: FlashAttention..."); anything but a ValueError is
+    what the model raised."""
+    from memcalc.errors import refusal
+
+    assert refusal(ValueError("sdpa-flash: fp16 only\nmore"), "sdpa-flash") == "fp16 only"
+    assert refusal(ValueError("--dtype: fp16 only"), "sdpa-flash") == "--dtype: fp16 only"
+    assert refusal(KeyError("x"), "naive") == "the model raised KeyError: 'x'"
