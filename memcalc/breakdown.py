@@ -105,12 +105,14 @@ class Result(BaseModel):
         return self.headline()
 
     def to_dataframe(self):
-        """``records()`` as a pandas DataFrame; pandas is optional (``memcalc[pandas]``)."""
+        """``records()`` as a pandas DataFrame; pandas is optional (``memcalc[pandas]``).
+        Built from Python objects, then typed (``convert_dtypes``): a byte column with an
+        absent value is pandas' nullable ``Int64``, exact, not float64 with NaN."""
         try:
             import pandas
         except ImportError:
             raise ValueError("to_dataframe needs pandas (pip install 'memcalc[pandas]')") from None
-        return pandas.DataFrame(self.records())
+        return pandas.DataFrame(self.records(), dtype=object).convert_dtypes()
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)

@@ -159,8 +159,10 @@ class Sweep(Result):
                  "replaying the step with capacity = budget raises (reserved memory)."]
         from memcalc.render_results import caveats
 
-        return (lines + [f"{who}: skipped, {why}" for who, why in self.skipped]
-                + caveats(self.axes["impl"]))
+        skipped = {who for who, _ in self.skipped}
+        shown = [i for i in self.axes["impl"]
+                 if any(f"{i} {d}" not in skipped for d in self.axes["dtype"])]
+        return lines + [f"{who}: skipped, {why}" for who, why in self.skipped] + caveats(shown)
 
     # pivot layout
     def pivot_tables(self, figure: Figure) -> list[tuple[str, list[Column], list]]:

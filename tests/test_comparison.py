@@ -57,3 +57,15 @@ def test_cli_json_with_thresholds(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["budget_bytes"] == 8 * 2**30 - 512 * 2**20  # 8 GiB less the 512 MiB reserve
     assert data["rows"][0]["max_seq_len"] > 4096
+
+
+def test_a_dataframe_keeps_bytes_exact_and_absent_values_absent():
+    """One row without figures made every byte column float64 (NaN): 2^53 and above lost
+    their last bytes. The frame is typed from the Python integers: nullable Int64."""
+    pd = pytest.importorskip("pandas")
+    base = make_config(seq_len=2**20, batch=512)  # naive: 6 x 512 x 2^40 x 4 B > 2^53
+    result = compare(base, Budget.of(Device()), ["naive", "sdpa-flash"], solve=False)
+    frame = result.to_dataframe()
+    naive = result.rows[0].breakdown.peak_bytes
+    assert naive > 2**53 and str(frame["peak_bytes"].dtype) == "Int64"
+    assert frame["peak_bytes"][0] == naive and frame["peak_bytes"][1] is pd.NA

@@ -243,3 +243,13 @@ def test_progress_wraps_the_loop_only_over_several_series(toys):
 def test_an_axis_given_no_values_is_refused(toys):
     with pytest.raises(ValueError, match="^seq_len: no values$"):
         sweep(base(), BUDGET, seq_len=())
+
+
+def test_the_caveat_names_only_implementations_shown():
+    """sdpa-flash has no fp32: skipped, so no caveat about its kernel model."""
+    from memcalc.config import Config
+
+    s = sweep(Config(), BUDGET, seq_len=(256,), impls=("naive", "sdpa-flash"))
+    assert [r.impl for r in s.rows] == ["naive"]
+    assert s.footnotes()[-1] == ("caveat: the allocator model follows PyTorch's source and is "
+                                 "not yet checked on a GPU.")
