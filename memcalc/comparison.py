@@ -36,6 +36,14 @@ class Row(Result):
     max_seq_len: int | None = None
     note: str = ""
 
+    def headline(self) -> str:
+        """``flash2: peak 32.50 MiB, max seq_len 20,287,488``, or why it has none."""
+        if self.breakdown is None:
+            return f"{self.impl}: no figures: {self.note}"
+        solved = f"max seq_len {self.max_seq_len:,}" if self.max_seq_len is not None else \
+            "max seq_len not solved"
+        return f"{self.impl}: peak {human(self.breakdown.peak_bytes)}, {solved}"
+
     @property
     def status(self) -> str:
         """``solved``; ``unsolved`` (figures, no largest seq_len); ``rejected`` (no figures:

@@ -69,3 +69,12 @@ def test_a_dataframe_keeps_bytes_exact_and_absent_values_absent():
     naive = result.rows[0].breakdown.peak_bytes
     assert naive > 2**53 and str(frame["peak_bytes"].dtype) == "Int64"
     assert frame["peak_bytes"][0] == naive and frame["peak_bytes"][1] is pd.NA
+
+
+def test_a_row_says_what_it_holds():
+    """``repr`` of a row was ``<Row: Row>``."""
+    base = make_config(seq_len=16384)
+    naive, flash = compare(base, Budget.of(Device()), ["naive", "sdpa-flash"]).rows
+    # naive at 16,384: 51,658,620,928 B = 48.11 GiB (the benchmark's peak); 19,398 fits
+    assert repr(naive) == "<Row: naive: peak 48.11 GiB, max seq_len 19,398>"
+    assert str(flash).startswith("sdpa-flash: no figures: FlashAttention supports fp16")
