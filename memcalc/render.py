@@ -228,7 +228,9 @@ def html(renderable) -> str:
     return console.export_html(inline_styles=True, code_format="<pre>{code}</pre>")
 
 
-def rich_table(title: str | None, columns: list[Column], rows: Iterable[Any]) -> Fitted:
-    """One table with a title, fitted to the width (for results of a single table)."""
-    return Fitted([Table(title, columns, list(rows))], [])
+def rich_table(title: str | None, columns: list[Column], rows: Iterable[Any],
+               notes: Sequence[str] = ()) -> Fitted:
+    """One table with a title (and notes under it), fitted to the width (for results of a
+    single table)."""
+    return Fitted([Table(title, columns, list(rows))], list(notes))
 

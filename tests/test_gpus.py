@@ -90,3 +90,16 @@ def test_a_preset_cannot_be_changed():
     with pytest.raises(ValidationError, match="frozen"):
         gpu_preset("t4").memory_bytes = 16_106_127_360  # t4's nvidia-smi total: 15360 x 2^20
     assert gpu_preset("t4").memory_bytes == 15_629_025_280  # 14905 x 2^20, gpus.json's t4
+
+
+def test_the_gpus_command_says_where_each_memory_figure_is_from(capsys, monkeypatch):
+    """The memory column holds PyTorch's total capacity or, where no report quotes it,
+    nvidia-smi's total (its header said "memory PyTorch can use" for both)."""
+    from memcalc.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["gpus"]) == 0
+    out = capsys.readouterr().out
+    assert "memory (B)" in out and "PyTorch can use (B)" not in out
+    assert ("memory, from torch: the total capacity PyTorch reports; nvidia-smi: nvidia-smi's "
+            "total; PyTorch may see ~0.5 GiB less") in out
