@@ -625,7 +625,8 @@ def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solv
     if (at_next is not None and at_next.fits) or (at_max is not None and not at_max.fits):
         raise AssertionError(f"{config.impl}: the bracket at {n} is not a threshold")
     power = _first_failing_power(probe, n)
-    q = _closed_form(probe, n, field) if approximate and n >= 1 else None
+    at = n or following  # nothing fits: the closed form at the smallest value, which fails
+    q = _closed_form(probe, at, field) if approximate and at else None
     return Solved(impl=config.impl, field=field, max_value=n, next_value=following,
                   first_failing_power_of_two=power, at_max=at_max, at_next=at_next,
                   accepted=probe.accepted, approximation=q, evaluations=probe.evaluations)

@@ -113,6 +113,16 @@ def _accepted_note(r: Solved) -> str | None:
     return None
 
 
+def _none_fits_note(r: Solved) -> str | None:
+    """When not even the smallest value fits: what it needs against the budget."""
+    if r.max_value or r.at_next is None:
+        return None
+    f = r.at_next
+    return (f"{r.impl}: even {r.field} = {r.next_value:,} does not fit: it needs "
+            f"{f.reserved_bytes:,} B ({human(f.reserved_bytes)}) against the budget of "
+            f"{f.budget_bytes:,} B ({human(f.budget_bytes)})")
+
+
 def _formula(r) -> str:
     """The closed form, readable: integer coefficients as they are (exact, or marked a fit);
     fractional ones as decimals, labelled approximate (the exact fractions are in --json)."""
@@ -190,7 +200,8 @@ class OomReport(Result):
                  "why, the raw bytes of the tensors alive at the peak (before rounding to "
                  "blocks):"]
         lines += [f"  {r.impl}: {_formula(r)}" for r in self.results]
-        rules = [note for r in self.results if (note := _accepted_note(r))]
+        rules = [note for r in self.results
+                 for note in (_none_fits_note(r), _accepted_note(r)) if note]
         return lines + rules + skips + caveats([r.impl for r in self.results])
 
     def headline(self) -> str:

@@ -242,3 +242,19 @@ def test_a_fitted_closed_form_names_the_points_it_went_through():
     (r,) = report.results
     assert (r.max_value, r.next_value) == (17_880, 17_884)  # fp32: multiples of 4
     assert "(fitted through d=4,468, 8,940, 17,880;" in text(report, 400)
+
+
+def test_when_nothing_fits_the_report_says_what_the_smallest_needs():
+    """naive at a million rows: not one batch fits. The note gives what batch 1 needs, and
+    the closed form is taken there (it said "none" at batch 0)."""
+    budget = Budget.of(Device())
+    report = solve(Config(shape={"seq_len": 10**6}), budget, "batch", impls=["naive"])
+    (r,) = report.results
+    assert (r.max_value, r.next_value) == (0, 1)
+    q = r.approximation
+    # per batch: six N x N fp32 tensors, 6 x 10^12 x 4 B, and 396 B per row (3,168 / 8) x
+    # 10^6; the two 32 MiB workspaces
+    assert (q.a, q.b, q.c) == (0, 24_000_396_000_000, 67_108_864)
+    needs = r.at_next.reserved_bytes
+    assert (f"naive: even batch = 1 does not fit: it needs {needs:,} B (3,725.53 GiB) against "
+            f"the budget of 84,401,979,392 B (78.61 GiB)") in text(report, 400)
