@@ -102,6 +102,16 @@ def test_validate_of_implementations_the_grid_has_not_is_one_line(capsys):
     assert "--backend cuda" in err
 
 
+def test_validate_of_a_traced_implementation_a_grid_has_not_blames_no_kernel(capsys, tmp_path):
+    """flash2 is traced: a grid of naive only simply has none of it (the message said that
+    kernels modelled from CUDA sources have no meta-device trace)."""
+    grid = tmp_path / "grid.json"
+    grid.write_text('{"name": "g", "configs": [{"impl": "naive", "shape": {"seq_len": 64}}]}')
+    code, out, err = run(capsys, "validate", "--grid", str(grid), "--impl", "flash2")
+    assert_refused(code, out, err, "--impl")
+    assert err.rstrip().endswith("the grid has no configuration of flash2")
+
+
 def test_malformed_grid_file(capsys, tmp_path):
     grid = tmp_path / "grid.json"
     grid.write_text('{"name": "g", "products": [{"impl": ["naive"], "seq_len": [0]}]}')

@@ -79,8 +79,10 @@ def known_impls() -> str:
      "products.0.head_dim: List should have at least 1 item after validation, not 0 (got [])"),
     ({"products": []}, "name: Field required"),  # the input is the whole object: not shown
     ('{"name": "g", "products": [', "Expecting value: line 1 column 28 (char 27)"),
+    ({"name": "g", "products": []},  # "0 configurations, 0 mismatches", exit 0, before
+     "a grid needs at least one product or configuration (products, configs)"),
 ], ids=["zero size", "zero size in a config", "unknown impl", "unknown field", "empty list",
-        "no name", "bad JSON"])
+        "no name", "bad JSON", "nothing in it"])
 def test_a_malformed_grid_is_one_line_naming_the_file_and_field(tmp_path, content, message):
     path = write(tmp_path, content)
     with pytest.raises(ValueError) as error:

@@ -26,9 +26,8 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
     if configs is None:
         configs = (load_grid(grid) if grid else default_grid()).expand(impls)
         if not configs and backend == "emulated" and impls:
-            raise ValueError(f"--impl: the grid has no configuration of {', '.join(impls)} "
-                             f"(kernels modelled from CUDA sources have no meta-device trace: "
-                             f"--backend cuda checks them)")
+            raise ValueError(f"--impl: the grid has no configuration of {', '.join(impls)}"
+                             + _why_none(impls))
     if backend == "cuda":
         return _live(configs, impls, out, max_seconds, cases)
     if backend != "emulated":
@@ -40,6 +39,18 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
         configs = progress(configs, len(configs), f"validate ({backend})")
     checks = tuple(runner.check(c) for c in configs)
     return Report(backend=backend, environment=runner.environment(), checks=checks)
+
+
+def _why_none(impls: list[str]) -> str:
+    """Why a grid may hold none of ``impls``: kernels modelled from CUDA sources have no
+    meta-device trace to check them against; said only when some are such kernels."""
+    from memcalc.impls import get_impl
+
+    untraced = [n for n in impls if not get_impl(n).traced]
+    if not untraced:
+        return ""
+    return (f" ({', '.join(untraced)}: modelled from CUDA sources, no meta-device trace; "
+            f"--backend cuda checks them)")
 
 
 def _live(configs: list[Config], impls, out, max_seconds, kinds) -> Report:

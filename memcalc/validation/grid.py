@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from memcalc.config import Config, Device, DType, Protocol, Shape
 from memcalc.errors import one_line
@@ -57,6 +57,13 @@ class Grid(BaseModel):
     name: str
     products: list[Product] = []
     configs: list[Config] = []
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "Grid":
+        if not self.products and not self.configs:
+            raise ValueError("a grid needs at least one product or configuration "
+                             "(products, configs)")
+        return self
 
     def expand(self, impls: list[str] | None = None) -> list[Config]:
         """All configurations, optionally only those of the named implementations."""
