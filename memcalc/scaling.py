@@ -184,7 +184,9 @@ class Sweep(Result):
                 return value if r.fits else f"{value} OOM"
             cols = [Column("seq_len \\ head_dim", lambda row: row[0], "right")]
             cols += [Column(str(d), (lambda d: lambda row: cell(row, d))(d), "right") for d in dims]
-            title = (f"{FIGURE_TITLE[figure]} ({u}): {impl} {dtype} batch={batch} heads={heads}")
+            config = self.base.replace(impl=impl, dtype=dtype, batch=batch, heads=heads)
+            label = config.label(leave_out=("seq_len", "head_dim"))
+            title = f"{FIGURE_TITLE[figure]} ({u}): {impl}: {label}"
             out.append((title, cols, sorted(table.items())))
         return out
 

@@ -164,8 +164,8 @@ def test_pivot_tables_one_per_series_group_lengths_sorted_oom_marked(toys):
               pivot="peak", unit="bytes")
     tables = s.tables()
     assert [t.title for t in tables] == [
-        f"Peak, max_memory_allocated (bytes): {TOY} fp32 batch=1 heads=1",
-        f"Peak, max_memory_allocated (bytes): {LINEAR} fp32 batch=1 heads=1"]
+        f"Peak, max_memory_allocated (bytes): {TOY}: B=1 H=1 fp32",  # Config.label
+        f"Peak, max_memory_allocated (bytes): {LINEAR}: B=1 H=1 fp32"]
     assert [c.header for c in tables[0].columns] == ["seq_len \\ head_dim", "32", "16"]
     assert tables[0].cells() == [["256", "425984", "344064"],
                                  ["512", "1376256", "1212416"],
@@ -175,7 +175,7 @@ def test_pivot_tables_one_per_series_group_lengths_sorted_oom_marked(toys):
                                  ["512", "327680", "163840"],
                                  ["1024", "655360", "327680"]]
     saved = s.model_copy(update={"pivot": "saved", "unit": "MiB"}).tables()[0]
-    assert saved.title == f"Saved for backward (MiB): {TOY} fp32 batch=1 heads=1"
+    assert saved.title == f"Saved for backward (MiB): {TOY}: B=1 H=1 fp32"
     # s: 4 N^2 = 0.25, 1 and 4 MiB whatever d is
     assert saved.cells() == [["256", "0.25", "0.25"], ["512", "1.00", "1.00"],
                              ["1024", "4.00 OOM", "4.00 OOM"]]
