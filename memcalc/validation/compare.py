@@ -139,13 +139,11 @@ class Check(Result):
 
 
 def _label(check: Check) -> str:
+    """``naive: B=2 H=1 N=256 d=16 fp32 on h100-80gb`` (``Config.label``), and the capacity
+    an OOM case is run under."""
     c = check.config
-    s = c.shape
-    causal = " causal" if c.causal else ""
-    loss = " sum-loss" if c.protocol.loss == "sum" else ""
     cap = f" cap={check.capacity_bytes}" if check.capacity_bytes else ""
-    return (f"{c.impl}{causal}{loss} B={s.batch} H={s.heads} N={s.seq_len} d={s.head_dim} "
-            f"{c.dtype.value} {c.device.gpu or 'live'}{cap}")
+    return f"{c.impl}: {c.label()} on {c.device.gpu or 'live'}{cap}"
 
 
 def _worst(check: Check) -> str:
