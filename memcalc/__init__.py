@@ -48,10 +48,13 @@ def _config_parameters() -> list[inspect.Parameter]:
 
 def _options(function: str, options: dict, extra: tuple[str, ...] = ()) -> dict:
     """``options`` with aliases resolved; an unknown keyword is a TypeError that suggests
-    the closest one (``memcalc.breakdown(seqence=8192)``: did you mean 'seq_len'?)."""
+    the closest one (``memcalc.breakdown(seqence=8192)``: did you mean 'seq_len'?), of the
+    function's own keywords (``extra``, and those its signature lists) and the options."""
     from memcalc.names import did_you_mean
 
-    known = [p.name for p in _config_parameters()] + list(extra)
+    own = [name for name, p in inspect.signature(globals()[function]).parameters.items()
+           if p.kind is p.KEYWORD_ONLY]
+    known = list(dict.fromkeys([*own, *extra, *(p.name for p in _config_parameters())]))
     out: dict = {}
     for key, value in options.items():
         name = ALIASES.get(key, key)
@@ -188,20 +191,34 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_l
 
     if solve not in ("seq_len", "batch", "head_dim"):
         raise ValueError(f"solve: seq_len, batch or head_dim (got {solve!r})")
-    if impls is not None:
-        impls = _names(impls, "impls", _impl_names())
-    config = make_config(**_options("oom", options))
+    options = _options("oom", options)
+    impls = _one_or_many("oom", impls, options)
+    config = make_config(**options)
     return run(config, _budget(config, gpu_gb, reserve), solve, impls, time_limit)
 
 
-@_signature(*(_kw(n, d) for n, d in (("seq_lens", (256, 1024, 4096, 8192, 16384)),
+def _one_or_many(function: str, impls, options: dict) -> list[str] | None:
+    """``impls``, or ``[impl]`` when only ``impl`` is given (it named the base
+    configuration's implementation, and the others were solved or compared as well)."""
+    if "impl" in options:
+        if impls is not None:
+            raise TypeError(f"{function}(): give impls or impl, not both")
+        impls = [options["impl"]]
+    return None if impls is None else _names(impls, "impls (impl)", _impl_names())
+
+
+SWEPT_SEQ_LENS = (256, 1024, 4096, 8192, 16384)
+
+
+@_signature(*(_kw(n, d) for n, d in (("seq_lens", SWEPT_SEQ_LENS),
              ("head_dims", ()), ("batches", ()), ("head_counts", ()), ("impls", ()),
              ("dtypes", ()), ("gpu_gb", None), ("reserve", None))))
-def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(),
+def sweep(*, seq_lens=None, head_dims=(), batches=(),
           head_counts=(), impls=(), dtypes=(), gpu_gb=None, reserve=None, **options):
     """A scaling table: every combination, exact, with OOM marks: a ``Sweep``.
-    The lists are ``seq_lens``, ``head_dims``, ``batches``, ``head_counts``, ``impls`` and
-    ``dtypes``; the other options (``heads=4``, ``batch=2``, ...) fix the rest.
+    The lists are ``seq_lens`` (default 256, 1024, 4096, 8192, 16384), ``head_dims``,
+    ``batches``, ``head_counts``, ``impls`` and ``dtypes``; the other options (``heads=4``,
+    ``batch=2``, ``seq_len=1024``, ...) fix the rest.
 
     >>> table = memcalc.sweep(seq_lens=(8192, 16384))
     >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
@@ -209,12 +226,17 @@ def sweep(*, seq_lens=(256, 1024, 4096, 8192, 16384), head_dims=(), batches=(),
     """
     from memcalc.scaling import sweep as run
 
+    options = _options("sweep", options)
+    if seq_lens is not None and "seq_len" in options:
+        raise TypeError("sweep(): give seq_lens or seq_len, not both")
+    if seq_lens is None:
+        seq_lens = (options["seq_len"],) if "seq_len" in options else SWEPT_SEQ_LENS
     seq_lens = _sizes(seq_lens, "seq_lens (seq_len)")
     head_dims, batches, head_counts = (_sizes(v, f) if len(v) else () for v, f in (
         (head_dims, "head_dims"), (batches, "batches"), (head_counts, "head_counts")))
     impls = _names(impls, "impls", _impl_names()) if len(impls) else ()
     dtypes = _dtypes(dtypes) if len(dtypes) else ()
-    config = make_config(**_options("sweep", options))
+    config = make_config(**options)
     return run(config, _budget(config, gpu_gb, reserve), seq_lens, head_dims, batches,
                head_counts, impls, dtypes)
 
@@ -233,12 +255,11 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
     """
     from memcalc.comparison import compare as run
 
-    known = _impl_names()
-    if impls is not None:
-        impls = _names(impls, "impls (impl)", known)
+    options = _options("compare", options)
+    impls = _one_or_many("compare", impls, options)
     if baseline is not None:
-        _names([baseline], "baseline", known)
-    config = make_config(**_options("compare", options))
+        _names([baseline], "baseline", _impl_names())
+    config = make_config(**options)
     return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
 
 

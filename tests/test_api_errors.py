@@ -64,3 +64,25 @@ def test_keyword_aliases_are_accepted():
     assert memcalc.breakdown(seq_length=64, num_heads=2).config.shape.heads == 2
     with pytest.raises(TypeError, match="same option"):
         memcalc.breakdown(seq=64, seq_len=64)
+
+
+def test_a_misspelt_keyword_of_the_function_itself_is_suggested():
+    """The function's own keywords are candidates too (``seqlens`` suggested ``seq_len``,
+    which sweep does not sweep; ``time_limt`` suggested nothing)."""
+    with pytest.raises(TypeError, match="'seqlens' .*did you mean 'seq_lens'"):
+        memcalc.sweep(seqlens=[64])
+    with pytest.raises(TypeError, match="'time_limt' .*did you mean 'time_limit'.*; it takes "
+                                        "gpu_gb, reserve, impls, solve, time_limit, impl,"):
+        memcalc.oom(time_limt=3)
+
+
+def test_one_implementation_or_length_is_not_silently_ignored():
+    """compare(impl=...) and oom(impl=...) compared and solved all 17; sweep(seq_len=...)
+    swept the five default lengths. One given is the one used; both given is an error."""
+    assert [r.impl for r in memcalc.compare(impl="flash2", seq_len=64).rows] == ["flash2"]
+    assert [r.impl for r in memcalc.oom(impl="flash2", gpu_gb=1).results] == ["flash2"]
+    assert [r.seq_len for r in memcalc.sweep(seq_len=1024).rows] == [1024]
+    with pytest.raises(TypeError, match="impls or impl, not both"):
+        memcalc.compare(impl="naive", impls=["flash2"])
+    with pytest.raises(TypeError, match="seq_lens or seq_len, not both"):
+        memcalc.sweep(seq_len=64, seq_lens=[64])
