@@ -46,10 +46,10 @@ class Row(Result):
 
     @property
     def status(self) -> str:
-        """``solved``; ``unsolved`` (figures, no largest seq_len); ``rejected`` (no figures:
-        the implementation rejects the options)."""
+        """``solved``; ``unsolved`` (figures, no largest seq_len); ``skipped`` (no figures:
+        the implementation refuses the options, and oom skips it for the same reason)."""
         if self.breakdown is None:
-            return "rejected"
+            return "skipped"
         return "unsolved" if self.max_seq_len is None else "solved"
 
 
