@@ -441,7 +441,9 @@ def _fit_or_fail(values: list[int], tensor: Tensor) -> Poly:
     poly = fit(SAMPLE_LENGTHS, values)
     if poly is None:
         raise TraceError(f"the size of {tensor.name} is not a polynomial in seq_len "
-                         f"(padded or rounded?): {dict(zip(SAMPLE_LENGTHS, values))}")
+                         f"(padded or rounded?): {dict(zip(SAMPLE_LENGTHS, values))}; fused "
+                         f"SDPA kernels pad their buffers: solve those with --impl sdpa-flash "
+                         f"or sdpa-efficient, or trace one length at a time (memcalc trace)")
     return poly
 
 
