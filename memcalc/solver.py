@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 from memcalc.accepted import Accepted
 from memcalc.budget import Fit, fit, replay_within
 from memcalc.closed_form import Quadratic, live_polynomial
-from memcalc.config import Config
+from memcalc.config import Config, Shape
 from memcalc.deadline import TimeUp, deadline
 from memcalc.errors import one_line
 from memcalc.impls import get_impl
@@ -426,7 +426,7 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
     such an ``N`` (the next accepted value replayed, not fitting: adjacent bounds): that
     answer, exact, with the figures it had time to replay (``_cut_short``)."""
     probe = _Probe(config, field, budget_bytes, time_limit)
-    x = probe.snap(start or getattr(config.shape, field))
+    x = probe.snap(start or _start(config, field))
     try:
         try:
             return _search(probe, x, field)
@@ -440,6 +440,20 @@ def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len"
         if probe.proven(stop.known.lo):
             stop.solved = _cut_short(probe, stop.known.lo, field)
         raise stop from None
+
+
+def _start(config: Config, field: str) -> int:
+    """Where a search starts: the field's default, not the configuration's value, so that
+    a question has one answer whichever length compare or oom was given (near a threshold
+    fitting is not monotone, and the search reports the threshold nearest where its
+    estimate led it); the configuration's value when the implementation refuses the
+    default with the other sizes (causal linear attention with a --kv-len)."""
+    default = Shape.model_fields[field].default
+    try:
+        program_events(accepted_start(config.replace(**{field: default}), field))
+    except ValueError:
+        return getattr(config.shape, field)
+    return default
 
 
 def _search(probe: _Probe, x: int, field: str) -> Solved:

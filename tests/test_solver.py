@@ -5,9 +5,9 @@ import re
 import pytest
 
 from memcalc import closed_form, progress, solver
-from memcalc.budget import fits
+from memcalc.budget import Budget, fits
 from memcalc.closed_form import live_polynomial
-from memcalc.config import Config
+from memcalc.config import Config, Device
 from memcalc.solver import (REACH, Interrupted, Unsolved, _climb, _closed_form, _estimate_again,
                             _guess, _Probe, _step_top, bisect_max, events_growth, max_fitting)
 from memcalc.timeline import predict
@@ -123,7 +123,8 @@ def test_a_search_says_what_it_replays_and_what_it_knows():
         s = max_fitting(Config(impl="naive"), GIB80, time_limit=60)
     # without a replay's phase (" - measured forward ..."), and the clock's seconds
     said = [re.sub(r"; \d+ of 60 s$", "; _ of 60 s", h.split(" - ")[0]) for h in heard]
-    assert said[0] == "naive: trying seq_len=16,384; _ of 60 s"
+    assert said[0] == "building the program"  # where to start: naive takes the default
+    assert said[1] == "naive: trying seq_len=16,384; _ of 60 s"
     n = s.max_value
     assert f"naive: trying seq_len={n + 1:,}; fits at {n:,}; _ of 60 s" in said
     assert said[-1] == f"naive: closed form at seq_len={n:,}; fits at {n:,}; _ of 60 s"
@@ -367,3 +368,13 @@ def test_a_loop_grows_at_every_doubling_a_split_heuristic_does_not():
     assert events_growth(chunked, "seq_len") == (2173, 4349)
     s = max_fitting(flash, GIB80, time_limit=5)  # the default limit in a tenth of it
     assert s.max_value > 0 and s.next_value == s.max_value + 1
+
+
+def test_the_answer_does_not_depend_on_the_length_given():
+    """Near a threshold fitting is not monotone (19,398 fits at the H100 preset, 19,399 does
+    not, 19,400 does): the search started from the configuration's length, so oom --seq
+    1024 said 19,400 and oom 19,398. It starts from the default length whatever is given."""
+    budget = Budget.of(Device()).budget_bytes
+    answers = {max_fitting(Config(shape={"seq_len": n}), budget).max_value
+               for n in (256, 1024, 16384, 30000)}
+    assert answers == {19398}

@@ -12,7 +12,7 @@ def add_arguments(parser) -> None:
     budget_options(parser)
     parser.add_argument("--solve", default="seq", metavar="FIELD",
                         help="what to maximise: seq (default), batch or head-dim; the other "
-                             "options fix the rest (--seq is where the search starts)")
+                             "options fix the rest")
     parser.add_argument("--trace", default=None, metavar="FILE.py:FUNCTION",
                         help="solve for your own fn(q, k, v), traced on the meta device "
                              "(imports and runs the named file as Python code)")
