@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memcalc.errors import FLAGS
+
 
 @dataclass(frozen=True)
 class Accepted:
@@ -43,11 +45,12 @@ class Accepted:
 
     def refuse(self, impl: str, x: int) -> None:
         """Raise the one-line ValueError for a value the rule excludes (the check's)."""
+        option = FLAGS.get(self.field, self.field)
         if x % self.step:
-            raise ValueError(f"{impl}: {self.field} {x} is not a multiple of {self.step}: "
-                             f"{self.kernel} takes no other ({self.step_source})")
+            raise ValueError(f"{option}: {impl}: {self.field} {x} is not a multiple of "
+                             f"{self.step}: {self.kernel} takes no other ({self.step_source})")
         if self.most is not None and x > self.most:
-            raise ValueError(f"{impl}: {self.field} {x} > {self.most}: {self.limit()}")
+            raise ValueError(f"{option}: {impl}: {self.field} {x} > {self.most}: {self.limit()}")
 
     def limit(self) -> str:
         """What ``most`` is, in words: ``the largest head_dim FlashAttention supports (...)``."""

@@ -36,7 +36,7 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
 def refusal(error: Exception, impl: str) -> str:
     """Why ``impl`` has no figures, in one line, for a row or a skip line that names it: its
     refusal without the ``impl: `` its messages start with, or what the model raised."""
-    text = one_line(error).removeprefix(f"{impl}: ")
+    text = one_line(error).removeprefix(f"{impl}: ").replace(f": {impl}: ", ": ", 1)
     if isinstance(error, ValueError):  # pydantic's ValidationError is one
         return text
     return f"the model raised {type(error).__name__}: {text}"

@@ -18,11 +18,11 @@ def test_the_accepted_values_around_a_value():
     assert every("seq_len").after(19511) == 19512 and every("seq_len").floor(10**18) == 10**18
 
 
-def test_a_refusal_is_one_line_naming_the_rule_and_its_source():
-    with pytest.raises(ValueError, match=r"^k: head_dim 20 is not a multiple of 8: a kernel "
+def test_a_refusal_is_one_line_naming_the_option_the_rule_and_its_source():
+    with pytest.raises(ValueError, match=r"^--head-dim: k: head_dim 20 is not a multiple of 8: a kernel "
                                          r"takes no other \(s.cpp\)$"):
         EIGHTS.refuse("k", 20)
-    with pytest.raises(ValueError, match=r"^k: head_dim 264 > 256: the largest head_dim a "
+    with pytest.raises(ValueError, match=r"^--head-dim: k: head_dim 264 > 256: the largest head_dim a "
                                          r"kernel supports \(m.cpp\)$"):
         EIGHTS.refuse("k", 264)
     EIGHTS.refuse("k", 256)  # accepted: nothing raised

@@ -146,3 +146,21 @@ def test_without_torch_one_line_and_exit_2(capsys, monkeypatch, argv):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "needs PyTorch" in err and "pip install torch" in err
+
+
+@pytest.mark.parametrize("argv, option, says", [
+    (["--impl", "sdpa-flash"], "--dtype", "FlashAttention supports fp16 and bf16 only"),
+    (["--impl", "sdpa-flash", "--dtype", "fp16", "--head-dim", "300"], "--head-dim",
+     "head_dim 300 > 256"),
+    (["--impl", "sdpa-efficient", "--head-dim", "7"], "--head-dim", "not a multiple of 4"),
+    (["--impl", "sdpa-efficient", "--gpu", "t4"], "--gpu", "8.0 and 9.0, not 7.5"),
+    (["--impl", "sdpa-flash", "--dtype", "fp16", "--gpu", "t4"], "--gpu", "not 7.5"),
+    (["--impl", "sdpa-flash", "--dtype", "fp16", "--causal", "--kv-len", "100"], "--kv-len",
+     "kv_len != seq_len"),
+], ids=["dtype", "head dim over", "head dim step", "efficient gpu", "flash gpu", "kv-len"])
+def test_a_kernels_refusal_names_the_option(capsys, argv, option, says):
+    """The fused kernels' refusals named no option (``sdpa-flash: FlashAttention supports
+    fp16 and bf16 only``; the compute capability without --gpu nor the GPU's own)."""
+    code, out, err = run(capsys, "breakdown", "--seq", "256", *argv)
+    assert_refused(code, out, err, option)
+    assert err.startswith(f"memcalc: error: {option}: ") and says in err

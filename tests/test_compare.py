@@ -114,7 +114,7 @@ def test_rows_without_a_figure_have_empty_cells_and_say_why(capsys):
     naive, flash, chunked = rows
     assert naive["reason"] is None and naive["factor"] == 1.0
     assert {k for k, v in flash.items() if v is not None} == {"impl", "status", "reason"}
-    assert flash["reason"].startswith("FlashAttention supports fp16 and bf16 only")
+    assert flash["reason"].startswith("--dtype: FlashAttention supports fp16 and bf16 only")
     assert chunked["max_seq_len"] is None and chunked["peak_bytes"] > 0
     assert "its program's events grow with seq_len" in chunked["reason"]
 

@@ -39,10 +39,10 @@ def test_the_default_baseline_is_naive_else_the_first_with_figures():
     assert compare(base, budget, ["flash2", "naive"], solve=False).baseline == "naive"
     assert compare(base, budget, ["sdpa-flash", "flash2"], solve=False).baseline == "flash2"
     with pytest.raises(ValueError, match="^--baseline: sdpa-flash has no figures for these "
-                                         "options: FlashAttention supports fp16"):
+                                         "options: --dtype: FlashAttention supports fp16"):
         compare(base, budget, ["sdpa-flash", "flash2"], "sdpa-flash", solve=False)
     with pytest.raises(ValueError, match="^no implementation has figures for these options: "
-                                         "sdpa-flash: FlashAttention supports fp16"):
+                                         "sdpa-flash: --dtype: FlashAttention supports fp16"):
         compare(base, budget, ["sdpa-flash"], solve=False)
 
 
@@ -77,4 +77,4 @@ def test_a_row_says_what_it_holds():
     naive, flash = compare(base, Budget.of(Device()), ["naive", "sdpa-flash"]).rows
     # naive at 16,384: 51,658,620,928 B = 48.11 GiB (the benchmark's peak); 19,398 fits
     assert repr(naive) == "<Row: naive: peak 48.11 GiB, max seq_len 19,398>"
-    assert str(flash).startswith("sdpa-flash: no figures: FlashAttention supports fp16")
+    assert str(flash).startswith("sdpa-flash: no figures: --dtype: FlashAttention supports")

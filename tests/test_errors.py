@@ -147,4 +147,6 @@ def test_a_refusal_drops_the_name_the_line_already_shows():
 
     assert refusal(ValueError("sdpa-flash: fp16 only\nmore"), "sdpa-flash") == "fp16 only"
     assert refusal(ValueError("--dtype: fp16 only"), "sdpa-flash") == "--dtype: fp16 only"
+    assert refusal(ValueError("--dtype: sdpa-flash: fp16 only"), "sdpa-flash") == \
+        "--dtype: fp16 only"
     assert refusal(KeyError("x"), "naive") == "the model raised KeyError: 'x'"

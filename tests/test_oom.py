@@ -119,7 +119,7 @@ def test_oom_head_dim_of_the_fused_kernels_answers_and_checks_out(capsys):
         assert json.loads(out)["fits"] is expected, (impl, d)
     code, out, err = run(capsys, "breakdown", "--impl", "sdpa-flash", "--head-dim", "257",
                          *options)
-    assert code == 2 and err == ("memcalc: error: sdpa-flash: head_dim 257 > 256: the largest "
+    assert code == 2 and err == ("memcalc: error: --head-dim: sdpa-flash: head_dim 257 > 256: the largest "
                                  "head_dim FlashAttention supports (sdp_utils.cpp "
                                  "check_head_dim_size_flash)\n")
 

@@ -36,7 +36,7 @@ from math import ceil
 from memcalc.accepted import Accepted
 from memcalc.registry import register
 from memcalc.impls.common import with_loss
-from memcalc.impls.sdpa_flash import Gpu, gpu_of, round_up
+from memcalc.impls.sdpa_flash import Gpu, cc_text, gpu_of, round_up
 from memcalc.tensors import Dims, Program, Role, free, new, release
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
@@ -81,8 +81,9 @@ def check(d: Dims, gpu: Gpu) -> None:
     for rule in accepted(d):
         rule.refuse("sdpa-efficient", d.D)
     if gpu.compute_capability not in ((8, 0), (9, 0)):
-        raise ValueError("sdpa-efficient is modelled for compute capability 8.0 and 9.0: 8.6/8.9 "
-                         "pick other kernels (shared memory), >= 10.0 has none in cutlassB.h")
+        raise ValueError(f"--gpu: sdpa-efficient is modelled for compute capability 8.0 and "
+                         f"9.0, not {cc_text(gpu)}: 8.6/8.9 pick other kernels (shared memory), "
+                         f">= 10.0 has none in cutlassB.h")
 
 
 def backward_kernel(d: Dims) -> Kernel:

@@ -119,16 +119,21 @@ def accepted(d: Dims) -> tuple[Accepted, ...]:
 def check(d: Dims, gpu: Gpu) -> None:
     """What ``sdp_utils.cpp`` / ``mha_fwd`` accept; torch picks another backend otherwise."""
     if gpu.compute_capability < (8, 0):
-        raise ValueError("sdpa-flash: FlashAttention needs compute capability 8.0 or newer "
-                         "(flash_api.cpp mha_fwd is_sm80_or_newer)")
+        raise ValueError(f"--gpu: sdpa-flash: FlashAttention needs compute capability 8.0 or "
+                         f"newer, not {cc_text(gpu)} (flash_api.cpp mha_fwd is_sm80_or_newer)")
     if d.dtype == F32:
-        raise ValueError("sdpa-flash: FlashAttention supports fp16 and bf16 only "
+        raise ValueError("--dtype: sdpa-flash: FlashAttention supports fp16 and bf16 only "
                          "(flash_api.cpp mha_fwd); torch would pick another backend for fp32")
     for rule in accepted(d):
         rule.refuse("sdpa-flash", d.D)
     if d.causal and d.N != d.M:
-        raise ValueError("sdpa-flash: causal attention with kv_len != seq_len is not dispatched "
-                         "to flash (sdp_utils.cpp check_flash_causal_non_square_seqlens)")
+        raise ValueError("--kv-len: sdpa-flash: causal attention with kv_len != seq_len is not "
+                         "dispatched to flash (sdp_utils.cpp check_flash_causal_non_square_seqlens)")
+
+
+def cc_text(gpu: Gpu) -> str:
+    """The device's compute capability as written: ``7.5``."""
+    return ".".join(map(str, gpu.compute_capability))
 
 
 def pads(d: Dims) -> list:
