@@ -46,7 +46,8 @@ def whole(text: str) -> int:
 
 def shape_options(p: argparse.ArgumentParser, impls: str = "one") -> None:
     """The options that make a ``Config``; defaults are the benchmark's shape.
-    ``impls="many"``: ``--impl`` takes a list (``impl_option``)."""
+    ``impls="many"``: ``--impl`` takes a list (``impl_option``); ``"none"``: no ``--impl``
+    (``memcalc trace`` traces the user's function)."""
     p.add_argument("--seq", type=whole, default=16384, help="sequence length N (default 16384)")
     p.add_argument("--batch", type=whole, default=8, help="batch size (default 8)")
     p.add_argument("--heads", type=whole, default=1, help="attention heads (default 1)")
@@ -54,7 +55,7 @@ def shape_options(p: argparse.ArgumentParser, impls: str = "one") -> None:
     p.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
     if impls == "many":
         impl_option(p)
-    else:
+    elif impls == "one":
         p.add_argument("--impl", default="naive",
                        help="implementation (memcalc impls; default naive, the custom softmax "
                             "that keeps exp_x; naive-softmax is torch.softmax attention)")
@@ -77,7 +78,8 @@ def step_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-len", type=whole, default=None, help="key/value length (default: --seq)")
     p.add_argument("--kv-heads", type=whole, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--causal", action="store_true", help="causal mask")
-    p.add_argument("--chunk", type=whole, default=64, help="chunk length of chunked implementations")
+    p.add_argument("--chunk", type=whole, default=None,
+                   help="chunk length of chunked implementations (default 64)")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset (memcalc gpus)")
     p.add_argument("--loss", default="grad", help="grad: out.backward(grad_out); sum: out.sum()")
     p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
@@ -123,12 +125,25 @@ def config_from(args, **overrides):
 
     if "impl" not in overrides:
         check_impl(args.impl)
-    flat = dict(impl=args.impl, seq_len=args.seq, batch=args.batch, heads=args.heads,
-                head_dim=args.head_dim, kv_len=args.kv_len, kv_heads=args.kv_heads,
-                dtype=args.dtype, causal=args.causal, chunk=args.chunk, gpu=args.gpu,
+    flat = dict(impl=getattr(args, "impl", None), seq_len=args.seq, batch=args.batch,
+                heads=args.heads, head_dim=args.head_dim, kv_len=args.kv_len,
+                kv_heads=args.kv_heads, dtype=args.dtype, causal=args.causal, gpu=args.gpu,
                 loss=args.loss, forward_only=args.forward_only,
                 cublas_workspace_config=args.cublas_workspace_config)
+    if args.chunk is not None:
+        flat["chunk"] = args.chunk
     return make_config(**{**flat, **overrides})
+
+
+def check_chunk(args, names: list[str] | None) -> None:
+    """``--chunk`` given for implementations none of which has chunks: refused, not
+    ignored (with several, it applies to those that have)."""
+    from memcalc.impls import IMPLS
+
+    if args.chunk is None or names is None or any(IMPLS[n].chunked for n in names):
+        return
+    chunked = ", ".join(n for n, impl in IMPLS.items() if impl.chunked)
+    raise ValueError(f"--chunk: {', '.join(names)} has no chunks; only {chunked} read it")
 
 
 def emit(result, fmt: str | None) -> None:

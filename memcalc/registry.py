@@ -35,6 +35,7 @@ class Impl:
     # the sizes it accepts, for the other sizes of ``d``: what its check refuses, what a
     # search probes (``memcalc.accepted``)
     accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules
+    chunked: bool = False  # reads Dims.chunk (--chunk): a loop over chunks of rows
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
@@ -73,13 +74,15 @@ def add(impl: Impl, replace: bool = False) -> Impl:
 
 
 def register(name: str, summary: str, gqa: bool = False, traced: bool = True,
-             accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules):
+             accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules,
+             chunked: bool = False):
     """Decorator: register ``build`` as implementation ``name``. ``traced=False`` marks a
     model derived from kernel sources that the meta device cannot check (fused CUDA kernels);
-    ``accepted``: the sizes it accepts (``Impl.accepted``)."""
+    ``accepted``: the sizes it accepts (``Impl.accepted``); ``chunked``: it reads
+    ``--chunk``."""
 
     def wrap(build: Callable[[Dims], Program]):
-        add(Impl(name, summary, build, gqa, traced, accepted))
+        add(Impl(name, summary, build, gqa, traced, accepted, chunked))
         return build
 
     return wrap

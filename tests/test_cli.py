@@ -164,3 +164,35 @@ def test_a_kernels_refusal_names_the_option(capsys, argv, option, says):
     code, out, err = run(capsys, "breakdown", "--seq", "256", *argv)
     assert_refused(code, out, err, option)
     assert err.startswith(f"memcalc: error: {option}: ") and says in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["breakdown", "--chunk", "128"],
+    ["compare", "--chunk", "128", "--impl", "naive,flash2"],
+    ["oom", "--chunk", "128", "--impl", "naive"],
+    ["sweep", "--chunk", "128", "--impl", "naive"],
+], ids=["breakdown", "compare", "oom", "sweep"])
+def test_a_chunk_no_implementation_reads_is_refused(capsys, argv):
+    """--chunk with naive ran, and even showed chunk=128 in the title: nothing reads it."""
+    code, out, err = run(capsys, *argv, "--seq", "256")
+    assert_refused(code, out, err, "--chunk")
+    assert "only linear-causal-chunked, checkpoint-linear-causal-chunked read it" in err
+
+
+def test_a_chunk_applies_to_the_chunked_implementations_among_several(capsys):
+    code, out, _ = run(capsys, "compare", "--chunk", "128", "--impl",
+                       "naive,linear-causal-chunked", "--seq", "256", "--json")
+    assert code == 0 and json.loads(out)["rows"][1]["impl"] == "linear-causal-chunked"
+
+
+def test_trace_refuses_what_it_cannot_pass_on(capsys, tmp_path):
+    """trace took --impl and ignored it; --causal reaches a function only as an argument,
+    --chunk never."""
+    (tmp_path / "user.py").write_text("def attn(q, k, v):\n    return q * v\n")
+    target = f"{tmp_path}/user.py:attn"
+    code, out, err = run(capsys, "trace", target, "--seq", "8", "--causal")
+    assert_refused(code, out, err, "--causal")
+    code, out, err = run(capsys, "trace", target, "--seq", "8", "--chunk", "4")
+    assert_refused(code, out, err, "--chunk")
+    code, out, err = run(capsys, "trace", target, "--seq", "8", "--impl", "naive")
+    assert code == 2 and "unrecognized arguments: --impl naive" in err

@@ -1,7 +1,7 @@
 """``memcalc breakdown``: what one forward and backward step allocates."""
 
-from memcalc.cli import (budget_from, budget_options, check_output, config_from, emit,
-                         format_options, naming, shape_options)
+from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from,
+                         emit, format_options, naming, shape_options)
 
 HELP = "what one forward+backward step allocates, by component"
 
@@ -25,6 +25,7 @@ def run(args) -> int:
         raise ValueError(f"--impl: breakdown takes one implementation; memcalc compare --impl "
                          f"{args.impl} puts several side by side")
     config = config_from(args)
+    check_chunk(args, [config.impl])
     with status(f"replaying {config.impl}"):  # a chunked loop at a million rows: seconds
         result = check(config, budget_from(args))
     if args.plot:

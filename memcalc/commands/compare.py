@@ -1,7 +1,7 @@
 """``memcalc compare``: every implementation side by side."""
 
-from memcalc.cli import (budget_from, budget_options, check_output, config_from, emit,
-                         format_options, naming, shape_options)
+from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from,
+                         emit, format_options, naming, shape_options)
 from memcalc.names import check_impl, impl_list
 
 HELP = "every implementation side by side: saved, peaks, savings, largest seq_len"
@@ -56,6 +56,7 @@ def run(args) -> int:
 
     check_output(args.plot, "--plot")
     names = impl_list(args.impl)
+    check_chunk(args, names)
     if args.baseline is not None:
         check_baseline(args.baseline, names)
     with status("comparing"):  # chunked loops at a million rows replay for seconds each

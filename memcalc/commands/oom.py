@@ -1,6 +1,7 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
-from memcalc.cli import budget_from, budget_options, config_from, emit, format_options, shape_options
+from memcalc.cli import (budget_from, budget_options, check_chunk, config_from, emit,
+                         format_options, shape_options)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
 SOLVE = {"seq": "seq_len", "seq-len": "seq_len", "seq_len": "seq_len", "batch": "batch",
@@ -31,6 +32,7 @@ def run(args) -> int:
     if field is None:
         raise ValueError(f"--solve: {args.solve!r} is not seq, batch or head-dim")
     impls = _impls(args)
+    check_chunk(args, impls)
     base = config_from(args, impl=impls[0] if impls else "naive")
     try:
         with status(f"solving {field}"):  # a chunked loop's search replays for a minute

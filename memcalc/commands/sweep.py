@@ -60,7 +60,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from memcalc.cli import budget_from, emit
+    from memcalc.cli import budget_from, check_chunk, emit
     from memcalc.config import make_config
     from memcalc.progress import progress
     from memcalc.scaling import FIGURE_KEY, sweep
@@ -74,14 +74,16 @@ def run(args) -> int:
 
     impls = impl_list(args.impl or ["naive"])
     impls = impls if impls is not None else impl_choices()
+    check_chunk(args, impls)
     if args.pivot is not None and args.pivot not in FIGURE_KEY:
         raise ValueError(f"--pivot: {args.pivot!r} is not one of {', '.join(FIGURE_KEY)}")
     dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
     base = make_config(impl=impls[0], seq_len=seq[0], batch=batch[0], heads=heads[0],
                        head_dim=dims[0], kv_len=args.kv_len, kv_heads=args.kv_heads,
-                       dtype=dtypes[0], causal=args.causal, chunk=args.chunk, gpu=args.gpu,
+                       dtype=dtypes[0], causal=args.causal, gpu=args.gpu,
                        loss=args.loss, forward_only=args.forward_only,
-                       cublas_workspace_config=args.cublas_workspace_config)
+                       cublas_workspace_config=args.cublas_workspace_config,
+                       **({} if args.chunk is None else {"chunk": args.chunk}))
     for name in impls[1:]:
         make_config(impl=name)
     check_output(args.plot, "--plot")

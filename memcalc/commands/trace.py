@@ -1,8 +1,8 @@
 """``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code, traced as
 the configured GPU would run it, with its fit in the device's budget."""
 
-from memcalc.cli import (budget_from, budget_options, check_output, config_from, emit,
-                         format_options, naming, shape_options)
+from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from,
+                         emit, format_options, naming, shape_options)
 
 HELP = ("breakdown of your own attention function or nn.Module, traced on the meta device "
         "along the GPU's code paths (imports and runs the named file or module as Python code)")
@@ -13,7 +13,7 @@ def add_arguments(parser) -> None:
                         help="fn(q, k, v) returning out, or an nn.Module class (built with no "
                              "arguments on the meta device) or instance; also "
                              "MODULE:FUNCTION. The file is imported (its code runs)")
-    shape_options(parser)
+    shape_options(parser, impls="none")
     budget_options(parser)
     format_options(parser)
     parser.add_argument("--plot", metavar="FILE.png", default=None,
@@ -39,6 +39,8 @@ def run(args) -> int:
     try:
         fn = load_function(args.target)
         config = config_from(args, impl=register_function(fn, args.target))
+        check_chunk(args, [config.impl])
+        check_causal(args, fn)
         result = traced(fn, config, options, budget, history)
     except TraceError as error:
         text = str(error).removeprefix(f"--trace {args.target}: ")
@@ -62,3 +64,13 @@ def _workspace(text):
 
     size = parse_size(text, "--cudnn-workspace")
     return Workspace(size, size)
+
+
+def check_causal(args, fn) -> None:
+    """``--causal`` reaches the function only through a ``causal`` or ``is_causal``
+    argument: refused, not ignored, when it takes neither."""
+    from memcalc.tracing import takes_causal
+
+    if args.causal and not takes_causal(fn):
+        raise ValueError("--causal: the function takes neither causal nor is_causal (a mask "
+                         "it builds itself is traced as written)")

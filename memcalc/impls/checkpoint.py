@@ -163,7 +163,7 @@ def _register_all() -> None:
     for impl in [i for i in IMPLS.values() if wrappable(i)]:
         register(f"{PREFIX}{impl.name}",
                  f"{impl.name} in torch.utils.checkpoint: nothing saved, recomputed in backward",
-                 gqa=impl.gqa, accepted=impl.accepted)(wrap(impl.name))
+                 gqa=impl.gqa, accepted=impl.accepted, chunked=impl.chunked)(wrap(impl.name))
 
 
 _register_all()

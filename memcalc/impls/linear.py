@@ -213,7 +213,7 @@ def chunk_lengths(d: Dims) -> list[int]:
 
 @register("linear-causal-chunked",
           "causal linear attention by chunks: tril(q k^T) v in a chunk, a (D, D) state "
-          "carried across chunks")
+          "carried across chunks", chunked=True)
 def linear_causal_chunked(d: Dims) -> Program:
     """Chunked causal linear attention (``Dims.chunk`` rows a chunk). Saved per chunk: the
     ``(B, H, c, c)`` causal scores, the numerator and ``norm + eps``, and the ``(D, D)``

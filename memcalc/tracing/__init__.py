@@ -127,6 +127,15 @@ def _check_signature(fn: Callable, spec: str) -> None:
         pass
 
 
+def takes_causal(fn: Callable) -> bool:
+    """Whether ``fn`` takes ``causal`` or ``is_causal`` (or any keyword; unknown: yes)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return True
+    return any(p.name in ("causal", "is_causal") or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def bind_options(fn: Callable, config: Config) -> Callable:
     """``fn(q, k, v)`` with ``causal``/``is_causal`` passed when the function takes it."""
     params = _parameters(fn)
