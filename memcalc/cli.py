@@ -28,6 +28,17 @@ class _Parser(argparse.ArgumentParser):
 DTYPE_HELP = "fp32, fp16 or bf16; also float32, float16/half, bfloat16 (default fp32)"
 
 
+class _Once(argparse.Action):
+    """An option that takes one value: given twice, refused (argparse keeps the last)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in getattr(namespace, "_given", set()):
+            raise argparse.ArgumentError(self, f"given twice ({getattr(namespace, self.dest)}, "
+                                               f"then {values}); it takes one value")
+        namespace._given = getattr(namespace, "_given", set()) | {option_string}
+        setattr(namespace, self.dest, values)
+
+
 def whole(text: str) -> int:
     """A size option's value: ``16384``, ``1_000_000``, or a whole number in exponent
     notation (``1e6``, ``2.5e3``), read exactly. Zero and negatives pass here: the
@@ -56,7 +67,7 @@ def shape_options(p: argparse.ArgumentParser, impls: str = "one") -> None:
     if impls == "many":
         impl_option(p)
     elif impls == "one":
-        p.add_argument("--impl", default="naive",
+        p.add_argument("--impl", default="naive", action=_Once,
                        help="implementation (memcalc impls; default naive, the custom softmax "
                             "that keeps exp_x; naive-softmax is torch.softmax attention)")
     step_options(p)

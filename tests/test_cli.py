@@ -196,3 +196,10 @@ def test_trace_refuses_what_it_cannot_pass_on(capsys, tmp_path):
     assert_refused(code, out, err, "--chunk")
     code, out, err = run(capsys, "trace", target, "--seq", "8", "--impl", "naive")
     assert code == 2 and "unrecognized arguments: --impl naive" in err
+
+
+def test_breakdown_takes_one_impl_repeated_or_not(capsys):
+    """compare takes --impl repeated; breakdown kept the last of two, silently."""
+    code, out, err = run(capsys, "breakdown", "--impl", "naive", "--impl", "flash2")
+    assert_refused(code, out, err, "--impl")
+    assert "given twice (naive, then flash2)" in err
