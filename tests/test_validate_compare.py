@@ -155,7 +155,8 @@ def test_records_hold_each_difference_and_cause_by_figure():
     report = Report(backend="cuda", environment={}, checks=(workspace,))
     (record,) = report.records()
     assert record == {"case": "grid", "configuration": _label(workspace), "impl": "naive",
-                      "seq_len": 300, "dtype": "fp32", "causal": False, "outcome": "measured",
+                      "batch": 2, "heads": 1, "seq_len": 300, "head_dim": 16,  # SMALL
+                      "dtype": "fp32", "causal": False, "gpu": "h100-80gb", "outcome": "measured",
                       "verdict": "MISMATCH", "ok": False,
                       "predicted_peak_bytes": 4096, "emulated_peak_bytes": 4096,  # figures()
                       "measured_peak_bytes": 4096,  # only the backward peak differs

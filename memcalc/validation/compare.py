@@ -256,8 +256,9 @@ class Report(Result):
         return [_record(c) for c in self.checks]
 
 
-RECORD_KEYS = ("case", "configuration", "impl", "seq_len", "dtype", "causal", "outcome",
-               "verdict", "ok", "predicted_peak_bytes", "emulated_peak_bytes",
+RECORD_KEYS = ("case", "configuration", "impl", "batch", "heads", "seq_len", "head_dim", "dtype",
+               "causal", "gpu", "outcome", "verdict", "ok", "predicted_peak_bytes",
+               "emulated_peak_bytes",
                "measured_peak_bytes", *(f"diff_{k}" for k in FIGURES),
                *(f"cause_{k}" for k in FIGURES))
 
@@ -265,9 +266,12 @@ RECORD_KEYS = ("case", "configuration", "impl", "seq_len", "dtype", "causal", "o
 def _record(c: Check) -> dict:
     """``Report.records``' row of one check."""
     peak = lambda figures: figures["peak_bytes"] if figures else None  # noqa: E731
+    shape = c.config.shape
     row = {"case": c.case, "configuration": _label(c), "impl": c.config.impl,
-           "seq_len": c.config.shape.seq_len, "dtype": c.config.dtype.value,
-           "causal": c.config.causal, "outcome": c.outcome, "verdict": c.verdict(),
+           "batch": shape.batch, "heads": shape.heads, "seq_len": shape.seq_len,
+           "head_dim": shape.head_dim, "dtype": c.config.dtype.value,
+           "causal": c.config.causal, "gpu": c.config.device.gpu, "outcome": c.outcome,
+           "verdict": c.verdict(),
            "ok": c.ok, "predicted_peak_bytes": peak(c.predicted),
            "emulated_peak_bytes": peak(c.emulated), "measured_peak_bytes": peak(c.measured),
            **{f"diff_{k}": v for k, v in c.differences.items()},
