@@ -54,8 +54,9 @@ def add_arguments(p) -> None:
                         "head_dim: peak, saved, reserved, forward or backward")
     p.add_argument("--bytes", action="store_true", help="exact bytes in the tables, not MiB")
     p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="also draw the peak against seq_len, log-log, with the budget and each "
-                        "line's largest fitting seq_len (needs matplotlib)")
+                   help="also draw the reserved peak (what must fit) against seq_len, log-log, "
+                        "with the budget and each line's largest fitting seq_len (needs "
+                        "matplotlib)")
     format_options(p)
 
 
