@@ -64,12 +64,22 @@ _HALF = ((64, 64, 32), (64, 64, 64), (128, 128, 128), (64, 64, 128), (128, 64, 6
 _FLOAT = ((64, 64, 32), (64, 64, 64), (128, 64, 128), (64, 64, 128), (128, 64, 65536))
 
 
+def minimum_gemm_alignment(half: bool, cc: tuple[int, int]) -> int:
+    """Elements a head dim must be a multiple of (``sdp_utils.cpp``
+    ``minimum_gemm_alignment``; also ``memcalc.tracing.sdpa_select``): sm80+ 4 in fp32, 8
+    in fp16 and bf16."""
+    align = 4 if cc[0] >= 8 else 1
+    use_tc = cc[0] >= 8 or (cc[0] >= 7 and half)
+    return max(align, 128 // (16 if half else 32)) if use_tc else align
+
+
 def accepted(d: Dims) -> tuple[Accepted, ...]:
-    """The head dims the kernels take: multiples of ``minimum_gemm_alignment`` (sm80+: 4
-    elements in fp32, 8 in fp16 and bf16), up to the largest ``kMaxK`` (``_HALF``,
-    ``_FLOAT``); ``check`` refuses the rest, a search probes only these."""
+    """The head dims the kernels take: multiples of ``minimum_gemm_alignment``, up to the
+    largest ``kMaxK`` (``_HALF``, ``_FLOAT``); ``check`` refuses the rest, a search probes
+    only these."""
     kernels = _FLOAT if d.dtype == F32 else _HALF
-    return (Accepted("head_dim", step=4 if d.dtype == F32 else 8,
+    step = minimum_gemm_alignment(d.dtype != F32, gpu_of(d).compute_capability)
+    return (Accepted("head_dim", step=step,
                      most=max(k for _, _, k in kernels),
                      kernel="the memory-efficient kernel",
                      step_source="sdp_utils.cpp check_head_dim_size_mem_efficient",

@@ -109,10 +109,13 @@ def num_splits(d: Dims, gpu: Gpu) -> int:
     return num_splits_heuristic(bnm, 2 * gpu.sm_count, ceil(d.M / block_n), 128)
 
 
+MAX_HEAD_DIM = 256  # sdp_utils.cpp check_head_dim_size_flash (also memcalc.tracing.sdpa_select)
+
+
 def accepted(d: Dims) -> tuple[Accepted, ...]:
     """The head dims FlashAttention takes: up to 256 (others are padded to a multiple of 8,
     ``pads``); ``check`` refuses the rest, a search probes only these."""
-    return (Accepted("head_dim", most=256, kernel="FlashAttention",
+    return (Accepted("head_dim", most=MAX_HEAD_DIM, kernel="FlashAttention",
                      most_source="sdp_utils.cpp check_head_dim_size_flash"),)
 
 

@@ -14,6 +14,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from memcalc.impls.sdpa_efficient import minimum_gemm_alignment
+from memcalc.impls.sdpa_flash import MAX_HEAD_DIM
+
 FLASH, EFFICIENT, MATH, CUDNN = "flash", "efficient", "math", "cudnn"
 
 
@@ -147,7 +150,8 @@ def _no_mask(c: Call, cc, r) -> str | None:
 def _flash_head_dim(c: Call, cc, r) -> str | None:
     """``check_head_dim_size_flash``: equal head dims, at most 256."""
     d = c.q[-1]
-    return None if d == c.k[-1] == c.v[-1] and d <= 256 else "head dims differ or exceed 256"
+    ok = d == c.k[-1] == c.v[-1] and d <= MAX_HEAD_DIM
+    return None if ok else f"head dims differ or exceed {MAX_HEAD_DIM}"
 
 
 def _flash_sm86(c: Call, cc, r) -> str | None:
@@ -165,10 +169,7 @@ def _flash_causal(c: Call, cc, r) -> str | None:
 
 def _alignment(c: Call, cc) -> int:
     """``minimum_gemm_alignment``: elements a head dim must be a multiple of."""
-    half = c.dtype in ("float16", "bfloat16")
-    align = 4 if cc[0] >= 8 else 1
-    use_tc = cc[0] >= 8 or (cc[0] >= 7 and half)
-    return max(align, 128 // (16 if half else 32)) if use_tc else align
+    return minimum_gemm_alignment(c.dtype in ("float16", "bfloat16"), tuple(cc))
 
 
 def _efficient_head_dim(c: Call, cc, r) -> str | None:
