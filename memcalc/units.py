@@ -22,11 +22,8 @@ def fixed(numerator: int, denominator: int, places: int) -> str:
 
 def finite_decimal(q: Fraction) -> bool:
     """Whether ``q`` has a finite decimal: its denominator has no prime factor but 2 and 5."""
-    rest = q.denominator
-    for p in (2, 5):
-        while rest % p == 0:
-            rest //= p
-    return rest == 1
+    d = q.denominator
+    return d == 2 ** _multiplicity(d, 2) * 5 ** _multiplicity(d, 5)
 
 
 def decimal(q: Fraction) -> str:
