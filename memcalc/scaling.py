@@ -268,6 +268,9 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
             skipped.append((f"{impl} {dtype}", refusal(error, impl)))
             continue
         _add_series(columns, config, figures, (b_, h_, d_, n_), len(axes["seq_len"]), budget)
+    if len(skipped) == len(axes["impl"]) * len(axes["dtype"]):  # an empty table: refused
+        raise ValueError("no implementation has figures for these options: "
+                         + "; ".join(f"{who}: {why}" for who, why in skipped))
     return Sweep(budget=budget, base=base, axes=axes,
                  columns={k: tuple(v) for k, v in columns.items()}, skipped=tuple(skipped),
                  pivot=pivot, unit=unit)

@@ -253,3 +253,14 @@ def test_the_caveat_names_only_implementations_shown():
     assert [r.impl for r in s.rows] == ["naive"]
     assert s.footnotes()[-1] == ("caveat: the allocator model follows PyTorch's source and is "
                                  "not yet checked on a GPU.")
+
+
+def test_a_sweep_with_every_series_refused_is_an_error():
+    """Both refuse the options: an empty table with exit status 0 said nothing was wrong."""
+    from memcalc.config import Config
+
+    with pytest.raises(ValueError, match="^no implementation has figures for these options: "
+                                         "naive bf16: --kv-heads: .*; sdpa-flash bf16: "):
+        sweep(Config(impl="sdpa-flash", causal=True, shape={"heads": 2, "kv_heads": 1,
+                                                             "kv_len": 128}),
+              BUDGET, seq_len=(256,), impls=("naive", "sdpa-flash"), dtypes=("bf16",))
