@@ -148,17 +148,30 @@ def _fit_columns(table: Table, width: int) -> list[Column] | None:
     return None
 
 
-def _rich_table(columns: list[Column], cells: list[list[str]]) -> RichTable:
+def _rich_table(columns: list[Column], cells: list[list[str]], width: int) -> RichTable:
     """A rich table whose columns have the widths they need: numbers never wrap or
-    shorten; headers and prose wrap at spaces."""
+    shorten; headers and prose wrap at spaces, prose over the width the others leave."""
     table = RichTable(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False,
                       collapse_padding=True, expand=False)
-    for i, c in enumerate(columns):
-        table.add_column(c.header, justify=c.justify, width=_width(c, [r[i] for r in cells]),
+    for c, w in zip(columns, _widened(columns, cells, width)):
+        table.add_column(c.header, justify=c.justify, width=w,
                          overflow="fold")  # every cell fits its width: only headers and prose wrap
     for row in cells:
         table.add_row(*row)
     return table
+
+
+def _widened(columns: list[Column], cells: list[list[str]], width: int) -> list[int]:
+    """Each column's width (``_width``), the prose columns given what the table leaves of
+    ``width``, in order, up to their longest cell (a summary wrapped at 31 characters on
+    an 80-column terminal with 15 to spare)."""
+    widths = [_width(c, [r[i] for r in cells]) for i, c in enumerate(columns)]
+    spare = width - sum(widths) - _GAP * (len(columns) - 1)
+    for i, c in enumerate(columns):
+        if c.wrap and spare > 0:
+            extra = min(spare, max([len(r[i]) for r in cells] or [0]) - widths[i])
+            widths[i], spare = widths[i] + max(0, extra), spare - max(0, extra)
+    return widths
 
 
 def _vertical(table: Table, width: int) -> Group:
@@ -196,7 +209,7 @@ class Fitted:
             if columns is None:
                 yield _vertical(t, width)
             else:
-                yield _rich_table(columns, t.cells(columns))
+                yield _rich_table(columns, t.cells(columns), width)
             for note in t.notes:
                 yield Text(note)
         for note in self.notes:

@@ -185,3 +185,16 @@ def test_markdown_shows_stars_and_bars_as_written():
     assert escaped("a | b") == "a \\| b" and escaped("exp_x") == "exp_x"
     table = markdown_table([Column("name", lambda r: r)], ["-dp*e/r/r"])
     assert table.splitlines()[-1] == "| -dp\\*e/r/r |"
+
+
+def test_prose_takes_the_width_the_other_columns_leave():
+    """A 60-character summary beside a 10-character name fits one 80-column line (it was
+    wrapped at the prose column's 24 characters, the rest of the line left empty)."""
+    from memcalc.render import Column, rich_table, text
+
+    summary = "causal linear attention by cumsum: saves a (B, H, N, D, D) x"  # 60 characters
+    table = rich_table(None, [Column("name", lambda r: r[0]),
+                              Column("what it is", lambda r: r[1], wrap=True)],
+                       [("linear", summary)])
+    lines = text(table, 80).splitlines()
+    assert lines[-1] == f"linear  {summary}"  # 6 + 2 + 60 = 68 <= 80: one line
