@@ -67,7 +67,7 @@ def bench_trace_chunked(lengths: list[int]) -> None:
 def bench_chunked_oom(time_limit: float) -> None:
     """The OOM solve of linear-causal-chunked at 80 GiB, under ``time_limit``."""
     config = Config(impl="linear-causal-chunked")
-    budget = Budget.of(config.device, None, 80 << 30).budget_bytes
+    budget = Budget.of(config.device, memory_gb=80).budget_bytes
     start = time.perf_counter()
     try:
         answer = f"max N = {max_fitting(config, budget, time_limit=time_limit).max_value:,}"

@@ -75,7 +75,7 @@ def bench_grid(name: str, base: Config, axes: dict, samples: int = 100) -> None:
 
 
 def bench_oom() -> None:
-    budget = Budget.of(Device(gpu="h100-80gb"), memory_bytes=80 * 2**30).budget_bytes
+    budget = Budget.of(Device(gpu="h100-80gb"), memory_gb=80).budget_bytes
     total_fast = total_bisect = 0.0
     print(f"OOM solve, seq_len, B=8 H=1 d=16 fp32, budget {budget:,} B")
     print(f"  {'implementation':26} {'max N':>9} {'evals':>5} {'ms':>7}   "

@@ -116,11 +116,11 @@ class Budget(BaseModel):
         reserve_bytes = parse_size(reserve) if text else reserve
         note = size_note(reserve) if text else ""
         gb = parse_gb(str(gpu_gb)) if gpu_gb is not None else None
-        return cls.of(device, reserve_bytes, gb, note)
+        return cls.of(device, reserve_bytes, memory_gb=gb, reserve_source=note)
 
     @classmethod
-    def of(cls, device: Device, reserve_bytes: int | None = None,
-           memory_gb: Fraction | None = None, reserve_source: str = "") -> "Budget":
+    def of(cls, device: Device, reserve_bytes: int | None = None, *,
+           memory_gb: Fraction | int | None = None, reserve_source: str = "") -> "Budget":
         """The budget of ``device``: its preset's memory, or ``memory_gb`` x 2^30 B rounded
         down to a whole byte (PyTorch's messages round GiB to two places: "79.11 GiB")."""
         from memcalc.gpus import MEMORY_KINDS
