@@ -65,6 +65,8 @@ def test_padded_sizes_cannot_be_solved(tmp_path):
      "tom kernel')) raised RuntimeError: custom kernel (traced on the meta device: tensors "
      "without values). If it runs on a GPU: data-dependent code"),
     ("    return {}['x']\n", "raised KeyError: 'x' (traced"),
+    # the code's own NotImplementedError, raised by its own statement: not torch's refusal
+    ("    raise NotImplementedError('todo')\n", "raised NotImplementedError: todo (traced"),
 ])
 def test_meta_failures_name_the_line(tmp_path, capsys, body, message):
     (tmp_path / "user.py").write_text("def attn(q, k, v):\n" + body)

@@ -257,7 +257,7 @@ def _explain(error: Exception, fn: Callable) -> str:
     if isinstance(error, NotModelled):
         return f"{where}: {_first_line(error)}"
     raised = f"{type(error).__name__}: {_first_line(error)}"
-    if _meta_refused(error):
+    if _meta_refused(error, source):
         return f"{where} cannot run on the meta device: {raised}. Hint: {META_HINT}"
     return (f"{where} raised {raised} (traced on the meta device: tensors without values). "
             f"If it runs on a GPU: {META_HINT}")
@@ -268,10 +268,14 @@ META_HINT = ("data-dependent code (.item(), .cpu(), shapes from values) cannot b
              "or pick the built-in model that matches it (memcalc impls)")
 
 
-def _meta_refused(error: Exception) -> bool:
+def _meta_refused(error: Exception, source: str) -> bool:
     """Whether torch refused an op for lack of data or of a meta kernel ("Tensor.item()
     cannot be called on meta tensors", "Cannot copy out of meta tensor", "Could not run
-    'x' with arguments from the 'Meta' backend"): not an error of the code itself."""
+    'x' with arguments from the 'Meta' backend"): not an error of the code itself, which
+    raises its own (the last frame is a ``raise`` statement in the user's ``source``)."""
+    last = (traceback.extract_tb(error.__traceback__) or [None])[-1]
+    if last is not None and last.filename == source and (last.line or "").startswith("raise"):
+        return False
     return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
 
 
