@@ -119,6 +119,8 @@ class Solved(BaseModel):
             "peak_bytes_at_max": self.peak_bytes_at_max,
             "peak_bytes_at_next": self.peak_bytes_at_next,
             "spare_bytes_at_max": self.spare_bytes_at_max,
+            "reserved_bytes_at_max": at_max.reserved_bytes if at_max else None,
+            "needed_bytes_at_next": at_next.reserved_bytes if at_next else None,
             "reserved_peak_bytes_at_max": at_max.reserved_peak_bytes if at_max else None,
             "reserved_peak_bytes_at_next": at_next.reserved_peak_bytes if at_next else None,
             "fit_at_max": at_max.describe() if at_max else None,
@@ -618,12 +620,9 @@ def _cut_short(probe: _Probe, n: int, field: str) -> Solved:
     and the next accepted value not (adjacent bounds: exact), with what it had replayed in
     time: the figures at both (in full, or None), the first accepted power of two above
     ``n`` known to fail (None if not replayed), and the closed form it started from."""
-    verdicts, following = probe.verdicts(), probe.accepted.after(n)
-    power = 1 << n.bit_length()
-    while power < LIMIT and (not probe.accepted.accepts(power) or verdicts.get(power)):
-        power *= 2
+    following = probe.accepted.after(n)
     return Solved(impl=probe.config.impl, field=field, max_value=n, next_value=following,
-                  first_failing_power_of_two=power if verdicts.get(power) is False else None,
+                  first_failing_power_of_two=_first_failing_power(probe, n, replay=False),
                   at_max=probe.full.get(n) if n >= 1 else None,
                   at_next=probe.full.get(following) if following is not None else None,
                   accepted=probe.accepted, approximation=probe.model,
@@ -646,12 +645,15 @@ def _solved(probe: _Probe, n: int, field: str, approximate: bool = True) -> Solv
                   accepted=probe.accepted, approximation=q, evaluations=probe.evaluations)
 
 
-def _first_failing_power(probe: _Probe, n: int) -> int | None:
+def _first_failing_power(probe: _Probe, n: int, replay: bool = True) -> int | None:
     """The smallest power of two above ``n`` that the implementation accepts and that does
-    not fit (above ``n`` only if fitting is not monotone); None when none is accepted."""
-    power = 1 << max(0, n).bit_length()
+    not fit (above ``n`` only if fitting is not monotone); None when none is accepted, or,
+    without ``replay``, when the first one the search did not replay comes before it."""
+    verdicts, power = probe.verdicts(), 1 << max(0, n).bit_length()
     while power < LIMIT and (probe.accepted.most is None or power <= probe.accepted.most):
-        if probe.accepted.accepts(power) and not probe(power):
-            return power
+        if probe.accepted.accepts(power):
+            fits = probe(power) if replay else verdicts.get(power)
+            if not fits:
+                return power if fits is False else None
         power *= 2
     return None

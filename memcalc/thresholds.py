@@ -214,7 +214,7 @@ class OomReport(Result):
     def records(self) -> list[dict]:
         """One flat dict per implementation (``record_keys``): solved, then unsolved, then
         skipped; None where a row has no such figure. The CSV's rows."""
-        rows = [{**_result(r), **(r.approximation.coefficients() if r.approximation else {}),
+        rows = [{**r.to_dict(), **(r.approximation.coefficients() if r.approximation else {}),
                  "exact": r.approximation.exact if r.approximation else None,
                  "status": "solved"} for r in self.results]
         rows += [{**k.model_dump(), "status": "unsolved"} for k in self.unsolved]
@@ -222,22 +222,15 @@ class OomReport(Result):
         return [{key: row.get(key) for key in record_keys(self.field)} for row in rows]
 
     def to_dict(self) -> dict:
-        """``results`` carry, besides the solver's figures, ``reserved_bytes_at_max`` (the
-        reserved peak under the budget) and ``needed_bytes_at_next``; ``unsolved`` the
+        """``results``: each solver's figures (``Solved.to_dict``); ``unsolved`` the
         bounds of each search stopped before an answer; ``skipped`` why each other was
         not searched."""
         return {"budget_bytes": self.budget.budget_bytes, "solve": self.field,
                 "budget": self.budget.model_dump(mode="json"),
-                "results": [_result(r) for r in self.results],
+                "results": [r.to_dict() for r in self.results],
                 "unsolved": [k.model_dump() for k in self.unsolved],
                 "skipped": [k.model_dump() for k in self.skipped],
                 "config": self.base.model_dump(mode="json")}
-
-
-def _result(r: Solved) -> dict:
-    """A solved row's JSON: the solver's, with the reserved bytes that decide it."""
-    return {**r.to_dict(), "reserved_bytes_at_max": r.at_max.reserved_bytes if r.at_max
-            else None, "needed_bytes_at_next": r.at_next.reserved_bytes if r.at_next else None}
 
 
 MAX_EVENTS = 4000
