@@ -266,23 +266,56 @@ def suggest_option(message: str, argv: list[str]) -> str:
 
     parser = build_parser()
     if message.startswith("unrecognized arguments:"):
-        sub = _subparser(parser, argv)
+        name, sub = _subparser(parser, argv)
         known = sorted(o for o in (sub or parser)._option_string_actions if o.startswith("--"))
         wrong = [a.split("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("-")]
-        hints = [f"{w}{did_you_mean(w, known)}" for w in wrong if did_you_mean(w, known)]
+        hints = [_option_hint(w, known, name, parser) for w in wrong]
+        hints = [h for h in hints if h]
         return message + (f"; {', '.join(hints)}" if hints else "")
+    if "invalid choice:" in message and argv and argv[0].startswith("-"):
+        takers = [name for name, sub in _subparsers(parser)
+                  if argv[0].split("=")[0] in sub._option_string_actions]
+        return (f"{argv[0]}: options follow a command (memcalc COMMAND {argv[0]} ...)"
+                + (f"; {argv[0]} is an option of {_listed(takers)}" if takers else ""))
     if "invalid choice:" in message and argv and argv[0] not in commands():
         return message + did_you_mean(argv[0], list(commands()))
     return message
 
 
+def _option_hint(option: str, known: list[str], command: str | None, parser) -> str:
+    """What to say of an option that was not taken: where it goes when ``command`` takes
+    it (it came before the command); the commands that take it when there are some
+    (``trace --impl``: trace runs your code, not an implementation); else the closest
+    option ``command`` takes."""
+    from memcalc.names import did_you_mean
+
+    takers = [name for name, sub in _subparsers(parser) if option in sub._option_string_actions]
+    if command in takers:
+        return f"{option} goes after the command (memcalc {command} {option} ...)"
+    if command and takers:
+        return f"{option} is an option of {_listed(takers)}, not of {command}"
+    hint = did_you_mean(option, known)
+    return f"{option}{hint}" if hint else ""
+
+
+def _listed(words: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} and {words[-1]}"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every subcommand's name and parser, in the order of ``memcalc --help``."""
+    return [(name, sub) for action in parser._subparsers._group_actions
+            for name, sub in action.choices.items()]
+
+
 def _subparser(parser: argparse.ArgumentParser, argv: list[str]):
-    """The subcommand's parser named in ``argv``, if any."""
-    for action in parser._subparsers._group_actions:
-        for word in argv:
-            if word in action.choices:
-                return action.choices[word]
-    return None
+    """The subcommand named in ``argv`` and its parser; ``(None, None)`` when none is."""
+    subs = dict(_subparsers(parser))
+    for word in argv:
+        if word in subs:
+            return word, subs[word]
+    return None, None
 
 
 if __name__ == "__main__":

@@ -196,6 +196,26 @@ def test_trace_refuses_what_it_cannot_pass_on(capsys, tmp_path):
     assert_refused(code, out, err, "--chunk")
     code, out, err = run(capsys, "trace", target, "--seq", "8", "--impl", "naive")
     assert code == 2 and "unrecognized arguments: --impl naive" in err
+    assert "--impl is an option of breakdown, compare, oom, sweep and validate, not of trace" \
+        in err  # it suggested --plot, the closest spelling
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["gpus", "--seq", "5"], "--seq is an option of breakdown, compare, oom, sweep and trace, "
+                             "not of gpus"),
+    (["breakdown", "--solve", "batch"], "--solve is an option of oom, not of breakdown"),
+    (["--seq=5", "breakdown"], "--seq goes after the command (memcalc breakdown --seq ...)"),
+    (["--seq", "5"], "--seq: options follow a command (memcalc COMMAND --seq ...); --seq is an "
+                     "option of breakdown, compare, oom, sweep and trace"),
+    (["breakdown", "--sq", "5"], "--sq (did you mean '--seq'?)"),
+])
+def test_an_option_in_the_wrong_place_says_where_it_belongs(capsys, argv, said):
+    """An option another command takes, or that came before its command, is named with
+    the commands that take it, not answered with the closest spelling ('invalid choice:
+    5' for ``memcalc --seq 5``)."""
+    code, out, err = run(capsys, *argv)
+    assert_refused(code, out, err, argv[0] if argv[0].startswith("-") else argv[1])
+    assert said in err
 
 
 def test_breakdown_takes_one_impl_repeated_or_not(capsys):
