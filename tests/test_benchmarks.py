@@ -25,3 +25,13 @@ def test_the_engine_benchmarks_run_a_small_case(capsys):
 def test_the_oom_benchmark_runs(capsys):
     bench_oom_sweep.bench_oom()  # max_fitting against bisect_max, every implementation
     assert "total: model-guided" in capsys.readouterr().out
+
+
+def test_the_loop_state_diagnostic_runs(capsys):
+    """``loop_state``: 40 chunks of 64 rows (2,560), too few for the forward to repeat."""
+    loop_state = pytest.importorskip("loop_state")
+    assert loop_state.main(["--seq", "2560"]) == 0
+    out = capsys.readouterr().out
+    assert "40 chunks of 64" in out and "forward: no chunk's small pool repeats" in out
+    # one row a slice of the 40 backward chunks, last chunk first: 5 each
+    assert out.splitlines()[-8].split()[0] == "5"
