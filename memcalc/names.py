@@ -70,6 +70,11 @@ def impl_list(values: str | Sequence[str] | None, field: str = "--impl") -> list
     return [check_impl(n, field) for n in dict.fromkeys(names)]
 
 
+# the kinds of case of a live validation run, in the order it takes them
+# (``memcalc.validation.cases``); here, so that the CLI lists them without importing it
+CASE_KINDS = ("oom-threshold", "fused", "usercode", "grid")
+
+
 # dtype aliases: torch's names and the usual short ones (``memcalc.config.DType``)
 DTYPE_ALIASES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32", "single": "fp32",

@@ -148,7 +148,7 @@ def test_cli_without_cuda_says_so(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--backend", "cuda", "--max-seconds", "0"], "--max-seconds: a positive number"),
     (["--backend", "cuda", "--max-seconds", "nan"], "--max-seconds: a positive number"),
-    (["--backend", "cuda", "--cases", "grid,bogus"], "--cases: unknown 'bogus'"),
+    (["--backend", "cuda", "--cases", "grid,bogus"], "--cases: unknown kind of case 'bogus'"),
     (["--max-seconds", "60"], "--max-seconds: only with --backend cuda"),
     (["--cases", "grid"], "--cases: only with --backend cuda"),
 ])

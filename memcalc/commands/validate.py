@@ -4,9 +4,9 @@ import math
 import os
 
 from memcalc.cli import check_output, emit, format_options, impl_option, naming
+from memcalc.names import CASE_KINDS, unknown
 
 HELP = "compare predictions with the emulated trace or a live GPU run"
-KINDS = ("oom-threshold", "fused", "usercode", "grid")  # memcalc.validation.cases.KINDS
 
 
 def add_arguments(parser) -> None:
@@ -25,7 +25,7 @@ def add_arguments(parser) -> None:
                              "many seconds (rerun with the same --out to resume)")
     parser.add_argument("--cases", default=None,
                         help=f"--backend cuda: comma-separated kinds of cases, of "
-                             f"{','.join(KINDS)} (default: all, in that order)")
+                             f"{','.join(CASE_KINDS)} (default: all, in that order)")
     format_options(parser)
 
 
@@ -54,13 +54,13 @@ def parse_seconds(text: str | None) -> float | None:
 
 
 def parse_cases(text: str | None) -> tuple[str, ...] | None:
-    """``--cases``: kinds of live cases, each one of ``KINDS``."""
+    """``--cases``: kinds of live cases, each one of ``CASE_KINDS``."""
     if text is None:
         return None
     kinds = tuple(k.strip() for k in text.split(","))
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown or not kinds:
-        raise ValueError(f"--cases: unknown {unknown[0]!r}; known: {', '.join(KINDS)}")
+    for kind in kinds:
+        if kind not in CASE_KINDS:
+            raise unknown("--cases", kind, CASE_KINDS, "kind of case")
     return kinds
 
 

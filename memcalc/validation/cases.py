@@ -22,10 +22,11 @@ from typing import Callable
 
 from memcalc.config import Config, DType, Shape
 from memcalc.errors import one_line
+from memcalc.names import CASE_KINDS
 from memcalc.validation.compare import Check, case_key
 
 LIVE_GRID = Path(__file__).resolve().parents[1] / "data" / "live.json"
-KINDS = ("oom-threshold", "fused", "usercode", "grid")
+KINDS = CASE_KINDS  # declared with the CLI's vocabulary
 OOM_IMPLS = ("naive", "naive-softmax", "sdpa-math")
 OOM_CAPACITY = 2 << 30  # small, so that N and N + 1 run in milliseconds
 
