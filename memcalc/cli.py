@@ -92,7 +92,8 @@ def step_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=whole, default=None,
                    help="chunk length of chunked implementations (default 64)")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset (memcalc gpus)")
-    p.add_argument("--loss", default="grad", help="grad: out.backward(grad_out); sum: out.sum()")
+    p.add_argument("--loss", default=None,
+                   help="grad: out.backward(grad_out) (default); sum: out.sum().backward()")
     p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
                    help='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"')
@@ -139,11 +140,20 @@ def config_from(args, **overrides):
     flat = dict(impl=getattr(args, "impl", None), seq_len=args.seq, batch=args.batch,
                 heads=args.heads, head_dim=args.head_dim, kv_len=args.kv_len,
                 kv_heads=args.kv_heads, dtype=args.dtype, causal=args.causal, gpu=args.gpu,
-                loss=args.loss, forward_only=args.forward_only,
+                loss=loss_of(args), forward_only=args.forward_only,
                 cublas_workspace_config=args.cublas_workspace_config)
     if args.chunk is not None:
         flat["chunk"] = args.chunk
     return make_config(**{**flat, **overrides})
+
+
+def loss_of(args) -> str:
+    """``--loss``, ``grad`` by default; refused with ``--forward-only``, which runs no
+    backward for a loss to start (not ignored)."""
+    if args.loss is not None and args.forward_only:
+        raise ValueError(f"--loss {args.loss}: --forward-only runs no backward; give one or "
+                         f"the other")
+    return args.loss or "grad"
 
 
 def check_chunk(args, names: list[str] | None) -> None:

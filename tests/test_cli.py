@@ -87,6 +87,15 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, field):
     assert_refused(code, out, err, field)
 
 
+@pytest.mark.parametrize("command", ["breakdown", "compare", "oom", "sweep", "trace"])
+def test_a_loss_under_forward_only_is_refused(capsys, tmp_path, command):
+    """--forward-only runs no backward: a --loss given with it was silently ignored."""
+    (tmp_path / "user.py").write_text("def attn(q, k, v):\n    return q * v\n")
+    target = [f"{tmp_path}/user.py:attn"] if command == "trace" else []
+    code, out, err = run(capsys, command, *target, "--forward-only", "--loss", "sum")
+    assert_refused(code, out, err, "--loss sum: --forward-only runs no backward")
+
+
 @pytest.mark.parametrize("impl", ["naive,flash2", "all"])
 def test_breakdown_takes_one_implementation_and_says_where_several_go(capsys, impl):
     code, out, err = run(capsys, "breakdown", "--impl", impl)

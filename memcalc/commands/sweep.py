@@ -61,7 +61,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from memcalc.cli import budget_from, check_chunk, emit
+    from memcalc.cli import budget_from, check_chunk, emit, loss_of
     from memcalc.config import make_config
     from memcalc.progress import progress
     from memcalc.scaling import FIGURE_KEY, sweep
@@ -82,7 +82,7 @@ def run(args) -> int:
     base = make_config(impl=impls[0], seq_len=seq[0], batch=batch[0], heads=heads[0],
                        head_dim=dims[0], kv_len=args.kv_len, kv_heads=args.kv_heads,
                        dtype=dtypes[0], causal=args.causal, gpu=args.gpu,
-                       loss=args.loss, forward_only=args.forward_only,
+                       loss=loss_of(args), forward_only=args.forward_only,
                        cublas_workspace_config=args.cublas_workspace_config,
                        **({} if args.chunk is None else {"chunk": args.chunk}))
     for name in impls[1:]:
