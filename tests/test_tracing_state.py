@@ -7,14 +7,15 @@ from torch import nn  # noqa: E402
 
 from memcalc.tensors import Role  # noqa: E402
 from memcalc.tracing import TraceError, load_function  # noqa: E402
-from memcalc.tracing.state import instantiate, resident  # noqa: E402
+from memcalc.tracing.state import instantiate, on_meta, referenced  # noqa: E402
 
 
-def listed(state) -> list[tuple]:
-    """``(name, role, shape, device, bytes)`` of each resident tensor; the bytes are its
-    storage's, what the tracer counts."""
-    return [(name, role, tuple(t.shape), t.device.type, t.untyped_storage().nbytes())
-            for name, t, role in state]
+def listed(fn) -> list[tuple]:
+    """``(name, role, shape, device, bytes)`` of each tensor ``fn`` keeps resident, as the
+    trace sees them; the bytes are its storage's, what the tracer counts."""
+    with on_meta(fn) as state:
+        return [(name, role, tuple(t.shape), t.device.type, t.untyped_storage().nbytes())
+                for name, t, role in state]
 
 
 class Block(nn.Module):
@@ -40,7 +41,7 @@ BLOCK_STATE = [
 def test_a_modules_parameters_then_buffers_are_resident_in_their_roles():
     with torch.device("meta"):
         block = Block()
-    assert listed(resident(block)) == BLOCK_STATE
+    assert listed(block) == BLOCK_STATE
 
 
 def on_the_cpu():
@@ -55,38 +56,61 @@ def one_buffer_on_the_cpu():
 
 
 @pytest.mark.parametrize("build", [on_the_cpu, one_buffer_on_the_cpu])
-def test_a_module_with_state_off_the_meta_device_is_moved_there_whole(build):
-    """The user's module itself is moved (``module.to("meta")``), so that its step runs on
-    the meta device; one tensor on the CPU is enough."""
+def test_a_modules_state_off_the_meta_device_is_traced_there_and_left_as_it_was(build):
+    """The step runs on meta copies of the state, and the user's module keeps its own
+    tensors: ``module.to("meta")`` erased a notebook's trained weights."""
     block = build()
-    state = listed(resident(block))
+    before = {n: t for n, t in [*block.named_parameters(), *block.named_buffers()]}
+    state = listed(block)
     host = [("host", Role.buffer, (2,), "meta", 8)]  # 2 x 4 B
     assert state == BLOCK_STATE + (host if build is one_buffer_on_the_cpu else [])
-    assert {t.device.type for t in [*block.parameters(), *block.buffers()]} == {"meta"}
+    after = {n: t for n, t in [*block.named_parameters(), *block.named_buffers()]}
+    assert after.keys() == before.keys() and all(after[n] is t for n, t in before.items())
+    assert any(t.device.type == "cpu" for t in after.values())
 
 
-def write_module(tmp_path, body: str):
+def write_module(tmp_path, body: str, uses: str | None = None):
+    """A user file of module-level ``body`` and ``attn``, which refers to the names ``uses``
+    (default: every name ``body`` binds)."""
+    if uses is None:
+        uses = ", ".join(line.split(" = ")[0] for line in body.splitlines())
     path = tmp_path / "user_state.py"
     path.write_text("import torch\nfrom torch import nn\n" + body
-                    + "def attn(q, k, v):\n    return q\n")
+                    + f"def attn(q, k, v):\n    ({uses},)\n    return q\n")
     fn = load_function(f"{path}:attn")
     return fn, fn.__globals__
 
 
 def test_a_functions_globals_count_meta_tensors_and_modules_not_host_data(tmp_path):
-    """Module-level meta tensors are buffers, module-level modules (moved to meta) bring
-    their parameters; a CPU tensor is the user's data on the host, not device memory."""
+    """Module-level meta tensors are buffers, module-level modules (traced on meta copies)
+    bring their parameters; a CPU tensor is the user's data on the host, not device memory."""
     fn, module = write_module(tmp_path, (
         "TABLE = torch.empty(2, 3, device='meta')\n"
         "HOST = torch.ones(4)\n"
         "proj = nn.Linear(2, 2)\n"
         "Layer = nn.Linear\n"
         "SCALE = 0.5\n"))
-    assert listed(resident(fn)) == [
+    assert listed(fn) == [
         ("TABLE", Role.buffer, (2, 3), "meta", 24),  # 2 x 3 x 4 B
         ("proj.weight", Role.parameter, (2, 2), "meta", 16),  # 2 x 2 x 4 B
         ("proj.bias", Role.parameter, (2,), "meta", 8)]  # 2 x 4 B
-    assert module["HOST"].device.type == "cpu" and module["proj"].weight.device.type == "meta"
+    assert module["HOST"].device.type == "cpu" and module["proj"].weight.device.type == "cpu"
+
+
+def test_only_the_names_the_function_refers_to_are_its_state(tmp_path):
+    """A notebook's namespace holds every model the user has loaded: only what ``attn``
+    refers to counts (through the module's functions it calls), and the rest is left
+    alone (it was moved to the meta device, its weights erased, and counted)."""
+    fn, module = write_module(tmp_path, (
+        "TABLE = torch.empty(2, 3, device='meta')\n"
+        "proj = nn.Linear(2, 2)\n"
+        "unused = nn.Linear(3, 3)\n"
+        "def helper(x):\n"
+        "    return proj(x)\n"), uses="helper")
+    assert [name for name, _ in referenced(fn)] == ["proj", "helper"]
+    assert listed(fn) == [("proj.weight", Role.parameter, (2, 2), "meta", 16),  # 2 x 2 x 4 B
+                          ("proj.bias", Role.parameter, (2,), "meta", 8)]  # 2 x 4 B
+    assert module["unused"].weight.device.type == "cpu"
 
 
 def test_each_storage_counts_once_under_its_first_name(tmp_path):
@@ -98,7 +122,7 @@ def test_each_storage_counts_once_under_its_first_name(tmp_path):
         "proj = nn.Linear(2, 2, bias=False, device='meta')\n"
         "alias = proj\n"
         "WEIGHT = proj.weight\n"))
-    assert listed(resident(fn)) == [
+    assert listed(fn) == [
         ("TABLE", Role.buffer, (4, 4), "meta", 64),  # 4 x 4 x 4 B, ROW's storage too
         ("proj.weight", Role.parameter, (2, 2), "meta", 16)]  # 2 x 2 x 4 B, once
 
@@ -120,7 +144,7 @@ def test_a_module_built_on_the_cpu_keeps_its_tied_weights_on_the_meta_device():
     """Moved to meta, the shared weight is still one tensor: counted once, and on a GPU its
     two uses accumulate into one grad. (``module.to("meta")`` alone made one per module.)"""
     model = Tied(4)  # small enough to build on the CPU
-    assert listed(resident(model)) == [
+    assert listed(model) == [
         ("embed.weight", Role.parameter, (4, 4), "meta", 64)]  # 4 x 4 x 4 B, once
     assert model.head.weight is model.embed.weight
     assert not torch.__future__.get_swap_module_params_on_conversion()  # left as it was
@@ -130,7 +154,7 @@ def test_a_module_level_parameter_is_a_parameter(tmp_path):
     """Not a buffer: the harness clears a parameter's grad after the warm-up, as for a
     module's (a buffer's role left the warm-up's grad counted in the measured step)."""
     fn, _ = write_module(tmp_path, "W = nn.Parameter(torch.empty(3, 4, device='meta'))\n")
-    assert listed(resident(fn)) == [("W", Role.parameter, (3, 4), "meta", 48)]  # 3 x 4 x 4 B
+    assert listed(fn) == [("W", Role.parameter, (3, 4), "meta", 48)]  # 3 x 4 x 4 B
 
 
 def test_a_module_class_is_built_on_the_meta_device():
@@ -138,7 +162,7 @@ def test_a_module_class_is_built_on_the_meta_device():
     model = instantiate(Tied, "user.py:Tied")
     assert isinstance(model, Tied) and model.head.weight is model.embed.weight
     assert model.embed.weight.device.type == "meta"
-    assert listed(resident(model)) == [
+    assert listed(model) == [
         ("embed.weight", Role.parameter, (1024, 1024), "meta", 4_194_304)]  # 1024 x 1024 x 4 B
 
 

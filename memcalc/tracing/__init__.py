@@ -202,15 +202,15 @@ def _paths(config: Config, options: TraceOptions):
 def _measure(fn: Callable, config: Config, options: TraceOptions, capacity: int | None = None,
              paths=None, tracer=None) -> Breakdown:
     """One direct trace of ``fn``'s step (see ``trace``)."""
-    from memcalc.tracing.state import resident
+    from memcalc.tracing.state import on_meta
     from memcalc.validation.emulated import measure
 
     paths = paths or _paths(config, options)
 
     def run():
-        state = resident(fn)
-        return measure(config, bind_options(fn, config), capacity, paths, state,
-                       output_like(fn, config), tracer)
+        with on_meta(fn) as state:
+            return measure(config, bind_options(fn, config), capacity, paths, state,
+                           output_like(fn, config), tracer)
 
     return _guarded(run, fn)
 
@@ -411,14 +411,19 @@ def traced_program(fn: Callable, config: Config) -> Callable[[int], Program]:
 
 
 def _sample_events(fn: Callable, config: Config, n: int) -> tuple[list, list]:
-    from memcalc.tracing.state import resident
+    from memcalc.tracing.state import on_meta
     from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
 
     sample = config.replace(seq_len=n)
     tracer = Tracer(sample.workspace_bytes, paths=_paths(sample, TraceOptions()))
     probe = TracerProbe(tracer)
-    _guarded(lambda: run_traced(sample, bind_options(fn, config), tracer, probe, resident(fn),
-                                output_like(fn, sample)), fn)
+
+    def run():
+        with on_meta(fn) as state:
+            run_traced(sample, bind_options(fn, config), tracer, probe, state,
+                       output_like(fn, sample))
+
+    _guarded(run, fn)
     return step_events(tracer, probe)
 
 

@@ -49,9 +49,6 @@ class Traced(Result):
 
     def to_dict(self) -> dict:
         """The breakdown's JSON, the notes, and the budget and fit when checked."""
-        extra = {}
-        if self.budget is not None:
-            extra = {"budget_bytes": self.budget.budget_bytes, "fits": self.fit.fits,
-                     "budget": self.budget.model_dump(mode="json"), "fit": self.fit.to_dict()}
+        extra = self.fit.verdict(self.budget) if self.budget is not None else {}
         return {**self.breakdown.to_dict(), "gpu": self.gpu, "cuda_paths": self.cuda_paths,
                 "notes": list(self.notes), "kernels": list(self.kernels), **extra}

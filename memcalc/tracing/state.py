@@ -3,15 +3,17 @@ plain function's module-level tensors and modules, whether made at import or at
 construction (nanoGPT's causal ``bias`` buffer is made in ``__init__``, often at import).
 
 They exist before the step, so they count in every figure from the start, in their own
-roles (``parameter``, ``buffer``; a module-level ``nn.Parameter`` is a parameter). Modules
-found on the CPU are moved to the meta device, tied weights kept tied, so that the step can
-run there; CPU tensors that are not in a module are the user's data on the host and are not
-device memory.
+roles (``parameter``, ``buffer``; a module-level ``nn.Parameter`` is a parameter). A module's
+state found on the CPU is swapped for meta copies while the step runs there, tied weights
+kept tied, and put back after; CPU tensors that are not in a module are the user's data on
+the host and are not device memory.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from memcalc.errors import one_line
 from memcalc.tensors import Role
@@ -33,41 +35,89 @@ def instantiate(cls, spec: str):
                          "constructible without arguments)") from None
 
 
-def resident(fn: Callable) -> tuple[Resident, ...]:
-    """The tensors ``fn`` keeps resident: a module's own state, or for a plain function the
-    meta tensors and modules among its module's globals (each storage once)."""
+@contextmanager
+def on_meta(fn: Callable) -> Iterator[tuple[Resident, ...]]:
+    """The tensors ``fn`` keeps resident, on the meta device while the block runs: a
+    module's own state, or for a plain function the modules and meta tensors among the
+    module-level names its code refers to (``referenced``), each storage once.
+
+    The user's objects are left as they were: a module's parameters and buffers off the
+    meta device are swapped for meta copies for the block and back after it (a notebook's
+    trained model keeps its weights; moving it with ``module.to("meta")`` erased them).
+    One copy per tensor, so weights tied across modules stay tied: one weight, and one
+    grad, counted."""
     import torch
 
-    if isinstance(fn, torch.nn.Module):
-        return _dedupe(_module_state("", _on_meta(fn)))
-    found: list[Resident] = []
-    for name, value in getattr(fn, "__globals__", {}).items():
-        if isinstance(value, torch.nn.Module):
-            found += _module_state(f"{name}.", _on_meta(value))
-        elif isinstance(value, torch.Tensor) and value.device.type == "meta":
-            # a module-level nn.Parameter is a parameter: its grad is cleared between steps
-            role = Role.parameter if isinstance(value, torch.nn.Parameter) else Role.buffer
-            found.append((name, value, role))
-    return _dedupe(found)
+    swapped: list[tuple[dict, str, object]] = []  # (a module's store, key, the user's tensor)
+    copies: dict[int, object] = {}  # id(the user's tensor) -> its meta copy
+    try:
+        if isinstance(fn, torch.nn.Module):
+            found = _module_state("", _swapped_to_meta(fn, swapped, copies))
+        else:
+            found = []
+            for name, value in referenced(fn):
+                if isinstance(value, torch.nn.Module):
+                    found += _module_state(f"{name}.", _swapped_to_meta(value, swapped, copies))
+                elif isinstance(value, torch.Tensor) and value.device.type == "meta":
+                    # a module-level nn.Parameter is a parameter: its grad is cleared between
+                    # steps
+                    role = Role.parameter if isinstance(value, torch.nn.Parameter) else Role.buffer
+                    found.append((name, value, role))
+        yield _dedupe(found)
+    finally:
+        for store, key, original in reversed(swapped):
+            store[key] = original
 
 
-def _on_meta(module):
-    """The module with its state on the meta device (moved there when it is not). Moved by
-    swapping each tensor in place (``torch.__future__.set_swap_module_params_on_conversion``):
-    a plain ``module.to("meta")`` makes a new parameter per module that holds it
-    (``Module._apply``: a CPU tensor cannot take a meta one's data), which unties tied
-    weights, and the trace would then count one weight, and one grad, per module."""
-    import torch
+def referenced(fn: Callable) -> list[tuple[str, object]]:
+    """The module-level names ``fn``'s code refers to, with their values, in the order of
+    its module's namespace: those of its own code, of the functions and classes defined in
+    it, and of the module's functions it calls, recursively. Not the rest of the
+    namespace: a notebook's holds every model the user has loaded."""
+    namespace = getattr(fn, "__globals__", None)
+    if namespace is None:
+        return []
+    names: set[str] = set()
+    codes, seen = [fn.__code__], set()
+    while codes:
+        code = codes.pop()
+        if id(code) in seen:
+            continue
+        seen.add(id(code))
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+        for name in code.co_names:
+            value = namespace.get(name)
+            if name in namespace and name not in names:
+                names.add(name)
+                if inspect.isfunction(value) and value.__globals__ is namespace:
+                    codes.append(value.__code__)
+    return [(name, value) for name, value in namespace.items() if name in names]
 
-    tensors = list(module.parameters()) + list(module.buffers())
-    if any(t.device.type != "meta" for t in tensors):
-        swapping = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        try:
-            module.to("meta")
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+def _swapped_to_meta(module, swapped: list, copies: dict):
+    """``module`` with each parameter and buffer off the meta device replaced by a meta
+    copy (the same copy wherever one tensor is held), noted in ``swapped`` to be put back."""
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for key, t in list(store.items()):
+                if t is None or t.device.type == "meta":
+                    continue
+                if id(t) not in copies:
+                    copies[id(t)] = _meta_copy(t)
+                swapped.append((store, key, t))
+                store[key] = copies[id(t)]
     return module
+
+
+def _meta_copy(t):
+    """A tensor like ``t`` on the meta device: a parameter stays a parameter, with its
+    ``requires_grad``."""
+    import torch
+
+    copy = torch.empty_like(t, device="meta")
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=t.requires_grad)
+    return copy
 
 
 def _module_state(prefix: str, module) -> list[Resident]:
