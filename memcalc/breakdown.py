@@ -216,9 +216,10 @@ class Breakdown(Result):
         config."""
         figures = {k: getattr(self, k) for k in ("saved_bytes", "forward_peak_bytes",
                    "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "workspace_bytes")}
+        judged = self.fit().verdict(self.budget) if self._budget is not None else {}
         return {**figures, "peak_phase": self.peak_phase, "components": self.records(),
                 "saved": [c.to_dict() for c in self.saved],
-                "config": self.config.model_dump(mode="json")}
+                "config": self.config.model_dump(mode="json"), **judged}
 
     def records(self) -> list[dict]:
         """One dict per component alive at the peak, largest first: its fields (``bytes``
@@ -242,24 +243,34 @@ class Breakdown(Result):
     def fit(self, budget=None):
         """The ``Fit`` of this step in ``budget`` (a ``Budget``, or bytes; default: the one
         it was computed for, or its device's default budget)."""
-        return _JUDGE[0](self, budget if budget is not None else self._budget)[1]
+        if budget is None:
+            return self._judged[1]
+        return _JUDGE[0](self, budget)[1]
 
     @property
     def budget(self):
         """The ``Budget`` ``fits`` is judged against."""
-        return _JUDGE[0](self, self._budget)[0]
+        return self._judged[0]
+
+    @cached_property
+    def _judged(self) -> tuple:
+        """``(Budget, Fit)`` in the budget it was computed for, or its device's default:
+        judged once (a step over the budget is replayed again under it)."""
+        return _JUDGE[0](self, self._budget)
 
     def model_copy(self, *, update=None, deep: bool = False) -> "Breakdown":
         """A copy; with ``update``, its sums are made again from its own live sets."""
         copy = super().model_copy(update=update, deep=deep)
         if update:
-            for name in _SUMS:
+            for name in (*_SUMS, "_judged"):
                 copy.__dict__.pop(name, None)
         return copy
 
     def with_budget(self, budget) -> "Breakdown":
-        """This breakdown, judged against ``budget`` by ``fits`` (a copy)."""
+        """This breakdown, judged against ``budget`` by ``fits`` (a copy), which its
+        rendering and JSON then show (``memcalc breakdown``'s budget and fit lines)."""
         copy = self.model_copy()
+        copy.__dict__.pop("_judged", None)
         copy._budget = budget
         return copy
 
@@ -276,9 +287,11 @@ class Breakdown(Result):
         return components_csv(self)
 
     def footnotes(self) -> list[str]:
+        """The budget and the fit, when given (``with_budget``), then the caveats."""
         from memcalc.render_results import caveats
 
-        return caveats([self.config.impl])
+        judged = [self.budget.describe(), self.fit().describe()] if self._budget is not None else []
+        return [*judged, *caveats([self.config.impl])]
 
     def headline(self) -> str:
         from memcalc.render_results import breakdown_headline

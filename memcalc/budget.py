@@ -207,6 +207,12 @@ class Fit(BaseModel):
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
+    def verdict(self, budget: "Budget") -> dict:
+        """What the JSON of a step judged in ``budget`` adds: ``budget_bytes``, ``fits``,
+        then the budget and this fit in full."""
+        return {"budget_bytes": budget.budget_bytes, "fits": self.fits,
+                "budget": budget.model_dump(mode="json"), "fit": self.to_dict()}
+
 
 def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None,
         replay=None) -> Fit:
@@ -250,44 +256,11 @@ def replay_within(config: Config, budget_bytes: int) -> tuple[bool, int]:
     return True, b.reserved_peak_bytes
 
 
-class Checked(Result):
-    """A breakdown with its fit in a budget: what ``memcalc breakdown`` prints."""
-
-    breakdown: Breakdown
-    budget: Budget
-    fit: Fit
-
-    def summary(self) -> str:
-        return f"{self.budget.describe()}\n{self.fit.describe()}"
-
-    def tables(self) -> list:
-        return self.breakdown.tables()
-
-    def csv_table(self):
-        return self.breakdown.csv_table()
-
-    def footnotes(self) -> list[str]:
-        return [self.budget.describe(), self.fit.describe(), *self.breakdown.footnotes()]
-
-    def headline(self) -> str:
-        return self.breakdown.with_budget(self.budget).headline()
-
-    def records(self) -> list[dict]:
-        return self.breakdown.records()
-
-    def to_dict(self) -> dict:
-        """The breakdown's JSON plus ``budget_bytes``, ``fits`` and both in detail."""
-        return {**self.breakdown.to_dict(), "budget_bytes": self.budget.budget_bytes,
-                "fits": self.fit.fits, "budget": self.budget.model_dump(mode="json"),
-                "fit": self.fit.to_dict()}
-
-
-def check(config: Config, budget: Budget) -> Checked:
-    """``predict(config)`` and its fit in ``budget``."""
+def check(config: Config, budget: Budget) -> Breakdown:
+    """``predict(config)``, judged in ``budget``: what ``memcalc breakdown`` prints."""
     from memcalc.timeline import predict
 
-    b = predict(config)
-    return Checked(breakdown=b, budget=budget, fit=fit(config, budget.budget_bytes, b))
+    return predict(config).with_budget(budget)
 
 
 def judge(breakdown: Breakdown, budget: "Budget | int | None" = None) -> tuple[Budget, Fit]:

@@ -79,7 +79,7 @@ def plot_timeline(config, path: str | None = None, recorded=None):
 
 def _config_of(obj):
     """The ``Config`` of ``obj``: itself, or its ``.config`` (a ``Breakdown``), or its
-    breakdown's (a ``Checked``)."""
+    breakdown's (a ``Traced``)."""
     from memcalc.config import Config
 
     for candidate in (obj, getattr(obj, "config", None),

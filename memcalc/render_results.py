@@ -1,7 +1,7 @@
 """What a breakdown shows: its tables, headline and caveats, declared once.
 
-``memcalc.breakdown.Breakdown`` (and ``memcalc.budget.Checked``) return these from
-``tables()``, ``headline()`` and ``notes()``; ``memcalc.render`` derives every format.
+``memcalc.breakdown.Breakdown`` (and ``memcalc.tracing.report.Traced``) return these from
+``tables()``, ``headline()`` and ``footnotes()``; ``memcalc.render`` derives every format.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import re
 import pytest
 from pydantic import ValidationError
 
+import memcalc
 from memcalc.allocator import MiB
 from memcalc.budget import (DEFAULT_RESERVE_BYTES, Budget, check, fit, fits, parse_gb,
                             parse_size)
@@ -137,12 +138,23 @@ def test_fit_agrees_with_the_one_replay_definition(impl, n):
         assert fit(config, budget).fits == fits(config, budget)
 
 
-def test_check_wraps_a_breakdown():
+def test_check_judges_a_breakdown_which_then_shows_its_budget():
     c = check(SMALL, Budget(device="test", memory_bytes=R_SMALL + DEFAULT_RESERVE_BYTES))
     data = c.to_dict()
     assert data["budget_bytes"] == R_SMALL and data["fits"] is True
     assert data["peak_bytes"] == predict(SMALL).peak_bytes
-    assert "fits" in c.summary()
+    assert "fits: reserved peak" in c.to_markdown() and "budget " in str(c.footnotes())
+    plain = predict(SMALL)  # no budget given: none shown, none in its JSON
+    assert "budget_bytes" not in plain.to_dict() and "budget" not in str(plain.footnotes())
+
+
+def test_the_api_breakdown_in_a_budget_shows_it_as_the_command_does(capsys):
+    """``memcalc.breakdown(gpu_gb=40)`` said "fits" in its repr but its tables, HTML and
+    JSON left the budget out: ``memcalc breakdown --gpu-gb 40`` prints both."""
+    b = memcalc.breakdown(seq_len=1024, gpu_gb=40)
+    code, out, _ = run(capsys, "breakdown", "--seq", "1024", "--gpu-gb", "40", "--json")
+    assert code == 0 and b.to_dict() == json.loads(out)
+    assert "40 GB (GB = 2^30 B" in b._repr_html_() and "fits: reserved peak" in b._repr_html_()
 
 
 # --- CLI ----------------------------------------------------------------------------------
