@@ -238,12 +238,14 @@ def test_a_functions_module_level_meta_tensors_are_resident(tmp_path):
     (tmp_path / "glob.py").write_text(
         "import torch\n"
         "TABLE = torch.empty(1000, 1000, device='meta')\n"
+        "UNUSED = torch.empty(10, device='meta')\n"
         "def attn(q, k, v):\n"
+        "    assert TABLE.shape[0] == 1000  # refers to it: part of its state\n"
         "    return q + v\n")
     fn = load_function(f"{tmp_path}/glob.py:attn")
     b = trace(fn, make_config(impl="naive", seq_len=64, batch=1))
-    assert [(c.name, c.role, c.nbytes) for c in b.forward_live if c.name == "TABLE"] == [
-        ("TABLE", Role.buffer, 1000 * 1000 * 4)]
+    assert [(c.name, c.role, c.nbytes) for c in b.forward_live if c.role is Role.buffer] == [
+        ("TABLE", Role.buffer, 1000 * 1000 * 4)]  # not UNUSED, which it never names
 
 
 def test_reductions_and_custom_ops_are_named_unmodelled():
