@@ -7,7 +7,7 @@ import pytest
 from memcalc import closed_form, progress, solver
 from memcalc.budget import Budget, fits
 from memcalc.closed_form import live_polynomial
-from memcalc.config import Config, Device
+from memcalc.config import Config, Device, make_config
 from memcalc.solver import (REACH, Interrupted, Unsolved, _climb, _closed_form, _estimate_again,
                             _guess, _Probe, _step_top, bisect_max, events_growth, max_fitting)
 from memcalc.timeline import predict
@@ -236,15 +236,16 @@ def test_a_climb_of_predictions_estimates_again_too():
 def test_a_search_cut_short_at_adjacent_bounds_is_solved(monkeypatch):
     """The time limit stops the naive search at 80 GiB after its bisection replayed 19,511
     fitting and 19,512 not, as it would replay both in full for their figures: that is the
-    exact answer, Solved, with the figures it had time for (here none: None), not Unsolved
-    (fitting is not monotone: 19,510 was replayed too and does not fit)."""
+    exact answer, Solved, with what it had time for (here no figures: None; the first
+    power of two that does not fit, 32,768, looked for before), not Unsolved (fitting is
+    not monotone: 19,510 was replayed too and does not fit)."""
     def stopped(probe, n, field, approximate=True):
         raise probe.unsolved()  # what the deadline raises inside probe.fit(n + 1)
 
     monkeypatch.setattr(solver, "_solved", stopped)
     s = max_fitting(Config(impl="naive"), GIB80, time_limit=600)
     assert (s.max_value, s.at_max, s.at_next, s.first_failing_power_of_two) == (
-        19511, None, None, None)
+        19511, None, None, 32768)
     assert s.approximation.text() == "192*N^2 + 3,168*N + 67,108,864"  # from the start
     assert s.approximation.at == 16384
     assert s.to_dict()["peak_bytes_at_next"] is None
@@ -252,7 +253,8 @@ def test_a_search_cut_short_at_adjacent_bounds_is_solved(monkeypatch):
 
 def test_a_search_cut_short_keeps_the_figures_it_replayed_in_full(monkeypatch):
     """Stopped while looking for the first power of two that fails (fits(32,768) replayed,
-    above it nothing): the figures at 19,511 and 19,512 stand, the power is not known."""
+    above it nothing), before the full replays at the answer: solved from its adjacent
+    bounds, the figures not replayed, the power not known."""
     real = solver._Probe.__call__
 
     def stopped(probe, x):
@@ -263,8 +265,7 @@ def test_a_search_cut_short_keeps_the_figures_it_replayed_in_full(monkeypatch):
     monkeypatch.setattr(solver._Probe, "__call__", stopped)
     s = max_fitting(Config(impl="naive"), GIB80, time_limit=600)
     assert s.max_value == 19511 and s.first_failing_power_of_two is None
-    assert s.at_max.fits and not s.at_next.fits
-    assert s.peak_bytes_at_max == predict(Config(impl="naive", shape={"seq_len": 19511})).peak_bytes
+    assert s.at_max is None and s.at_next is None and s.peak_bytes_at_max is None
 
 
 def test_a_time_limited_search_approaches_a_far_estimate():
@@ -371,10 +372,28 @@ def test_a_loop_grows_at_every_doubling_a_split_heuristic_does_not():
 
 
 def test_the_answer_does_not_depend_on_the_length_given():
-    """Near a threshold fitting is not monotone (19,398 fits at the H100 preset, 19,399 does
-    not, 19,400 does): the search started from the configuration's length, so oom --seq
-    1024 said 19,400 and oom 19,398. It starts from the default length whatever is given."""
+    """Near a threshold fitting is not monotone (at the H100 preset 19,398, 19,400 and
+    19,402 fit, 19,399, 19,401 and nothing from 19,403 on do not): the search started from
+    the configuration's length, so oom --seq 1024 said 19,400 and oom 19,398. It starts
+    from the default length whatever is given, and goes on to the top: 19,402."""
     budget = Budget.of(Device()).budget_bytes
     answers = {max_fitting(Config(shape={"seq_len": n}), budget).max_value
                for n in (256, 1024, 16384, 30000)}
-    assert answers == {19398}
+    assert answers == {19402}
+
+
+def test_the_answer_is_not_below_a_value_the_search_saw_fit():
+    """For naive in fp16 at 80 GiB the estimate led to head_dim 28,880 (28,881 does not
+    fit) while 32,768, the power of two the report looks at, fits: and so does every value
+    up to 34,344, the answer now. Every value above it up to 37,344 was checked not to fit
+    (``memcalc.breakdown`` in a loop, 3,000 replays)."""
+    s = max_fitting(make_config(dtype="fp16"), GIB80, "head_dim")
+    assert (s.max_value, s.first_failing_power_of_two) == (34344, 65536)
+
+
+def test_aligned_values_above_a_threshold_are_tried():
+    """linear in bf16, 4,096 rows, 80 GiB: head_dim 40,021 fits, 40,022 does not, but
+    40,032 and 40,960 do (sizes aligned to 32 share cached blocks exactly), up to 41,568;
+    nothing from 41,569 to 42,500 fits (checked one by one), past the ceiling nothing can."""
+    s = max_fitting(make_config(impl="linear", dtype="bf16", seq_len=4096), GIB80, "head_dim")
+    assert s.max_value == 41568 and not s.at_next.fits
