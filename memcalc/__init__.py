@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from typing import Callable
 
 # The submodule ``memcalc.breakdown`` shares its name with the function below. Importing
@@ -66,7 +67,8 @@ def _options(function: str, options: dict, extra: tuple[str, ...] = ()) -> dict:
             raise TypeError(f"{function}() got an unexpected keyword argument {key!r}{hint}; "
                             f"it takes {', '.join(known)}")
         if name in out:
-            raise TypeError(f"{function}(): {key!r} and {name!r} are the same option")
+            given = next(k for k in options if ALIASES.get(k, k) == name)
+            raise TypeError(f"{function}(): {given!r} and {key!r} are the same option")
         out[name] = value
     return out
 
@@ -156,13 +158,23 @@ def _dtypes(values) -> tuple[str, ...]:
 
 
 def _sizes(values, field: str) -> tuple[int, ...]:
-    """A non-empty list of positive integers below 2^62; a ValueError naming ``field``."""
-    ok = not isinstance(values, (str, int)) and len(values) > 0 and all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**62 for v in values)
-    if not ok:
+    """A non-empty list of positive integers below 2^62 (numpy's integers are integers: a
+    ``np.arange`` is a list of lengths); a ValueError naming ``field``."""
+    sizes = [_integer(v) for v in values] if not isinstance(values, (str, int)) else []
+    if not sizes or not all(s is not None and 0 < s < 2**62 for s in sizes):
         raise ValueError(f"{field}: a non-empty list of integers from 1 to 2^62 - 1 "
                          f"(got {values!r})")
-    return tuple(values)
+    return tuple(sizes)
+
+
+def _integer(value) -> int | None:
+    """``value`` as an int when it is an integer (a numpy one too), not a bool; else None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _impl_names() -> list[str]:
@@ -189,8 +201,9 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_l
     """
     from memcalc.thresholds import solve as run
 
-    if solve not in ("seq_len", "batch", "head_dim"):
-        raise ValueError(f"solve: seq_len, batch or head_dim (got {solve!r})")
+    from memcalc.names import solve_field
+
+    solve = solve_field(solve, "solve")
     options = _options("oom", options)
     impls = _one_or_many("oom", impls, options)
     config = make_config(**options)

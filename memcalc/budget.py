@@ -44,18 +44,19 @@ shows 81920 MiB = 80 x 2^30 B)."""
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _UNITS = {"": MiB, "b": 1, "kib": 1024, "mib": MiB, "gib": GiB, "k": 1024, "m": MiB, "g": GiB,
           "kb": 1000, "mb": 1000**2, "gb": 1000**3}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:_\d+)*(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str, option: str = "--reserve") -> int:
     """A byte count from ``"512MiB"``, ``"1.5GiB"``, ``"0"``, ``"300"`` (a bare number is
-    MiB) or ``"200MB"`` (decimal units: 10^6); exact, so the result must be whole bytes."""
+    MiB) or ``"200MB"`` (decimal units: 10^6); the number may be written as the sizes are
+    (``1_024``, ``1e3``); exact, so the result must be whole bytes."""
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
         raise ValueError(f"{option}: {text!r} is not a size like 512MiB, 1.5GiB or 0 "
                          f"(units B, KiB, MiB, GiB; KB, MB, GB are powers of 10; bare numbers MiB)")
-    value = Fraction(m.group(1)) * _UNITS[unit]
+    value = Fraction(m.group(1).replace("_", "")) * _UNITS[unit]
     if value.denominator != 1:
         raise ValueError(f"{option}: {text!r} is not a whole number of bytes")
     return int(value)

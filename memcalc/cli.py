@@ -107,8 +107,8 @@ def budget_options(p: argparse.ArgumentParser) -> None:
                         "79.11 is rounded down to a whole byte")
     p.add_argument("--reserve", default=None, metavar="SIZE",
                    help="memory the allocator cannot have: CUDA context, other processes "
-                        "(default 512MiB; units B, KiB, MiB, GiB = 2^30 B; KB, MB, GB = 10^9 B; "
-                        "bare numbers MiB)")
+                        "(default 512MiB; units B, KiB, MiB, GiB, powers of 2, or KB, MB, GB, "
+                        "powers of 10; bare numbers MiB)")
 
 
 def budget_from(args):
@@ -153,7 +153,7 @@ def loss_of(args) -> str:
     if args.loss is not None and args.forward_only:
         raise ValueError(f"--loss {args.loss}: --forward-only runs no backward; give one or "
                          f"the other")
-    return args.loss or "grad"
+    return "grad" if args.loss is None else args.loss
 
 
 def check_chunk(args, names: list[str] | None) -> None:

@@ -110,9 +110,11 @@ class Comparison(Result):
         from memcalc.impls import get_impl
 
         other = "naive-softmax" if self.baseline == "naive" else "naive"
-        return (f"saves vs {self.baseline}, factor: peak against the baseline {self.baseline} "
-                f"({get_impl(self.baseline).summary}); --baseline {other} compares against "
-                f"{get_impl(other).summary}")
+        said = (f"saves vs {self.baseline}, factor: peak against the baseline {self.baseline} "
+                f"({get_impl(self.baseline).summary})")
+        if not any(r.impl == other for r in self.rows):  # --baseline names a compared one
+            return said
+        return f"{said}; --baseline {other} compares against {get_impl(other).summary}"
 
     def tables(self) -> list[Table]:
         return [Table(self._title(), self._columns(), self.rows)]

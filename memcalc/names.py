@@ -70,6 +70,19 @@ def impl_list(values: str | Sequence[str] | None, field: str = "--impl") -> list
     return [check_impl(n, field) for n in dict.fromkeys(names)]
 
 
+# what ``oom`` may solve for, as the CLI's --solve and the API's solve= spell it
+SOLVE_FIELDS = {"seq": "seq_len", "seq-len": "seq_len", "seq_len": "seq_len",
+                "batch": "batch", "head-dim": "head_dim", "head_dim": "head_dim"}
+
+
+def solve_field(word: str, field: str = "--solve") -> str:
+    """The configuration field ``word`` names (``seq`` -> ``seq_len``); a ValueError that
+    names ``field``, with a suggestion, otherwise."""
+    if word not in SOLVE_FIELDS:
+        raise unknown(field, word, ["seq", "batch", "head-dim"], "size to solve")
+    return SOLVE_FIELDS[word]
+
+
 # the kinds of case of a live validation run, in the order it takes them
 # (``memcalc.validation.cases``); here, so that the CLI lists them without importing it
 CASE_KINDS = ("oom-threshold", "fused", "usercode", "grid")

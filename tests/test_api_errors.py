@@ -62,8 +62,29 @@ def test_keyword_aliases_are_accepted():
     """The CLI's ``seq`` and the usual model-config names mean the canonical options."""
     assert memcalc.breakdown(seq=64).config.shape.seq_len == 64
     assert memcalc.breakdown(seq_length=64, num_heads=2).config.shape.heads == 2
-    with pytest.raises(TypeError, match="same option"):
+    with pytest.raises(TypeError, match="'seq' and 'seq_len' are the same option"):
         memcalc.breakdown(seq=64, seq_len=64)
+    with pytest.raises(TypeError, match="'seq_len' and 'seq' are the same option"):
+        memcalc.breakdown(seq_len=64, seq=64)  # it said 'seq_len' and 'seq_len'
+
+
+def test_oom_solves_the_sizes_as_the_command_line_spells_them():
+    """``solve="seq"`` (the CLI's --solve seq) was refused; a near miss is suggested."""
+    assert memcalc.oom(impl="naive", gpu_gb=1, solve="seq").field == "seq_len"
+    assert memcalc.oom(impl="naive", gpu_gb=1, solve="head-dim").field == "head_dim"
+    with pytest.raises(ValueError, match="solve: unknown size to solve 'headdim' "
+                                         "\\(did you mean 'head-dim'\\?\\)"):
+        memcalc.oom(solve="headdim")
+
+
+def test_numpy_integers_are_lengths():
+    """``seq_lens=np.arange(...)`` was refused as not "a list of integers"; bools still are."""
+    np = pytest.importorskip("numpy")
+    table = memcalc.sweep(seq_lens=np.arange(1024, 3073, 1024))
+    assert [r.seq_len for r in table.rows] == [1024, 2048, 3072]
+    assert all(type(r.seq_len) is int for r in table.rows)
+    with pytest.raises(ValueError, match="seq_lens"):
+        memcalc.sweep(seq_lens=[True])
 
 
 def test_a_misspelt_keyword_of_the_function_itself_is_suggested():

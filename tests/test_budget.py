@@ -25,12 +25,14 @@ GiB = 1024 * MiB
     ("1.5GiB", 1_610_612_736),  # 3 x 2^29
     ("200MB", 200_000_000),  # decimal units are powers of 10
     ("4096 B", 4096),
+    ("1_024", 1_073_741_824),  # written as sizes are: 1,024 x 2^20
+    ("1e3B", 1000),
 ])
 def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["1,,x", "-5", "12parsecs", "1.0000001B", ""])
+@pytest.mark.parametrize("text", ["1,,x", "-5", "12parsecs", "1.0000001B", "", "1__0", "1e"])
 def test_parse_size_rejects(text):
     with pytest.raises(ValueError, match="--reserve"):
         parse_size(text)

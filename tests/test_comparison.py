@@ -79,3 +79,14 @@ def test_a_row_says_what_it_holds():
     # top of the fitting range (test_solver.py)
     assert repr(naive) == "<Row: naive: peak 48.11 GiB, max seq_len 19,402>"
     assert str(flash).startswith("sdpa-flash: no figures: --dtype: FlashAttention supports")
+
+
+def test_the_other_baseline_is_suggested_only_when_it_was_compared():
+    """"--baseline naive-softmax compares against ..." ended compare --impl naive,flash2,
+    and that command then refused naive-softmax as not compared."""
+    budget = Budget.of(Device())
+    base = make_config(seq_len=1024)
+    both = compare(base, budget, ["naive", "naive-softmax"], solve=False)
+    assert any("--baseline naive-softmax" in n for n in both.footnotes())
+    alone = compare(base, budget, ["naive", "flash2"], solve=False)
+    assert not any("--baseline" in n for n in alone.footnotes())

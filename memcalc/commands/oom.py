@@ -4,8 +4,6 @@ from memcalc.cli import (budget_from, budget_options, check_chunk, config_from, 
                          format_options, shape_options)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
-SOLVE = {"seq": "seq_len", "seq-len": "seq_len", "seq_len": "seq_len", "batch": "batch",
-         "head-dim": "head_dim", "head_dim": "head_dim"}
 
 
 def add_arguments(parser) -> None:
@@ -28,9 +26,9 @@ def run(args) -> int:
     from memcalc.progress import status
     from memcalc.thresholds import PartialReport, solve
 
-    field = SOLVE.get(args.solve)
-    if field is None:
-        raise ValueError(f"--solve: {args.solve!r} is not seq, batch or head-dim")
+    from memcalc.names import solve_field
+
+    field = solve_field(args.solve)
     impls = _impls(args)
     check_chunk(args, impls)
     base = config_from(args, impl=impls[0] if impls else "naive")
