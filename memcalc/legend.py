@@ -11,6 +11,8 @@ Rendering only: it changes no figure.
 
 from __future__ import annotations
 
+from memcalc.tensors import Role
+
 # (name, op) -> who made it: "node: what it is"
 _MADE_BY = {
     ("exp_x", "exp"): "exp: e = exp(s - m), kept by ExpBackward0 and DivBackward0",
@@ -63,8 +65,8 @@ _LEGEND_PARTS = (
 def made_by(component) -> str:
     """``node: what`` for a known name, else the op (``randn`` for the inputs)."""
     known = _MADE_BY.get((component.name, component.op))
-    if known:
-        return known
+    if known:  # under no_grad (a forward-only step) no node keeps it
+        return known if component.role is Role.saved else known.split(", kept by ")[0]
     if component.name in _INPUTS:
         return "input (randn)"
     return "cuBLAS handle pool" if component.op == "cublas" else component.op

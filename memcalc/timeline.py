@@ -268,10 +268,21 @@ def _replayed(config: Config, capacity: int | None, ledger: Ledger | None) -> Br
     peaks: dict[str, tuple[Component, ...]] = {}
     step = replay(ledger, d, get_impl(config.impl).program(d),
                   lambda phase: peaks.update({phase: ledger.peak_live}))
-    return Breakdown(config=config, forward_live=peaks["forward"],
+    forward = peaks["forward"]
+    if d.forward_only:  # under no_grad nothing is kept for a backward: the tracer's roles
+        forward = tuple(_unsaved(c) for c in forward)
+    return Breakdown(config=config, forward_live=forward,
                      backward_live=peaks.get("backward", ()),
                      saved=tuple(v.component for v in step.saved),
                      reserved_peak_bytes=step.reserved_peak)
+
+
+def _unsaved(component: Component) -> Component:
+    """A tensor the program declares saved, reported as the activation it is when the step
+    runs under ``torch.no_grad()`` (it dies with its last reference)."""
+    if component.role is not Role.saved:
+        return component
+    return component.model_copy(update={"role": Role.activation})
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from memcalc.allocator import CachingAllocator
 from memcalc.config import Config, Protocol
 from memcalc.registry import IMPLS
 from memcalc.timeline import Ledger, predict
+from memcalc.tensors import Role
 
 NN, ND, WS = 8_589_934_592, 8_388_608, 33_554_432
 
@@ -99,3 +100,20 @@ def test_reported_components_keep_their_declarations():
         assert (c.shape, c.dtype, c.role.value, c.source) == ((8, 1, 16384, 16384), "float32",
                                                               "saved", "")
         assert c.nbytes == c.block_bytes == NN  # already a multiple of 512 B: its own block
+
+
+def test_under_no_grad_nothing_is_reported_as_saved():
+    """A forward-only step listed exp_x and p as saved, "kept by ExpBackward0", next to
+    saved for backward = 0: under no_grad they are activations, as the tracer says."""
+    from memcalc.config import make_config
+    from memcalc.legend import made_by
+
+    b = predict(make_config(seq_len=256, forward_only=True))
+    roles = {c.name: c.role for c in b.forward_live}
+    assert roles["exp_x"] is Role.activation and Role.saved not in roles.values()
+    assert b.saved_bytes == 0
+    exp_x = next(c for c in b.forward_live if c.name == "exp_x")
+    assert made_by(exp_x) == "exp: e = exp(s - m)"
+    with_grad = next(c for c in predict(make_config(seq_len=256)).forward_live
+                     if c.name == "exp_x")
+    assert with_grad.role is Role.saved and "kept by ExpBackward0" in made_by(with_grad)
