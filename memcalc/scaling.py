@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, computed_field
 from memcalc.budget import Budget, fit
 from memcalc.breakdown import Result
 from memcalc.config import Config
-from memcalc.render import Column, Table
+from memcalc.errors import refusal
+from memcalc.render import Column, Table, record_table
 from memcalc.units import fixed, human, mib, ratio_number, share
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -88,6 +89,31 @@ def _growth(r: SweepRow) -> str:
     return f"x{fixed(g.numerator, g.denominator, 2)}"
 
 
+CSV_KEYS = ("impl", "dtype", "batch", "heads", "seq_len", "head_dim", "peak_bytes", "saved_bytes",
+            "forward_peak_bytes", "backward_peak_bytes", "reserved_peak_bytes",
+            "quadratic_bytes", "growth", "fits", "status", "reason")
+
+
+class Skipped(BaseModel):
+    """Configurations of a sweep an implementation refuses (or breaks on): one dtype's
+    whole series, or the sizes named in ``sizes`` (``head_dim 512`` for FlashAttention)."""
+
+    model_config = _FROZEN
+    impl: str
+    dtype: str
+    sizes: dict[str, int] = {}  # empty: every configuration of the series
+    reason: str
+
+    def who(self) -> str:
+        """``sdpa-flash fp16``, ``sdpa-flash fp16 at head_dim 512``."""
+        at = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
+        return f"{self.impl} {self.dtype}" + (f" at {at}" if at else "")
+
+    def to_dict(self) -> dict:
+        return {"impl": self.impl, "dtype": self.dtype, **self.sizes, "reason": self.reason}
+
+
+
 class Sweep(Result):
     """A grid of configurations and their figures; ``pivot`` picks the seed-002 layout."""
 
@@ -96,7 +122,7 @@ class Sweep(Result):
     base: Config
     axes: dict[str, tuple]  # the values of each axis, as given
     columns: dict[str, tuple]  # SweepRow's fields, one tuple each, one entry per configuration
-    skipped: tuple[tuple[str, str], ...] = ()  # (impl or impl/dtype, reason)
+    skipped: tuple[Skipped, ...] = ()
     pivot: Figure | None = None
     unit: Literal["MiB", "bytes"] = "MiB"
 
@@ -159,10 +185,8 @@ class Sweep(Result):
                  "replaying the step with capacity = budget raises (reserved memory)."]
         from memcalc.render_results import caveats
 
-        skipped = {who for who, _ in self.skipped}
-        shown = [i for i in self.axes["impl"]
-                 if any(f"{i} {d}" not in skipped for d in self.axes["dtype"])]
-        return lines + [f"{who}: skipped, {why}" for who, why in self.skipped] + caveats(shown)
+        shown = list(dict.fromkeys(self.columns["impl"]))
+        return lines + [f"{s.who()}: skipped, {s.reason}" for s in self.skipped] + caveats(shown)
 
     # pivot layout
     def pivot_tables(self, figure: Figure) -> list[tuple[str, list[Column], list]]:
@@ -197,14 +221,11 @@ class Sweep(Result):
         return [Table(self.title(), self.long_columns(), self.rows)]
 
     def csv_table(self) -> Table:
-        """Every row, every figure in bytes (the layout does not apply)."""
-        cols = [Column(k, (lambda k: lambda r: getattr(r, k))(k)) for k in
-                ("impl", "dtype", "batch", "heads", "seq_len", "head_dim", "peak_bytes",
-                 "saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
-                 "reserved_peak_bytes", "quadratic_bytes")]
-        cols += [Column("growth", lambda r: growth_number(r.peak_bytes, r.first_peak_bytes)),
-                 Column("fits", lambda r: r.fits)]
-        return Table(None, cols, self.rows)
+        """Every row, every figure in bytes (the layout does not apply), then a row for
+        each refusal (``skipped``: its sizes, no figures, the reason)."""
+        rows = [{**r, "status": "computed"} for r in self.records()]
+        rows += [{**s.to_dict(), "status": "skipped"} for s in self.skipped]
+        return record_table(CSV_KEYS, [{k: row.get(k) for k in CSV_KEYS} for row in rows])
 
     def headline(self) -> str:
         fitting, n = sum(self.columns["fits"]), len(self)
@@ -227,7 +248,7 @@ class Sweep(Result):
         return {"budget_bytes": self.budget.budget_bytes,
                 "budget": self.budget.model_dump(mode="json"),
                 "axes": {k: list(v) for k, v in self.axes.items()}, "rows": rows,
-                "skipped": [{"impl": w, "reason": r} for w, r in self.skipped],
+                "skipped": [s.to_dict() for s in self.skipped],
                 "config": self.base.model_dump(mode="json")}
 
 
@@ -237,11 +258,10 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
           unit: Literal["MiB", "bytes"] = "MiB", progress=None) -> Sweep:
     """Every combination of the given values (``base``'s where none are given) for each
     implementation and dtype, exact, with the OOM mark for ``budget``. An implementation
-    that rejects a dtype (or any configuration) is listed under ``skipped``.
+    that rejects a dtype, or some of the sizes, is listed under ``skipped`` with them; its
+    other configurations stay.
     ``progress(items, total, description)`` wraps the loop over implementations and dtypes
     (``memcalc.progress``)."""
-    from memcalc.vectorized import evaluate
-
     s = base.shape
     axes = {"impl": tuple(impls) or (base.impl,), "dtype": tuple(dtypes) or (base.dtype.value,),
             "batch": tuple(batch) or (s.batch,), "heads": tuple(heads) or (s.heads,),
@@ -250,30 +270,85 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
         if not values:
             raise ValueError(f"{k}: no values")
     columns: dict[str, list] = {k: [] for k in SweepRow.model_fields}
-    skipped: list[tuple[str, str]] = []
-    grid = list(product(axes["batch"], axes["heads"], axes["head_dim"], axes["seq_len"]))
-    b_, h_, d_, n_ = (np.array(v, dtype=np.int64) for v in zip(*grid))
+    skipped: list[Skipped] = []
+    errors: list[Exception] = []
     series = list(product(axes["impl"], axes["dtype"]))
     if progress is not None and len(series) > 1:
         series = progress(series, len(series), "sweep")
     for impl, dtype in series:
         try:
             config = base.replace(impl=impl, dtype=dtype)
-            figures = evaluate(config, batch=b_, heads=h_, head_dim=d_, seq_len=n_)
-        except Exception as error:  # noqa: BLE001 - a model that rejects (or breaks on) these
-            from memcalc.errors import refusal
-
-            if len(axes["impl"]) * len(axes["dtype"]) == 1:
-                raise
-            skipped.append((f"{impl} {dtype}", refusal(error, impl)))
-            continue
-        _add_series(columns, config, figures, (b_, h_, d_, n_), len(axes["seq_len"]), budget)
-    if len(skipped) == len(axes["impl"]) * len(axes["dtype"]):  # an empty table: refused
+            runs = _evaluated(config, axes)
+        except ValueError as error:  # the configuration itself is refused
+            runs = [([], error)]
+        for points, outcome in runs:
+            if isinstance(outcome, Exception):
+                errors.append(outcome)
+                skipped.append(Skipped(impl=impl, dtype=dtype, sizes=_varying(points, axes),
+                                       reason=refusal(outcome, impl)))
+                continue
+            arrays = tuple(np.array(v, dtype=np.int64) for v in zip(*points))
+            lengths = sum(1 for p in points if p[:3] == points[0][:3])
+            _add_series(columns, config, outcome, arrays, lengths, budget)
+    if not columns["impl"]:  # an empty table: refused
+        if len(errors) == 1:
+            raise errors[0]
         raise ValueError("no implementation has figures for these options: "
-                         + "; ".join(f"{who}: {why}" for who, why in skipped))
+                         + "; ".join(f"{s.who()}: {s.reason}" for s in skipped))
     return Sweep(budget=budget, base=base, axes=axes,
                  columns={k: tuple(v) for k, v in columns.items()}, skipped=tuple(skipped),
                  pivot=pivot, unit=unit)
+
+
+GRID = ("batch", "heads", "head_dim", "seq_len")  # the order of a sweep's configurations
+
+
+def _evaluated(config: Config, axes: dict) -> list[tuple[list[tuple], object]]:
+    """``config``'s figures over the grid of ``axes``, as runs of ``(points, figures)``,
+    a point being ``(batch, heads, head_dim, seq_len)``: the whole grid at once. Where the
+    implementation refuses it (or breaks on it), each shape (batch, heads, head_dim) apart,
+    and a refused shape's lengths one by one, so that a refusal (the exception in place of
+    the figures) is of the sizes that cause it; a series refused in every shape is one
+    refusal."""
+    from memcalc.vectorized import evaluate
+
+    def run(points: list[tuple]) -> tuple[list[tuple], object]:
+        sizes = {k: np.array(v, dtype=np.int64) for k, v in zip(GRID, zip(*points))}
+        try:
+            return points, evaluate(config, **sizes)
+        except Exception as error:  # noqa: BLE001 - a model that rejects (or breaks on) these
+            return points, error
+
+    shapes = list(product(axes["batch"], axes["heads"], axes["head_dim"]))
+    whole = run([(*shape, n) for shape in shapes for n in axes["seq_len"]])
+    if not isinstance(whole[1], Exception) or len(whole[0]) == 1:
+        return [whole]
+    runs = [run([(*shape, n) for n in axes["seq_len"]]) for shape in shapes]
+    if all(isinstance(outcome, Exception) for _, outcome in runs):
+        runs = [r for points, _ in runs for r in _one_by_one(run, points)]
+        if all(isinstance(outcome, Exception) for _, outcome in runs):
+            return [whole]
+        return runs
+    return [r for points, outcome in runs
+            for r in (_one_by_one(run, points) if isinstance(outcome, Exception)
+                      else [(points, outcome)])]
+
+
+def _one_by_one(run, points: list[tuple]) -> list[tuple[list[tuple], object]]:
+    """The points a run refused, each apart: those accepted evaluated again together (one
+    series, so that growth is measured from its first length), then each refusal."""
+    if len(points) == 1:
+        return [run(points)]
+    alone = [run([p]) for p in points]
+    accepted = [p for (p,), outcome in alone if not isinstance(outcome, Exception)]
+    refused = [r for r in alone if isinstance(r[1], Exception)]
+    return ([run(accepted)] if accepted else []) + refused
+
+
+def _varying(points: list[tuple], axes: dict) -> dict[str, int]:
+    """The sizes all ``points`` share, of the axes the sweep varies: what a refusal is of."""
+    return {k: points[0][i] for i, k in enumerate(GRID)
+            if points and len(axes[k]) > 1 and all(p[i] == points[0][i] for p in points)}
 
 
 def _add_series(columns: dict[str, list], config: Config, figures, shape_axes, lengths: int,

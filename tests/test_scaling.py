@@ -186,9 +186,11 @@ def test_csv_json_and_records_keep_bytes_and_the_growth_as_a_number_whatever_the
     # growth: 344,064 / 1,212,416 = 21/74 = 0.2837837..., to 6 decimals (the table: x0.28)
     assert s.to_csv() == (
         "impl,dtype,batch,heads,seq_len,head_dim,peak_bytes,saved_bytes,forward_peak_bytes,"
-        "backward_peak_bytes,reserved_peak_bytes,quadratic_bytes,growth,fits\n"
-        f"{TOY},fp32,1,1,512,16,1212416,1048576,1212416,1212416,2097152,1048576,1.0,True\n"
-        f"{TOY},fp32,1,1,256,16,344064,262144,344064,344064,2097152,262144,0.283784,True\n")
+        "backward_peak_bytes,reserved_peak_bytes,quadratic_bytes,growth,fits,status,reason\n"
+        f"{TOY},fp32,1,1,512,16,1212416,1048576,1212416,1212416,2097152,1048576,1.0,True,"
+        "computed,\n"
+        f"{TOY},fp32,1,1,256,16,344064,262144,344064,344064,2097152,262144,0.283784,True,"
+        "computed,\n")
     data = s.to_dict()
     assert data["budget_bytes"] == 3 * MiB  # 4 MiB - 1 MiB
     assert data["axes"] == {"impl": [TOY], "dtype": ["fp32"], "batch": [1], "heads": [1],
@@ -213,11 +215,11 @@ def test_headline_counts_configurations_and_those_that_fit(toys):
 def test_a_model_that_refuses_or_breaks_is_skipped_unless_it_is_the_only_one(toys):
     s = sweep(base(), BUDGET, seq_len=(256,), impls=(PICKY, BROKEN), dtypes=("fp32", "bf16"))
     # the refusal without its leading name: the skip line names the implementation
-    assert s.skipped == ((f"{PICKY} bf16", "fp32 only"),
-                         (f"{BROKEN} fp32", "the model raised RuntimeError: a bug in the model"),
-                         (f"{BROKEN} bf16", "the model raised RuntimeError: a bug in the model"))
-    assert [(r.impl, r.dtype) for r in s.rows] == [(PICKY, "fp32")]
     raised = "the model raised RuntimeError: a bug in the model"  # its first line only
+    assert [(k.impl, k.dtype, k.sizes, k.reason) for k in s.skipped] == [
+        (PICKY, "bf16", {}, "fp32 only"), (BROKEN, "fp32", {}, raised),
+        (BROKEN, "bf16", {}, raised)]
+    assert [(r.impl, r.dtype) for r in s.rows] == [(PICKY, "fp32")]
     assert s.footnotes()[1:4] == [f"{PICKY} bf16: skipped, fp32 only",
                                   f"{BROKEN} fp32: skipped, {raised}",
                                   f"{BROKEN} bf16: skipped, {raised}"]
@@ -264,3 +266,20 @@ def test_a_sweep_with_every_series_refused_is_an_error():
         sweep(Config(impl="sdpa-flash", causal=True, shape={"heads": 2, "kv_heads": 1,
                                                              "kv_len": 128}),
               BUDGET, seq_len=(256,), impls=("naive", "sdpa-flash"), dtypes=("bf16",))
+
+
+def test_a_refusal_of_some_sizes_skips_those_only():
+    """FlashAttention refuses head_dim 512 but not 128: the sweep dropped every sdpa-flash
+    row; causal linear attention with kv_len 64 refuses only seq_len 128. The other
+    configurations stay, and each refusal names its sizes (in the CSV too)."""
+    budget = Budget(device="test GPU", memory_bytes=80 << 30, reserve_bytes=0)
+    s = sweep(make_config(impl="sdpa-flash", dtype="fp16"), budget, seq_len=(64,),
+              head_dim=(128, 512), impls=("sdpa-flash", "naive"))
+    assert [(r.impl, r.head_dim) for r in s.rows] == [
+        ("sdpa-flash", 128), ("naive", 128), ("naive", 512)]
+    assert [(k.impl, k.sizes) for k in s.skipped] == [("sdpa-flash", {"head_dim": 512})]
+    assert s.skipped[0].who() == "sdpa-flash fp16 at head_dim 512"
+    assert s.to_csv().splitlines()[-1].startswith("sdpa-flash,fp16,,,,512,,,,,,,,,skipped,")
+    causal = sweep(make_config(impl="linear-causal", kv_len=64), budget, seq_len=(64, 128))
+    assert [r.seq_len for r in causal.rows] == [64]
+    assert [k.to_dict()["seq_len"] for k in causal.skipped] == [128]

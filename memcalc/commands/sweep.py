@@ -79,12 +79,13 @@ def run(args) -> int:
     if args.pivot is not None and args.pivot not in FIGURE_KEY:
         raise ValueError(f"--pivot: {args.pivot!r} is not one of {', '.join(FIGURE_KEY)}")
     dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
-    base = make_config(impl=impls[0], seq_len=seq[0], batch=batch[0], heads=heads[0],
-                       head_dim=dims[0], kv_len=args.kv_len, kv_heads=args.kv_heads,
-                       dtype=dtypes[0], causal=args.causal, gpu=args.gpu,
-                       loss=loss_of(args), forward_only=args.forward_only,
-                       cublas_workspace_config=args.cublas_workspace_config,
-                       **({} if args.chunk is None else {"chunk": args.chunk}))
+    options = dict(seq_len=seq[0], batch=batch[0], heads=heads[0], head_dim=dims[0],
+                   kv_len=args.kv_len, kv_heads=args.kv_heads, dtype=dtypes[0],
+                   causal=args.causal, gpu=args.gpu, loss=loss_of(args),
+                   forward_only=args.forward_only,
+                   cublas_workspace_config=args.cublas_workspace_config,
+                   **({} if args.chunk is None else {"chunk": args.chunk}))
+    base = _first_accepted(impls, options)
     for name in impls[1:]:
         make_config(impl=name)
     check_output(args.plot, "--plot")
@@ -97,3 +98,18 @@ def run(args) -> int:
             plot_peaks(result, path=args.plot)
     emit(result, args.format)
     return 0
+
+
+def _first_accepted(impls: list[str], options: dict):
+    """The sweep's base configuration: the options with the first implementation that
+    takes them (``--kv-heads`` with flash2 first: the others are still swept, and flash2
+    is listed as skipped); the first one's refusal when none does."""
+    from memcalc.config import make_config
+
+    errors = []
+    for impl in impls:
+        try:
+            return make_config(impl=impl, **options)
+        except ValueError as error:
+            errors.append(error)
+    raise errors[0]
