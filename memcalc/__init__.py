@@ -276,8 +276,12 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
     return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
 
 
-def trace(fn: Callable, **options):
-    """The breakdown of your own ``fn(q, k, v)``, traced on the meta device (needs torch).
+def trace(fn: Callable, *, gpu_gb=None, reserve=None, **options):
+    """The breakdown of your own ``fn(q, k, v)``, traced on the meta device (needs torch):
+    a function, an ``nn.Module`` instance (its weights are left as they are), or an
+    ``nn.Module`` class (built with no arguments on the meta device). ``causal=True`` is
+    passed as its ``causal`` or ``is_causal`` argument (refused when it takes neither);
+    ``gpu_gb``, ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
 
     >>> import math, torch
     >>> def attn(q, k, v):
@@ -285,11 +289,31 @@ def trace(fn: Callable, **options):
     >>> memcalc.trace(attn, seq_len=1024, batch=1).saved_bytes  # p: 1024 x 1024 x 4 B
     4194304
     """
-    from memcalc.tracing import register_function, trace as run
+    from memcalc.tracing import (TraceError, check_causal, label_of, prepared,
+                                 register_function, trace as run)
 
-    options = _options("trace", options)
-    name = register_function(fn, getattr(fn, "__qualname__", "function"))
-    return run(fn, make_config(**{**options, "impl": name}))
+    options = _options("trace", options, ("gpu_gb", "reserve"))
+    if not callable(fn):
+        raise TypeError(f"trace(): fn is a function fn(q, k, v) or an nn.Module, not "
+                        f"{type(fn).__name__}")
+    if "impl" in options:
+        raise TypeError("trace(): takes no impl: it traces fn (memcalc.breakdown(impl=...) "
+                        "replays an implementation)")
+    try:
+        fn = prepared(fn, label_of(fn))
+    except TraceError as error:
+        raise ValueError(str(error).removeprefix("--trace ")) from None
+    config = make_config(**{**options, "impl": register_function(fn, label_of(fn))})
+    check_causal(fn, config)
+    b = run(fn, config)
+    if gpu_gb is None and reserve is None:
+        return b
+    return b.with_budget(_budget(config, gpu_gb, reserve))
+
+
+trace.__signature__ = inspect.Signature(
+    [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD), _kw("gpu_gb"),
+     _kw("reserve"), *(p for p in _config_parameters() if p.name != "impl")])
 
 
 def validate(backend: str = "emulated", impls: list[str] | None = None, grid=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 FLAGS = {
     "batch": "--batch", "heads": "--heads", "seq_len": "--seq", "head_dim": "--head-dim",
     "kv_len": "--kv-len", "kv_heads": "--kv-heads", "chunk": "--chunk", "dtype": "--dtype",
-    "impl": "--impl", "gpu": "--gpu", "loss": "--loss",
+    "impl": "--impl", "gpu": "--gpu", "loss": "--loss", "causal": "--causal",
     "cublas_workspace_config": "--cublas-workspace-config", "time_limit": "--time-limit",
 }
 

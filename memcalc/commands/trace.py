@@ -30,7 +30,8 @@ def run(args) -> int:
     line naming it as given."""
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.tracing import TraceError, TraceOptions, load_function, register_function, traced
+    from memcalc.tracing import (TraceError, TraceOptions, check_causal, load_function,
+                                 register_function, traced)
 
     check_output(args.plot, "--plot")
     budget = budget_from(args)
@@ -40,7 +41,7 @@ def run(args) -> int:
         fn = load_function(args.target)
         config = config_from(args, impl=register_function(fn, args.target))
         check_chunk(args, [config.impl])
-        check_causal(args, fn)
+        check_causal(fn, config)
         result = traced(fn, config, options, budget, history)
     except TraceError as error:
         text = str(error).removeprefix(f"--trace {args.target}: ")
@@ -64,13 +65,3 @@ def _workspace(text):
 
     size = parse_size(text, "--cudnn-workspace")
     return Workspace(size, size)
-
-
-def check_causal(args, fn) -> None:
-    """``--causal`` reaches the function only through a ``causal`` or ``is_causal``
-    argument: refused, not ignored, when it takes neither."""
-    from memcalc.tracing import takes_causal
-
-    if args.causal and not takes_causal(fn):
-        raise ValueError("--causal: the function takes neither causal nor is_causal (a mask "
-                         "it builds itself is traced as written)")

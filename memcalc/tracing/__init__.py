@@ -58,12 +58,27 @@ def load_function(spec: str) -> Callable:
         known = _callables(module)
         raise TraceError(f"--trace {spec}: {target} has no function {name!r}"
                          f"{did_you_mean(name, known)}{_listing('it', known)}")
+    return prepared(fn, spec)
+
+
+def prepared(fn, spec: str) -> Callable:
+    """What is traced of ``fn``: a function or an ``nn.Module`` instance as it is, an
+    ``nn.Module`` class built with no arguments on the meta device; it must take
+    ``(q, k, v)``. ``spec`` names it in an error."""
     if _is_module_class(fn):
         from memcalc.tracing.state import instantiate
 
         fn = instantiate(fn, spec)
+    elif not callable(fn):
+        raise TraceError(f"--trace {spec}: not a function or an nn.Module: "
+                         f"{type(fn).__name__}")
     _check_signature(fn, spec)
     return fn
+
+
+def label_of(fn) -> str:
+    """A traced function's name: its qualified name, or a module instance's class's."""
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 def _callables(module) -> list[str]:
@@ -134,6 +149,14 @@ def takes_causal(fn: Callable) -> bool:
     except (TypeError, ValueError):  # builtins without a signature
         return True
     return any(p.name in ("causal", "is_causal") or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def check_causal(fn: Callable, config: Config) -> None:
+    """``causal`` reaches the function only through a ``causal`` or ``is_causal``
+    argument: refused, not ignored, when it takes neither."""
+    if config.causal and not takes_causal(fn):
+        raise ValueError("causal: the function takes neither causal nor is_causal (a mask "
+                         "it builds itself is traced as written)")
 
 
 def bind_options(fn: Callable, config: Config) -> Callable:

@@ -1,0 +1,67 @@
+"""``memcalc.trace``, the Python API of ``memcalc trace``: what a notebook passes it."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import memcalc  # noqa: E402
+
+
+def attn(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), -1) @ v
+
+
+def attn_causal(q, k, v, causal=False):
+    return attn(q, k, v)
+
+
+class Projected(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, q, k, v):
+        return attn(self.proj(q), k, v)
+
+
+def test_options_are_refused_as_the_command_refuses_them():
+    """causal=True reached a function without a causal argument as nothing (the result
+    said causal), impl= was ignored: both refused, as ``memcalc trace`` refuses them."""
+    with pytest.raises(ValueError, match="causal: the function takes neither causal"):
+        memcalc.trace(attn, seq_len=64, causal=True)
+    assert memcalc.trace(attn_causal, seq_len=64, causal=True).config.causal
+    with pytest.raises(TypeError, match="takes no impl"):
+        memcalc.trace(attn, seq_len=64, impl="naive")
+    with pytest.raises(TypeError, match="not int"):
+        memcalc.trace(42)
+
+
+def test_a_budget_is_judged_as_for_breakdown():
+    """gpu_gb and reserve were unexpected keywords; the result shows the budget."""
+    b = memcalc.trace(attn, seq_len=1024, batch=1, gpu_gb=80, reserve="1GiB")
+    assert b.to_dict()["budget_bytes"] == 80 * 2**30 - 2**30  # 80 GiB less 1 GiB
+    assert b.fits and "fits: reserved peak" in b.to_markdown()
+
+
+def test_a_module_class_or_instance_is_traced_under_its_own_name():
+    """A class was called with (q, k, v) as its constructor's arguments; an instance was
+    named ``trace:function``. The instance keeps its weights."""
+    by_class = memcalc.trace(Projected, seq_len=64)
+    assert by_class.config.impl == "trace:Projected"
+    # proj.weight: 16 x 16 x 4 B = 1,024 B; proj.bias: 16 x 4 B = 64 B
+    assert [(c.name, c.nbytes) for c in by_class.forward_live if c.role == "parameter"] == [
+        ("proj.weight", 1024), ("proj.bias", 64)]
+    model = Projected()
+    weight = model.proj.weight.detach().clone()
+    assert memcalc.trace(model, seq_len=64).config.impl == "trace:Projected"
+    assert model.proj.weight.device.type == "cpu" and torch.equal(model.proj.weight, weight)
+
+
+def test_help_lists_the_options():
+    import inspect
+
+    parameters = inspect.signature(memcalc.trace).parameters
+    assert list(parameters)[:3] == ["fn", "gpu_gb", "reserve"] and "seq_len" in parameters
+    assert "impl" not in parameters
