@@ -190,7 +190,8 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_l
     """The largest seq_len (or ``solve="batch"``, ``"head_dim"``) whose step fits, per
     implementation: an ``OomReport``. ``time_limit``: seconds per implementation, as
     ``memcalc oom --time-limit`` (None: none); a chunked loop's search past it is listed
-    as skipped with what it found (its replays take seconds per million rows). Interrupted
+    under ``unsolved`` with the bounds it found (its replays take seconds per million
+    rows). Interrupted
     (Ctrl-C, a notebook's stop button), it raises a ``KeyboardInterrupt`` whose ``report``
     holds what was solved and what the interrupted search knew.
 

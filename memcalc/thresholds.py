@@ -209,6 +209,13 @@ class OomReport(Result):
         best = ", ".join(f"{r.impl} {s}={r.max_value:,}{' (its limit)' if r.limit else ''}"
                          for r in self.results[:3])
         more = f" (+{len(self.results) - 3} more)" if len(self.results) > 3 else ""
+        if not self.results:  # none solved: say what is known of the first
+            first = (self.unsolved or self.skipped)[0] if self.unsolved or self.skipped else None
+            fits = f" (fits at {first.fits_at:,})" if self.unsolved and first.fits_at else ""
+            best = (f"{first.impl} not solved{fits}" if self.unsolved
+                    else f"{first.impl} skipped" if first else "nothing asked")
+            rest = len(self.unsolved) + len(self.skipped) - 1
+            more = f" (+{rest} more)" if rest > 0 else ""
         return f"largest {self.field} within {gib(self.budget.budget_bytes)} GiB: {best}{more}"
 
     def records(self) -> list[dict]:

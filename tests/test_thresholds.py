@@ -258,3 +258,13 @@ def test_when_nothing_fits_the_report_says_what_the_smallest_needs():
     needs = r.at_next.reserved_bytes
     assert (f"naive: even batch = 1 does not fit: it needs {needs:,} B (3,725.53 GiB) against "
             f"the budget of 84,401,979,392 B (78.61 GiB)") in text(report, 400)
+
+
+def test_a_report_with_nothing_solved_says_what_is_known():
+    """``largest seq_len within 79.50 GiB: `` with nothing after it, when the one search
+    asked for ran out of time: it names the search and what it found."""
+    report = solve(Config(impl="linear-causal-chunked"), Budget.of(Device(), memory_gb=80),
+                   "seq_len", ["linear-causal-chunked"], time_limit=0.5)
+    assert not report.results and report.unsolved
+    assert str(report).startswith("largest seq_len within 79.50 GiB: linear-causal-chunked "
+                                  "not solved (fits at ")
