@@ -29,6 +29,12 @@ def gib(nbytes: int) -> str:
     return fixed(nbytes, GiB, 2)
 
 
+def gib_up(nbytes: int) -> str:
+    """``nbytes`` in GiB with two decimals, rounded up: what a step needs over the budget
+    never reads as the budget (85,364,572,160 B, 2 MiB over 79.50 GiB, is 79.51)."""
+    return fixed(-(-nbytes * 100 // GiB), 100, 2)
+
+
 class Skipped(BaseModel):
     """An implementation not searched: it rejects the options, or its replays are slow."""
 
@@ -56,8 +62,8 @@ class Bounds(BaseModel):
                    estimate=known.estimate, ceiling=known.ceiling, reason=reason)
 
 
-def _cell_gib(f: Fit | None, key: str) -> str:
-    return "-" if f is None else gib(getattr(f, key))
+def _cell_gib(f: Fit | None, key: str, shown=gib) -> str:
+    return "-" if f is None else shown(getattr(f, key))
 
 
 def _dash(value):
@@ -94,7 +100,7 @@ def _columns(field: str, results) -> list[Column]:
                drop=2),
         Column(f"reserved at {s}, GiB", lambda r: _cell_gib(r.at_max, "reserved_bytes"), "right"),
         Column(f"needs at {_next_label(field, results)}, GiB",
-               lambda r: _cell_gib(r.at_next, "reserved_bytes"), "right", drop=1),
+               lambda r: _cell_gib(r.at_next, "reserved_bytes", gib_up), "right", drop=1),
     ]
 
 

@@ -268,3 +268,12 @@ def test_a_report_with_nothing_solved_says_what_is_known():
     assert not report.results and report.unsolved
     assert str(report).startswith("largest seq_len within 79.50 GiB: linear-causal-chunked "
                                   "not solved (fits at ")
+
+
+def test_what_a_step_needs_over_the_budget_never_reads_as_the_budget():
+    """sdpa-efficient at 80 GiB: 13,745,025 rows need 85,364,572,160 B against a budget
+    of 85,362,475,008 B (79.50 GiB): 79.50195... GiB read 79.50, as if it fitted."""
+    from memcalc.thresholds import gib, gib_up
+
+    assert gib(85_364_572_160) == "79.50" and gib_up(85_364_572_160) == "79.51"
+    assert gib_up(85_362_475_008) == "79.50"  # 79.5 x 2^30 exactly: no rounding
