@@ -326,4 +326,6 @@ def validate(backend: str = "emulated", impls: list[str] | None = None, grid=Non
     """
     from memcalc.validation import validate as run
 
+    if impls is not None:
+        impls = _names(impls, "impls", _impl_names())
     return run(backend=backend, impls=impls, grid=grid)

@@ -269,8 +269,11 @@ def judge(breakdown: Breakdown, budget: "Budget | int | None" = None) -> tuple[B
     default budget), with the budget: what ``Breakdown.fit`` and ``.fits`` return."""
     if budget is None:
         budget = Budget.of(breakdown.config.device)
-    elif isinstance(budget, int):
+    elif isinstance(budget, int) and not isinstance(budget, bool):
         budget = Budget(device="given", memory_bytes=budget, reserve_bytes=0)
+    elif not isinstance(budget, Budget):
+        raise TypeError(f"fit(): a Budget or a number of bytes (got {budget!r}; "
+                        f"memcalc.breakdown(..., gpu_gb=, reserve=) takes sizes)")
     return budget, fit(breakdown.config, budget.budget_bytes, breakdown)
 
 

@@ -285,8 +285,11 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
     that has none, say) are listed as skipped with the reason, and so, without ``impls``,
     are those whose replays are too slow (``MAX_EVENTS``); one implementation named alone
     is solved or raises. ``time_limit``: seconds per implementation."""
-    if time_limit is not None and not 0 < time_limit < float("inf"):
-        raise ValueError(f"time_limit: must be positive (got {time_limit})")
+    if time_limit is not None and not (isinstance(time_limit, (int, float))
+                                       and not isinstance(time_limit, bool)
+                                       and 0 < time_limit < float("inf")):
+        raise ValueError(f"time_limit: a positive number of seconds, or None (got "
+                         f"{time_limit!r})")
     named = list(impls) if impls else None
     alone = named is not None and len(named) == 1  # its refusal is the answer: raise it
     results, unsolved, skipped = [], [], []

@@ -30,6 +30,8 @@ CASES = [
     ("oom", {"impls": ["flashy"]}, "impl"),
     ("oom", {**NAIVE, "solve": "heads"}, "solve"),
     ("oom", {"impls": "naive"}, "impls"),
+    ("oom", {**NAIVE, "time_limit": "x"}, "time_limit"),  # a TypeError from a comparison
+    ("validate", {"impls": ["nope"]}, "impls"),
     ("sweep", {"seq_lens": (0,)}, "seq_len"),
     ("sweep", {"seq_lens": ()}, "seq_len"),
     ("sweep", {"impls": ("flashy",)}, "impl"),
@@ -107,3 +109,11 @@ def test_one_implementation_or_length_is_not_silently_ignored():
         memcalc.compare(impl="naive", impls=["flash2"])
     with pytest.raises(TypeError, match="seq_lens or seq_len, not both"):
         memcalc.sweep(seq_len=64, seq_lens=[64])
+
+
+def test_a_fit_in_a_budget_that_is_not_one_says_what_it_takes():
+    """``b.fit("1GiB")`` raised AttributeError: 'str' object has no attribute ..."""
+    b = memcalc.breakdown(seq_len=64)
+    with pytest.raises(TypeError, match="a Budget or a number of bytes"):
+        b.fit("1GiB")
+    assert b.fit(b.reserved_peak_bytes).fits and not b.fit(b.reserved_peak_bytes - 1).fits
