@@ -35,13 +35,16 @@ _PROSE = 24
 class Column:
     """A header and a function of the row. ``drop``: 0 for a column that is always shown,
     higher for secondary columns, dropped first (highest rank first) when the width is
-    short. ``wrap``: prose that may wrap at spaces (never a figure)."""
+    short. ``wrap``: prose that may wrap at spaces (never a figure). ``phrase``: a header
+    kept on one line where the width allows (a pivot's ``seq_len \\ head_dim`` wrapped into
+    three lines put ``head_dim`` over the lengths)."""
 
     header: str
     cell: Callable[[Any], Any]
     justify: str = "left"
     drop: int = 0
     wrap: bool = False
+    phrase: bool = False
 
     def __post_init__(self):
         if not self.header:  # a CSV or Markdown reader needs every column named
@@ -168,8 +171,9 @@ def _widened(columns: list[Column], cells: list[list[str]], width: int) -> list[
     widths = [_width(c, [r[i] for r in cells]) for i, c in enumerate(columns)]
     spare = width - sum(widths) - _GAP * (len(columns) - 1)
     for i, c in enumerate(columns):
-        if c.wrap and spare > 0:
-            extra = min(spare, max([len(r[i]) for r in cells] or [0]) - widths[i])
+        if (c.wrap or c.phrase) and spare > 0:
+            wanted = len(c.header) if c.phrase else max([len(r[i]) for r in cells] or [0])
+            extra = min(spare, wanted - widths[i])
             widths[i], spare = widths[i] + max(0, extra), spare - max(0, extra)
     return widths
 

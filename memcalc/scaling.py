@@ -89,6 +89,16 @@ def _growth(r: SweepRow) -> str:
     return f"x{fixed(g.numerator, g.denominator, 2)}"
 
 
+MEANS = {  # what a sweep's column (or a pivot's figure) is
+    "peak": "max_memory_allocated over the step",
+    "saved": "memory_allocated after the forward less before, less the output",
+    "reserved": "max_memory_reserved",
+    "forward": "max_memory_allocated over the forward",
+    "backward": "max_memory_allocated over the backward",
+    "x first": "peak over the first row's with the same shape but seq_len",
+    "N^2 share": "blocks of the tensors whose size grows as seq_len x kv_len, at the peak",
+    "OOM?": "replaying the step with capacity = budget raises (reserved memory)",
+}
 CSV_KEYS = ("impl", "dtype", "batch", "heads", "seq_len", "head_dim", "peak_bytes", "saved_bytes",
             "forward_peak_bytes", "backward_peak_bytes", "reserved_peak_bytes",
             "quadratic_bytes", "growth", "fits", "status", "reason")
@@ -178,11 +188,12 @@ class Sweep(Result):
         return f"memory scaling with sequence length: {self.fixed()}\n{self.budget.describe()}"
 
     def footnotes(self) -> list[str]:
-        lines = ["peak: max_memory_allocated over the step; saved: memory_allocated after the "
-                 "forward less before, less the output; reserved: max_memory_reserved; x first: "
-                 "peak over the first row's with the same shape but seq_len; N^2 share: blocks "
-                 "of the tensors whose size grows as seq_len x kv_len, at the peak; OOM?: "
-                 "replaying the step with capacity = budget raises (reserved memory)."]
+        """What the columns mean (a pivot's one figure and its OOM mark only), the skips,
+        the caveats."""
+        said = ({self.pivot: MEANS[self.pivot], "OOM": MEANS["OOM?"]} if self.pivot
+                else {k: MEANS[k] for k in ("peak", "saved", "reserved", "x first",
+                                            "N^2 share", "OOM?")})
+        lines = ["; ".join(f"{k}: {v}" for k, v in said.items()) + "."]
         from memcalc.render_results import caveats
 
         shown = list(dict.fromkeys(self.columns["impl"]))
@@ -206,7 +217,7 @@ class Sweep(Result):
                     return "-"
                 value = self._cell(getattr(r, key))
                 return value if r.fits else f"{value} OOM"
-            cols = [Column("seq_len \\ head_dim", lambda row: row[0], "right")]
+            cols = [Column("seq_len \\ head_dim", lambda row: row[0], "right", phrase=True)]
             cols += [Column(str(d), (lambda d: lambda row: cell(row, d))(d), "right") for d in dims]
             config = self.base.replace(impl=impl, dtype=dtype, batch=batch, heads=heads)
             label = config.label(leave_out=("seq_len", "head_dim"))

@@ -283,3 +283,15 @@ def test_a_refusal_of_some_sizes_skips_those_only():
     causal = sweep(make_config(impl="linear-causal", kv_len=64), budget, seq_len=(64, 128))
     assert [r.seq_len for r in causal.rows] == [64]
     assert [k.to_dict()["seq_len"] for k in causal.skipped] == [128]
+
+
+@pytest.mark.parametrize("width", [60, 100, 200])
+def test_a_pivots_corner_stays_on_one_line_and_its_notes_explain_its_figure(toys, width):
+    """At 100 columns the corner wrapped into ``seq_len`` / ``\\`` / ``head_dim``, which put
+    head_dim over the lengths; the notes explained saved, x first, N^2 share, not shown."""
+    s = sweep(base(), BUDGET, seq_len=(256, 512), head_dim=(16, 32), pivot="peak")
+    out = text(s, width=width)
+    header = next(line for line in out.splitlines() if "head_dim" in line)
+    assert header.split() == ["seq_len", "\\", "head_dim", "16", "32"]
+    assert "peak: max_memory_allocated over the step; OOM: replaying" in " ".join(out.split())
+    assert "x first" not in out
