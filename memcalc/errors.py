@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 # config field -> the CLI option that sets it
 FLAGS = {
     "batch": "--batch", "heads": "--heads", "seq_len": "--seq", "head_dim": "--head-dim",
@@ -25,12 +27,25 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
         name = (flags or {}).get(loc[-1], ".".join(loc))
         if isinstance(value, dict):  # a check across a nested model's fields: the same
             return f"{name}: {message}"
-        return f"{name}: {message} (got {value!r})"
+        return f"{name}: {message} (got {value!r}){_suggestion(first, value)}"
     first = _first_line(str(error), type(error).__name__)
     field, sep, rest = first.partition(": ")
     if sep and field in (flags or {}):  # "kv_len: ..." from the library: name the option
         return f"{flags[field]}: {rest}"
     return first
+
+
+def _suggestion(error: dict, value) -> str:
+    """``; did you mean 'grad'?`` for a near miss of one of a choice's values
+    (``--loss gard``), else ``""``."""
+    expected = (error.get("ctx") or {}).get("expected")
+    if error.get("type") not in ("literal_error", "enum") or not isinstance(value, str) \
+            or not isinstance(expected, str):
+        return ""
+    from memcalc.names import did_you_mean
+
+    hint = did_you_mean(value, re.findall(r"'([^']*)'", expected))
+    return f"; {hint.removeprefix(' (').removesuffix(')')}" if hint else ""
 
 
 def refusal(error: Exception, impl: str) -> str:

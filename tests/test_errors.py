@@ -22,10 +22,11 @@ def refusal(make, *args, **kwargs) -> ValidationError:
 
 def test_flags_are_the_options_that_set_each_field():
     """Every field a user can get wrong on the command line (make_config's keywords, less
-    the two on/off switches) maps to an option the parser really has; --time-limit is oom's."""
+    the --forward-only switch; --causal is, for a traced function without the argument)
+    maps to an option the parser really has; --time-limit is oom's."""
     (sub,) = build_parser()._subparsers._group_actions
     options = {name: set(parser._option_string_actions) for name, parser in sub.choices.items()}
-    fields = set(inspect.signature(make_config).parameters) - {"causal", "forward_only"}
+    fields = set(inspect.signature(make_config).parameters) - {"forward_only"}
     assert set(FLAGS) == fields | {"time_limit"}
     for field, flag in FLAGS.items():
         assert flag in options["oom" if field == "time_limit" else "breakdown"], (field, flag)
@@ -40,6 +41,15 @@ def test_a_field_is_named_by_its_option_and_the_value_got_is_quoted():
     fp8 = refusal(make_config, dtype="fp8\nrm")
     assert one_line(fp8, FLAGS) == (
         "--dtype: Input should be 'fp32', 'fp16' or 'bf16' (got 'fp8\\nrm')")
+
+
+def test_a_near_miss_of_a_choice_is_suggested():
+    """``--loss gard`` and ``--dtype bf61`` listed the choices without the one meant."""
+    assert one_line(refusal(make_config, loss="gard"), FLAGS) == (
+        "--loss: Input should be 'grad' or 'sum' (got 'gard'); did you mean 'grad'?")
+    assert one_line(refusal(make_config, dtype="bf61"), FLAGS).endswith(
+        "(got 'bf61'); did you mean 'bf16'?")
+    assert one_line(refusal(make_config, loss="zzz"), FLAGS).endswith("(got 'zzz')")
 
 
 def test_a_nested_field_is_named_by_its_last_part_or_its_dotted_path():

@@ -71,13 +71,13 @@ def run(args) -> int:
     batch = int_list(args.batch, "--batch")
     heads = int_list(args.heads, "--heads")
     dtypes = name_list(args.dtype, "--dtype")
-    from memcalc.names import impl_choices, impl_list
+    from memcalc.names import impl_choices, impl_list, unknown
 
     impls = impl_list(args.impl or ["naive"])
     impls = impls if impls is not None else impl_choices()
     check_chunk(args, impls)
     if args.pivot is not None and args.pivot not in FIGURE_KEY:
-        raise ValueError(f"--pivot: {args.pivot!r} is not one of {', '.join(FIGURE_KEY)}")
+        raise unknown("--pivot", args.pivot, list(FIGURE_KEY), "figure")
     dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
     options = dict(seq_len=seq[0], batch=batch[0], heads=heads[0], head_dim=dims[0],
                    kv_len=args.kv_len, kv_heads=args.kv_heads, dtype=dtypes[0],
