@@ -252,6 +252,12 @@ class Breakdown(Result):
         """The ``Budget`` ``fits`` is judged against."""
         return self._judged[0]
 
+    @property
+    def has_budget(self) -> bool:
+        """Whether it was judged in a budget given for it (``with_budget``), which its
+        rendering then shows."""
+        return self._budget is not None
+
     @cached_property
     def _judged(self) -> tuple:
         """``(Budget, Fit)`` in the budget it was computed for, or its device's default:

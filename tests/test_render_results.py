@@ -208,3 +208,19 @@ def test_below_the_essential_width_each_row_is_a_block_and_piped_text_is_plain()
     # every column fits in 200 (139)
     assert "q input (randn) input float32 1 x 1 x 64 x 16 x 4 B 4096 4096 0.00 0.0%" in lines
     assert lines[-1] == f"caveat: {ALLOCATOR}."  # naive is traced
+
+
+def test_a_step_that_fits_only_by_release_and_retry_shows_both_reserved_peaks():
+    """sdpa-efficient at 13,745,024 rows in 80 GiB less 512 MiB: unbounded it would reserve
+    92,400,517,120 B (86.05 GiB), which the table called max_memory_reserved beside "fits";
+    on the device release-and-retry keeps it at the budget, 85,362,475,008 B."""
+    import memcalc
+    from memcalc.render_results import figure_rows
+
+    b = memcalc.breakdown(impl="sdpa-efficient", seq_len=13_745_024, gpu_gb=80)
+    rows = {row[0]: row for row in figure_rows(b)}
+    assert rows["reserved_peak_bytes"][1:] == (92_400_517_120, "reserved peak, unbounded device")
+    assert rows["capped_reserved_peak_bytes"][1] == 85_362_475_008  # 80 x 2^30 - 512 x 2^20
+    assert "max_memory_reserved) in the budget" in b.to_markdown()
+    plain = memcalc.breakdown(impl="sdpa-efficient", seq_len=13_745_024)  # no budget given
+    assert [r[0] for r in figure_rows(plain)].count("capped_reserved_peak_bytes") == 0
