@@ -1,8 +1,11 @@
-"""One-line messages for bad input, shared by the CLI and the file loaders."""
+"""One-line messages for bad input, shared by the CLI and the file loaders, with a
+suggestion for a near miss (``did_you_mean``)."""
 
 from __future__ import annotations
 
+import difflib
 import re
+from typing import Iterable
 
 # config field -> the CLI option that sets it
 FLAGS = {
@@ -42,8 +45,6 @@ def _suggestion(error: dict, value) -> str:
     if error.get("type") not in ("literal_error", "enum") or not isinstance(value, str) \
             or not isinstance(expected, str):
         return ""
-    from memcalc.names import did_you_mean
-
     hint = did_you_mean(value, re.findall(r"'([^']*)'", expected))
     return f"; {hint.removeprefix(' (').removesuffix(')')}" if hint else ""
 
@@ -60,3 +61,17 @@ def refusal(error: Exception, impl: str) -> str:
 def _first_line(text: str, otherwise: str) -> str:
     """The first line of ``text`` that says something; ``otherwise`` if none does."""
     return next((line for line in text.splitlines() if line.strip()), otherwise)
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)``: the names that start with ``word`` (``a100`` ->
+    ``a100-40gb`` or ``a100-80gb``), else the closest one by ``difflib``; or ``""``."""
+    known = list(known)
+    low = str(word).strip().lower()
+    matches = [k for k in known if low and k.lower().startswith(low)][:3]
+    if not matches:
+        close = difflib.get_close_matches(low, [k.lower() for k in known], n=1, cutoff=0.6)
+        matches = [k for k in known if close and k.lower() == close[0]]
+    if not matches:
+        return ""
+    return f" (did you mean {' or '.join(repr(m) for m in matches)}?)"

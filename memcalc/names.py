@@ -2,29 +2,16 @@
 
 One place for how a user may spell an implementation, a list of implementations, a GPU
 preset or a keyword, shared by the CLI and the Python API: a close miss gets a suggestion
-(``difflib``), anything else the list of what is allowed.
+(``memcalc.errors.did_you_mean``), anything else the list of what is allowed.
 """
 
 from __future__ import annotations
 
-import difflib
-from typing import Iterable, Sequence
+from typing import Sequence
+
+from memcalc.errors import did_you_mean  # noqa: F401  (the names' suggestions)
 
 ALL = "all"
-
-
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)``: the names that start with ``word`` (``a100`` ->
-    ``a100-40gb`` or ``a100-80gb``), else the closest one by ``difflib``; or ``""``."""
-    known = list(known)
-    low = str(word).strip().lower()
-    matches = [k for k in known if low and k.lower().startswith(low)][:3]
-    if not matches:
-        close = difflib.get_close_matches(low, [k.lower() for k in known], n=1, cutoff=0.6)
-        matches = [k for k in known if close and k.lower() == close[0]]
-    if not matches:
-        return ""
-    return f" (did you mean {' or '.join(repr(m) for m in matches)}?)"
 
 
 def unknown(field: str, word: str, known: Sequence[str], what: str = "",
