@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from memcalc.allocator import KiB
 from memcalc.dims import Dims
 from memcalc.gpus import GPU, gpu_preset
-from memcalc.impls import get_impl
+from memcalc.impls import canonical, get_impl
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -146,10 +146,12 @@ class Config(BaseModel):
     device: Device = Device()
     protocol: Protocol = Protocol()
 
-    @field_validator("impl")
+    @field_validator("impl", mode="before")
     @classmethod
-    def _check_impl(cls, value: str) -> str:
-        get_impl(value)  # raises a ValueError naming the known implementations
+    def _check_impl(cls, value):
+        value = canonical(value)
+        if isinstance(value, str):
+            get_impl(value)  # raises a ValueError naming the known implementations
         return value
 
     @model_validator(mode="after")

@@ -33,8 +33,9 @@ def impl_choices() -> list[str]:
 
 def check_impl(name: str, field: str = "--impl") -> str:
     """``name`` if it is an implementation; a ValueError with a suggestion otherwise."""
-    from memcalc.impls import impl_names
+    from memcalc.impls import canonical, impl_names
 
+    name = canonical(name)
     if name not in impl_names():
         raise unknown(field, name, impl_choices(), "implementation", "memcalc impls")
     return name

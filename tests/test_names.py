@@ -101,3 +101,15 @@ def test_dtype_name_maps_aliases_to_the_canonical_names():
 
 def test_dtype_name_is_none_for_other_types():
     assert [dtype_name(v) for v in ("fp8", "float64", "int8", "")] == [None, None, None, None]
+
+
+def test_an_implementation_is_named_in_any_case():
+    """``--impl Naive`` was refused while ``--gpu H100-80GB`` and ``--dtype FP16`` were
+    taken: an implementation's name differing only in case is that implementation."""
+    import memcalc
+    from memcalc.names import check_impl, impl_list
+
+    assert check_impl("Naive") == "naive" and impl_list("NAIVE,Flash2") == ["naive", "flash2"]
+    assert memcalc.breakdown(impl="SDPA-Math", seq_len=64).config.impl == "sdpa-math"
+    with pytest.raises(ValueError, match="unknown implementation 'Naiv'"):
+        check_impl("Naiv")

@@ -18,6 +18,14 @@ def get_impl(name: str) -> Impl:
     return IMPLS[name]
 
 
+def canonical(name):
+    """``name`` as registered when it differs only in case (``Naive``, ``SDPA-Flash``: GPU
+    and dtype names are taken in any case too); otherwise as given."""
+    if not isinstance(name, str) or name in IMPLS:
+        return name
+    return next((known for known in IMPLS if known.lower() == name.lower()), name)
+
+
 def impl_names() -> list[str]:
     """Every registered name, in registration order."""
     return list(IMPLS)
