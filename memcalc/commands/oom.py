@@ -10,9 +10,10 @@ def add_arguments(parser) -> None:
     shape_options(parser, impls="many")
     budget_options(parser)
     parser.add_argument("--solve", default="seq", metavar="FIELD",
-                        help="what to maximise: seq (default), batch or head-dim; its own "
-                             "option (--seq, --batch, --head-dim) is not read, as the search "
-                             "starts from that option's default; the other options fix the rest")
+                        help="what to maximise: seq (default), batch or head-dim; the search "
+                             "starts from that size's default, whatever its option says "
+                             "(unless the implementation refuses the default); the other "
+                             "options fix the rest")
     parser.add_argument("--trace", default=None, metavar="FILE.py:FUNCTION",
                         help="solve for your own fn(q, k, v), traced on the meta device "
                              "(imports and runs the named file as Python code)")
