@@ -139,6 +139,12 @@ class OutOfMemory(Exception):
         )
 
 
+class MirrorBroken(Exception):
+    """A capped measured step had to release cached segments while its small pool was
+    mirrored: the mirror's premise (no release since the warm-up) no longer holds, so the
+    step must be replayed with every small-pool decision made (``may_mirror = False``)."""
+
+
 class Segment:
     """One ``cudaMalloc`` reservation; its blocks form a linked list from ``head``."""
 
@@ -327,6 +333,7 @@ class CachingAllocator:
         self.peak_allocated = self.peak_reserved = 0
         self._marked: tuple | None = None  # the small pool's layout when the warm-up began
         self._mirrored: dict | None = None  # while mirroring: a block per small request
+        self.may_mirror = True  # False: a replay again after ``MirrorBroken``
 
     def mark_warm_up(self) -> None:
         """The warm-up step starts: note the small pool's layout, for ``mirror_small_pool``."""
@@ -338,8 +345,9 @@ class CachingAllocator:
         does.
 
         It does when the small pool is as the warm-up found it plus the segments the warm-up
-        reserved, all wholly free now, and nothing was released since (no capacity: no
-        release-and-retry). Then, by induction over the same requests and frees, the
+        reserved, all wholly free now, and nothing was released since, nor is during the
+        measured step (under a capacity a release there raises ``MirrorBroken``, and the
+        step is replayed without mirroring). Then, by induction over the same requests and frees, the
         measured step's pool is the warm-up's at the same point plus wholly free segments
         at higher addresses than any the warm-up had reserved by then: a request the warm-up
         served from a cached block finds that same block best (a spare 2 MiB segment is no
@@ -348,7 +356,7 @@ class CachingAllocator:
         reserved, and a small block is always exactly its rounded request: the rest of a
         split, a multiple of 512 B, is either 0 or kept (``should_split``). The chunked
         implementations' measured step makes a million small requests; this halves them."""
-        if (self.capacity is not None or not self.sizes.may_mirror
+        if (not self.sizes.may_mirror or not self.may_mirror
                 or self._marked is None or self._small_layout() != self._marked):
             return False
         self._mirrored = {}
@@ -416,9 +424,11 @@ class CachingAllocator:
         return block
 
     def empty_cache(self) -> None:
-        """Release every wholly free segment (``torch.cuda.empty_cache``)."""
+        """Release every wholly free segment (``torch.cuda.empty_cache``). Not while the
+        small pool is mirrored (its segments are not tracked then): ``MirrorBroken``, and
+        the caller replays again without mirroring."""
         if self._mirrored is not None:
-            raise RuntimeError("empty_cache while the small pool is mirrored")
+            raise MirrorBroken
         self._marked = None  # the warm-up's segments may be gone
         for segment in [s for s in self.segments if s.is_free()]:
             self.pools[segment.small].remove(segment.head)

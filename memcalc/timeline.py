@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from functools import lru_cache
 from typing import Hashable, NamedTuple
 
-from memcalc.allocator import Block, CachingAllocator
+from memcalc.allocator import Block, CachingAllocator, MirrorBroken
 from memcalc.breakdown import Breakdown, Component
 from memcalc.config import Config
 from memcalc.deadline import tick
@@ -263,8 +263,22 @@ def _predict(config: Config, capacity: int | None, ledger: Ledger | None) -> Bre
 
 
 def _replayed(config: Config, capacity: int | None, ledger: Ledger | None) -> Breakdown:
+    """The replay, its small pool mirrored in the measured step where that is exact; a
+    ledger of the caller's (its history is read afterwards) is never mirrored under a
+    capacity, since a release there would have to replay it again."""
+    if ledger is not None:
+        ledger.allocator.may_mirror = capacity is None
+        return _replayed_in(config, ledger)
+    try:
+        return _replayed_in(config, Ledger(config.workspace_bytes, capacity))
+    except MirrorBroken:  # the capped measured step released segments: every decision made
+        ledger = Ledger(config.workspace_bytes, capacity)
+        ledger.allocator.may_mirror = False
+        return _replayed_in(config, ledger)
+
+
+def _replayed_in(config: Config, ledger: Ledger) -> Breakdown:
     d = config.dims
-    ledger = ledger or Ledger(config.workspace_bytes, capacity)
     peaks: dict[str, tuple[Component, ...]] = {}
     step = replay(ledger, d, get_impl(config.impl).program(d),
                   lambda phase: peaks.update({phase: ledger.peak_live}))
