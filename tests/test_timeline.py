@@ -50,8 +50,8 @@ def test_ledger_history_records_every_event():
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_mirrored_measured_step_gives_the_full_replays_figures(impl, monkeypatch):
     """The measured step repeats the warm-up's small-pool decisions without making them
-    again (``CachingAllocator.mirror_small_pool``); with a capacity it makes them all.
-    Both give the same breakdown, to every block of every live set, for each
+    again (``CachingAllocator.mirror_small_pool``); with ``may_mirror`` off it makes them
+    all. Both give the same breakdown, to every block of every live set, for each
     implementation: at a length whose tensors are all small (one chunk of 64 rows at
     seq_len 100, so the chunked loop runs twice) and at one with large ones."""
     mirrored = []
@@ -60,8 +60,21 @@ def test_mirrored_measured_step_gives_the_full_replays_figures(impl, monkeypatch
                         lambda self: mirrored.append(spy(self)) or mirrored[-1])
     for seq_len in (100, 1500):
         config = Config(impl=impl, dtype="fp16", shape={"seq_len": seq_len})  # chunks of 64
-        assert predict(config) == predict(config, capacity=1 << 50)
-    assert mirrored == [True, False] * 2  # unbounded: mirrored; with a capacity: not
+        assert predict(config) == _never_mirrored(config, monkeypatch)
+    assert mirrored == [True, False] * 2  # mirrored, then not
+
+
+def _never_mirrored(config, monkeypatch, capacity=None):
+    """``predict`` with every small-pool decision of the measured step made."""
+    made = CachingAllocator.__init__
+
+    def never(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.may_mirror = False
+
+    with monkeypatch.context() as patched:
+        patched.setattr(CachingAllocator, "__init__", never)
+        return predict(config, capacity=capacity)
 
 
 def test_the_live_set_at_a_peak_is_kept_from_the_first_reset():
@@ -122,22 +135,13 @@ def test_under_no_grad_nothing_is_reported_as_saved():
 def _capped(config, capacity, mirror: bool, monkeypatch):
     """``predict`` under ``capacity`` with the measured step's small pool mirrored where
     exact (``mirror``), or every decision made; its figures and live sets, or the OOM."""
-    from memcalc import allocator
+    from memcalc.allocator import OutOfMemory
 
-    if not mirror:
-        made = allocator.CachingAllocator.__init__
-
-        def never(self, *args, **kwargs):
-            made(self, *args, **kwargs)
-            self.may_mirror = False
-
-        monkeypatch.setattr(allocator.CachingAllocator, "__init__", never)
     try:
-        b = predict(config, capacity=capacity)
-    except allocator.OutOfMemory as oom:
+        b = (predict(config, capacity=capacity) if mirror
+             else _never_mirrored(config, monkeypatch, capacity))
+    except OutOfMemory as oom:
         return ("oom", oom.requested, oom.reserved)
-    finally:
-        monkeypatch.undo()
     return (b.saved_bytes, b.forward_peak_bytes, b.backward_peak_bytes, b.reserved_peak_bytes,
             [(c.name, c.block_bytes) for c in b.forward_live + b.backward_live])
 
@@ -168,7 +172,8 @@ def test_a_capped_replay_mirrors_the_small_pool_and_replays_again_when_it_must_r
             (make_config(impl="sdpa-math", seq_len=640, batch=8, head_dim=64), 118, 138),
             (make_config(impl="linear-causal-chunked", seq_len=640, batch=2), 2, 40)]:
         for capacity in range(start * MiB, end * MiB, 2 * MiB):
-            monkeypatch.setattr(timeline, "_replayed_in", spy)
-            mirrored = _capped(config, capacity, True, monkeypatch)
+            with monkeypatch.context() as patched:
+                patched.setattr(timeline, "_replayed_in", spy)
+                mirrored = _capped(config, capacity, True, monkeypatch)
             assert mirrored == _capped(config, capacity, False, monkeypatch), capacity
     assert broken  # the replay again was taken
