@@ -555,8 +555,7 @@ def _climb(probe: _Probe) -> Unsolved:
     ``REACH`` times, and not past the estimate while below it), or halve the gap to one
     that does not fit. A chunked loop's estimate can be millions of rows, minutes of
     replay; its lower bound grows in seconds. A step is a prediction judged by ``fit``:
-    below the budget it proves a fit without a capped replay (which makes every decision
-    of the allocator again, a third slower)."""
+    below the budget it proves a fit without a second, capped replay."""
     try:
         for _ in range(128):  # steps up, then halvings; the time limit ends them first
             lo, hi = probe.bounds()

@@ -167,11 +167,30 @@ def test_measured_step_mirrors_the_warm_ups_small_pool(seed):
 
 def test_no_mirror_unless_the_small_pool_is_as_the_warm_up_found_it():
     """Not mirrored: a small block the warm-up allocated is still held; nothing was marked;
-    the allocator has a capacity (release-and-retry could free the warm-up's segments)."""
+    mirroring is off (a replay again after ``MirrorBroken``); the warm-up released
+    segments (``empty_cache``: the warm-up's may be gone)."""
     kept = CachingAllocator()
     kept.mark_warm_up()
     kept.malloc(4096)
     unmarked = CachingAllocator()
-    capped = CachingAllocator(capacity=1 << 40)
-    capped.mark_warm_up()
-    assert [a.mirror_small_pool() for a in (kept, unmarked, capped)] == [False] * 3
+    off = CachingAllocator(capacity=1 << 40)
+    off.mark_warm_up()
+    off.may_mirror = False
+    released = CachingAllocator(capacity=1 << 40)
+    released.mark_warm_up()
+    released.empty_cache()
+    assert [a.mirror_small_pool() for a in (kept, unmarked, off, released)] == [False] * 4
+
+
+def test_a_capped_allocator_mirrors_and_refuses_to_release_while_mirrored():
+    """With a capacity the measured step mirrors too; a release it would need then raises
+    ``MirrorBroken`` (the mirrored small pool's segments are not tracked), not a wrong
+    count: 2 MiB of small segment cached, a capacity of 22 MiB, a 20 MiB segment asked."""
+    from memcalc.allocator import MirrorBroken
+
+    a = CachingAllocator(capacity=22 * MiB)
+    a.mark_warm_up()
+    a.free(a.malloc(4096))  # the warm-up: one small segment, wholly free after
+    assert a.mirror_small_pool() and a.reserved == 2 * MiB
+    with pytest.raises(MirrorBroken):
+        a.malloc(20 * MiB + 1)  # a 22 MiB segment on top of 2 MiB: release needed
