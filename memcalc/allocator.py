@@ -347,15 +347,16 @@ class CachingAllocator:
         It does when the small pool is as the warm-up found it plus the segments the warm-up
         reserved, all wholly free now, and nothing was released since, nor is during the
         measured step (under a capacity a release there raises ``MirrorBroken``, and the
-        step is replayed without mirroring). Then, by induction over the same requests and frees, the
-        measured step's pool is the warm-up's at the same point plus wholly free segments
-        at higher addresses than any the warm-up had reserved by then: a request the warm-up
-        served from a cached block finds that same block best (a spare 2 MiB segment is no
-        smaller, and loses a tie by address); one for which it reserved a segment takes the
-        spare at the lowest address, which is that segment. So no small segment is
-        reserved, and a small block is always exactly its rounded request: the rest of a
-        split, a multiple of 512 B, is either 0 or kept (``should_split``). The chunked
-        implementations' measured step makes a million small requests; this halves them."""
+        step is replayed without mirroring). Then, by induction over the same requests and
+        frees, the measured step's pool is the warm-up's at the same point plus wholly free
+        segments at higher addresses than any the warm-up had reserved by then: a request
+        the warm-up served from a cached block finds that same block best (a spare 2 MiB
+        segment is no smaller, and loses a tie by address); one for which it reserved a
+        segment takes the spare at the lowest address, which is that segment. So no small
+        segment is reserved, and a small block is always exactly its rounded request: the
+        rest of a split, a multiple of 512 B, is either 0 or kept (``should_split``). The
+        chunked implementations' measured step makes a million small requests; this halves
+        them."""
         if (not self.sizes.may_mirror or not self.may_mirror
                 or self._marked is None or self._small_layout() != self._marked):
             return False

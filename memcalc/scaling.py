@@ -123,7 +123,6 @@ class Skipped(BaseModel):
         return {"impl": self.impl, "dtype": self.dtype, **self.sizes, "reason": self.reason}
 
 
-
 class Sweep(Result):
     """A grid of configurations and their figures; ``pivot`` picks the seed-002 layout."""
 

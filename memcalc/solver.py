@@ -17,10 +17,10 @@ returns the threshold nearest to it, or above it when a value it has replayed on
 (the first power of two that does not fit is looked for, for the report) fits further up:
 in practice the largest, without proving that no larger value fits.
 
-How it gets there in a dozen to a few dozen replays rather than a scan: the tensors alive at the peak
-have sizes that are polynomials in the solved field, so their raw bytes are ``Q(x) = a x^2
-+ b x + c`` (interpolated through three programs, checked at a fourth point); the reserved
-memory is ``Q`` times the allocator's overhead ``rho``, which hardly moves near the
+How it gets there in a dozen to a few dozen replays rather than a scan: the tensors alive at
+the peak have sizes that are polynomials in the solved field, so their raw bytes are
+``Q(x) = a x^2 + b x + c`` (interpolated through three programs, checked at a fourth point); the
+reserved memory is ``Q`` times the allocator's overhead ``rho``, which hardly moves near the
 threshold. A few Newton-like steps on ``rho Q(x) = budget`` (``rho`` re-measured at each
 point) give an estimate; a bracket ``fits(lo)``, not ``fits(hi)`` grows around it by
 doubling steps (from the size of the last correction) and is bisected down to adjacent
