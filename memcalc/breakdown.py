@@ -216,7 +216,7 @@ class Breakdown(Result):
         config."""
         figures = {k: getattr(self, k) for k in ("saved_bytes", "forward_peak_bytes",
                    "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "workspace_bytes")}
-        judged = self.fit().verdict(self.budget) if self._budget is not None else {}
+        judged = self.fit().verdict(self.budget) if self.has_budget else {}
         return {**figures, "peak_phase": self.peak_phase, "components": self.records(),
                 "saved": [c.to_dict() for c in self.saved],
                 "config": self.config.model_dump(mode="json"), **judged}
@@ -296,7 +296,7 @@ class Breakdown(Result):
         """The budget and the fit, when given (``with_budget``), then the caveats."""
         from memcalc.render_results import caveats
 
-        judged = [self.budget.describe(), self.fit().describe()] if self._budget is not None else []
+        judged = [self.budget.describe(), self.fit().describe()] if self.has_budget else []
         return [*judged, *caveats([self.config.impl])]
 
     def headline(self) -> str:
