@@ -132,16 +132,20 @@ def _budget(config, gpu_gb=None, reserve=None):
 
 
 def _names(values, field: str, known: list[str]) -> list[str]:
-    """A list of names, each known; a ValueError naming ``field`` (with a suggestion)
-    otherwise."""
+    """A non-empty list of implementation names, each known (in any case), each once; a
+    ValueError naming ``field`` (with a suggestion) otherwise."""
+    from memcalc.impls import canonical
     from memcalc.names import unknown
 
     if isinstance(values, str) or not all(isinstance(v, str) for v in values):
         raise ValueError(f"{field}: a list of names, e.g. [{known[0]!r}] (got {values!r})")
-    missing = [v for v in values if v not in known]
+    if not len(values):
+        raise ValueError(f"{field}: an empty list (leave it out for every implementation)")
+    names = list(dict.fromkeys(canonical(v) for v in values))
+    missing = [v for v in names if v not in known]
     if missing:
         raise unknown(field, missing[0], known)
-    return list(values)
+    return names
 
 
 def _dtypes(values) -> tuple[str, ...]:
@@ -246,8 +250,10 @@ def sweep(*, seq_lens=None, head_dims=(), batches=(),
     if seq_lens is None:
         seq_lens = (options["seq_len"],) if "seq_len" in options else SWEPT_SEQ_LENS
     seq_lens = _sizes(seq_lens, "seq_lens (seq_len)")
-    head_dims, batches, head_counts = (_sizes(v, f) if len(v) else () for v, f in (
-        (head_dims, "head_dims"), (batches, "batches"), (head_counts, "head_counts")))
+    head_dims, batches, head_counts = (_sizes(v, f) if isinstance(v, int) or len(v) else ()
+                                       for v, f in ((head_dims, "head_dims"),
+                                                    (batches, "batches"),
+                                                    (head_counts, "head_counts")))
     impls = _names(impls, "impls", _impl_names()) if len(impls) else ()
     dtypes = _dtypes(dtypes) if len(dtypes) else ()
     config = make_config(**options)

@@ -188,7 +188,10 @@ def choose_baseline(rows: tuple[Row, ...], asked: str | None) -> str:
     why no row has figures)."""
     with_figures = [r.impl for r in rows if r.breakdown is not None]
     if asked is not None:
-        row = next(r for r in rows if r.impl == asked)
+        row = next((r for r in rows if r.impl == asked), None)
+        if row is None:
+            raise ValueError(f"--baseline: {asked!r} is not among the compared "
+                             f"implementations ({', '.join(r.impl for r in rows)}); add it")
         if row.breakdown is None:
             raise ValueError(f"--baseline: {asked} has no figures for these options: {row.note}")
         return asked

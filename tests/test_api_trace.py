@@ -65,3 +65,25 @@ def test_help_lists_the_options():
     parameters = inspect.signature(memcalc.trace).parameters
     assert list(parameters)[:3] == ["fn", "gpu_gb", "reserve"] and "seq_len" in parameters
     assert "impl" not in parameters
+
+
+class Masked(torch.nn.Module):
+    def forward(self, q, k, v, is_causal=False):
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        if is_causal:
+            n = s.shape[-1]
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+            s = s.masked_fill(mask, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+
+def test_causal_reaches_a_modules_forward():
+    """``causal=True`` never reached an nn.Module (its ``__call__`` takes ``**kwargs``,
+    read as taking it): the figures were those of the unmasked step. The mask, 1 x 1024 x
+    1024 bools (1,048,576 B), is alive at the forward peak now; a module whose forward
+    takes no such argument is refused, as a function is."""
+    plain = memcalc.trace(Masked(), seq_len=1024).forward_peak_bytes
+    masked = memcalc.trace(Masked(), seq_len=1024, causal=True).forward_peak_bytes
+    assert masked - plain == 1024 * 1024  # the bool mask
+    with pytest.raises(ValueError, match="causal: the function takes neither"):
+        memcalc.trace(Projected(), seq_len=64, causal=True)

@@ -145,10 +145,16 @@ def _check_signature(fn: Callable, spec: str) -> None:
 def takes_causal(fn: Callable) -> bool:
     """Whether ``fn`` takes ``causal`` or ``is_causal`` (or any keyword; unknown: yes)."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = inspect.signature(_called(fn)).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
         return True
     return any(p.name in ("causal", "is_causal") or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _called(fn: Callable) -> Callable:
+    """What a call of ``fn`` runs: an ``nn.Module``'s ``forward`` (its ``__call__`` takes
+    ``*args, **kwargs``, which read as "any keyword": ``--causal`` reached no module)."""
+    return fn.forward if _is_module_class(type(fn)) else fn
 
 
 def check_causal(fn: Callable, config: Config) -> None:
@@ -168,7 +174,7 @@ def bind_options(fn: Callable, config: Config) -> Callable:
 
 def _parameters(fn: Callable) -> set[str]:
     try:
-        return set(inspect.signature(fn).parameters)
+        return set(inspect.signature(_called(fn)).parameters)
     except ValueError:
         return set()
 
