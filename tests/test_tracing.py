@@ -55,13 +55,17 @@ def test_padded_sizes_cannot_be_solved(tmp_path):
 
 
 @pytest.mark.parametrize("body, message", [
-    ("    return q * q.sum().item()\n", "line 2 of user.py (return q * q.sum().item()) "
+    ("    return q * q.sum().item()\n", "line 3 of user.py (return q * q.sum().item()) "
      "cannot run on the meta device: RuntimeError: Tensor.item() cannot be called on meta "
      "tensors. Hint: data-dependent code"),
     ("    return q.cpu().numpy()\n", "cannot run on the meta device: NotImplementedError"),
+    # a CPU tensor the function reaches by a closure: not the data-dependent-code hint
+    ("    return (lambda: torch.ones(1) + q)()\n", "is not on the expected device cpu!. "
+     "Hint: a tensor or module on the CPU is traced on meta copies only when the function "
+     "refers to it by a module-level name"),
     # the code's own error: not blamed on the meta device, the hint kept for a custom
     # kernel that refuses a non-CUDA tensor
-    ("    raise RuntimeError('custom kernel')\n", "line 2 of user.py (raise RuntimeError('cus"
+    ("    raise RuntimeError('custom kernel')\n", "line 3 of user.py (raise RuntimeError('cus"
      "tom kernel')) raised RuntimeError: custom kernel (traced on the meta device: tensors "
      "without values). If it runs on a GPU: data-dependent code"),
     ("    return {}['x']\n", "raised KeyError: 'x' (traced"),
@@ -69,7 +73,7 @@ def test_padded_sizes_cannot_be_solved(tmp_path):
     ("    raise NotImplementedError('todo')\n", "raised NotImplementedError: todo (traced"),
 ])
 def test_meta_failures_name_the_line(tmp_path, capsys, body, message):
-    (tmp_path / "user.py").write_text("def attn(q, k, v):\n" + body)
+    (tmp_path / "user.py").write_text("import torch\ndef attn(q, k, v):\n" + body)
     code = main(["trace", f"{tmp_path}/user.py:attn", "--seq", "128"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err

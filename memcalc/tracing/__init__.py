@@ -287,11 +287,16 @@ def _explain(error: Exception, fn: Callable) -> str:
         return f"{where}: {_first_line(error)}"
     raised = f"{type(error).__name__}: {_first_line(error)}"
     if _meta_refused(error, source):
-        return f"{where} cannot run on the meta device: {raised}. Hint: {META_HINT}"
+        hint = CPU_HINT if "device cpu" in str(error) else META_HINT
+        return f"{where} cannot run on the meta device: {raised}. Hint: {hint}"
     return (f"{where} raised {raised} (traced on the meta device: tensors without values). "
             f"If it runs on a GPU: {META_HINT}")
 
 
+CPU_HINT = ("a tensor or module on the CPU is traced on meta copies only when the function "
+            "refers to it by a module-level name (or it is the nn.Module traced): one reached "
+            "through a closure, another object's attribute or a bound method stays on the CPU; "
+            "make it with device='meta', or refer to it by its module-level name")
 META_HINT = ("data-dependent code (.item(), .cpu(), shapes from values) cannot be traced; give "
              "a custom CUDA/Triton kernel a fake implementation (torch.library.register_fake), "
              "or pick the built-in model that matches it (memcalc impls)")
