@@ -68,10 +68,10 @@ class Table:
 
 def escaped(text: str) -> str:
     """Text that Markdown shows as written: ``*`` would start emphasis even inside a word
-    (``192*N^2 + 3,168*N``), ``|`` would end a table cell. (``_`` inside a word, as in
-    ``exp_x``, and a backslash before a space, as in ``seq_len \\ head_dim``, are literal
-    in CommonMark.)"""
-    return str(text).replace("*", "\\*").replace("|", "\\|")
+    (``192*N^2 + 3,168*N``), ``|`` would end a table cell, ``<`` would open an HTML tag
+    (``trace:<lambda>`` showed as ``trace:``). (``_`` inside a word, as in ``exp_x``, and a
+    backslash before a space, as in ``seq_len \\ head_dim``, are literal in CommonMark.)"""
+    return str(text).replace("*", "\\*").replace("|", "\\|").replace("<", "\\<")
 
 
 def markdown_table(columns: Sequence[Column], rows: Iterable[Any]) -> str:

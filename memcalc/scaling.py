@@ -233,9 +233,7 @@ class Sweep(Result):
     def csv_table(self) -> Table:
         """Every row, every figure in bytes (the layout does not apply), then a row for
         each refusal (``skipped``: its sizes, no figures, the reason)."""
-        rows = [{**r, "status": "computed"} for r in self.records()]
-        rows += [{**s.to_dict(), "status": "skipped"} for s in self.skipped]
-        return record_table(CSV_KEYS, [{k: row.get(k) for k in CSV_KEYS} for row in rows])
+        return record_table(CSV_KEYS, self.records())
 
     def headline(self) -> str:
         fitting, n = sum(self.columns["fits"]), len(self)
@@ -244,8 +242,12 @@ class Sweep(Result):
                 f"{human(self.budget.budget_bytes)}")
 
     def records(self) -> list[dict]:
-        """One dict per row (configuration), as in the JSON."""
-        return self.to_dict()["rows"]
+        """One flat dict per configuration (``CSV_KEYS``: the JSON's row and its ``status``,
+        ``computed``), then one per refusal (its sizes, ``skipped``, the ``reason``): the
+        CSV's rows and ``to_dataframe``'s."""
+        rows = [{**r, "status": "computed"} for r in self.to_dict()["rows"]]
+        rows += [{**s.to_dict(), "status": "skipped"} for s in self.skipped]
+        return [{k: row.get(k) for k in CSV_KEYS} for row in rows]
 
     def to_dict(self) -> dict:
         c = self.columns

@@ -183,6 +183,7 @@ def test_markdown_shows_stars_and_bars_as_written():
 
     assert escaped("naive: 192*N^2 + 3,168*N") == "naive: 192\\*N^2 + 3,168\\*N"
     assert escaped("a | b") == "a \\| b" and escaped("exp_x") == "exp_x"
+    assert escaped("trace:<lambda>") == "trace:\\<lambda>"  # not an HTML tag
     table = markdown_table([Column("name", lambda r: r)], ["-dp*e/r/r"])
     assert table.splitlines()[-1] == "| -dp\\*e/r/r |"
 

@@ -200,7 +200,8 @@ def test_csv_json_and_records_keep_bytes_and_the_growth_as_a_number_whatever_the
         "saved_bytes": 262_144, "forward_peak_bytes": 344_064, "backward_peak_bytes": 344_064,
         "reserved_peak_bytes": 2 * MiB, "quadratic_bytes": 262_144, "fits": True,
         "peak_bytes": 344_064, "growth": 0.283784}
-    assert s.records() == data["rows"]
+    # the records are the CSV's rows: the JSON's, with their status
+    assert s.records() == [{**row, "status": "computed", "reason": None} for row in data["rows"]]
 
 
 def test_headline_counts_configurations_and_those_that_fit(toys):
@@ -280,6 +281,7 @@ def test_a_refusal_of_some_sizes_skips_those_only():
     assert [(k.impl, k.sizes) for k in s.skipped] == [("sdpa-flash", {"head_dim": 512})]
     assert s.skipped[0].who() == "sdpa-flash fp16 at head_dim 512"
     assert s.to_csv().splitlines()[-1].startswith("sdpa-flash,fp16,,,,512,,,,,,,,,skipped,")
+    assert [r["status"] for r in s.records()] == ["computed"] * 3 + ["skipped"]  # a DataFrame's
     causal = sweep(make_config(impl="linear-causal", kv_len=64), budget, seq_len=(64, 128))
     assert [r.seq_len for r in causal.rows] == [64]
     assert [k.to_dict()["seq_len"] for k in causal.skipped] == [128]
