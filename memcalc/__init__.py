@@ -204,14 +204,14 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_l
     >>> (r.max_value, r.at_max.fits, r.at_next.fits)  # fits at N, not at N + 1
     (19511, True, False)
     """
-    from memcalc.thresholds import solve as run
-
+    from memcalc.config import first_accepted
     from memcalc.names import solve_field
+    from memcalc.thresholds import solve as run
 
     solve = solve_field(solve, "solve")
     options = _options("oom", options)
     impls = _one_or_many("oom", impls, options)
-    config = make_config(**options)
+    config = first_accepted(impls, **options)
     return run(config, _budget(config, gpu_gb, reserve), solve, impls, time_limit)
 
 
@@ -242,6 +242,7 @@ def sweep(*, seq_lens=None, head_dims=(), batches=(),
     >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
     51658620928
     """
+    from memcalc.config import first_accepted
     from memcalc.scaling import sweep as run
 
     options = _options("sweep", options)
@@ -256,7 +257,7 @@ def sweep(*, seq_lens=None, head_dims=(), batches=(),
                                                     (head_counts, "head_counts")))
     impls = _names(impls, "impls", _impl_names()) if len(impls) else ()
     dtypes = _dtypes(dtypes) if len(dtypes) else ()
-    config = make_config(**options)
+    config = first_accepted(impls or [options.get("impl", "naive")], **options)
     return run(config, _budget(config, gpu_gb, reserve), seq_lens, head_dims, batches,
                head_counts, impls, dtypes)
 
@@ -274,12 +275,13 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
     8 x 4096 x 8 B: 2 x 536,870,912 + 131,072 + 262,144.)
     """
     from memcalc.comparison import compare as run
+    from memcalc.config import first_accepted
 
     options = _options("compare", options)
     impls = _one_or_many("compare", impls, options)
     if baseline is not None:
         _names([baseline], "baseline", _impl_names())
-    config = make_config(**options)
+    config = first_accepted(impls, **options)
     return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
 
 

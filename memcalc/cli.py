@@ -137,14 +137,20 @@ def config_from(args, **overrides):
 
     if "impl" not in overrides:
         check_impl(args.impl)
-    flat = dict(impl=getattr(args, "impl", None), seq_len=args.seq, batch=args.batch,
-                heads=args.heads, head_dim=args.head_dim, kv_len=args.kv_len,
-                kv_heads=args.kv_heads, dtype=args.dtype, causal=args.causal, gpu=args.gpu,
-                loss=loss_of(args), forward_only=args.forward_only,
+    return make_config(**{**config_options(args), "impl": getattr(args, "impl", None),
+                          **overrides})
+
+
+def config_options(args) -> dict:
+    """The options' ``make_config`` keywords, but the implementation."""
+    flat = dict(seq_len=args.seq, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                kv_len=args.kv_len, kv_heads=args.kv_heads, dtype=args.dtype,
+                causal=args.causal, gpu=args.gpu, loss=loss_of(args),
+                forward_only=args.forward_only,
                 cublas_workspace_config=args.cublas_workspace_config)
     if args.chunk is not None:
         flat["chunk"] = args.chunk
-    return make_config(**{**flat, **overrides})
+    return flat
 
 
 def loss_of(args) -> str:

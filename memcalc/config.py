@@ -232,3 +232,22 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
         protocol=Protocol(loss=loss, forward_only=forward_only,
                           cublas_workspace_config=cublas_workspace_config),
     )
+
+
+def first_accepted(impls, **options) -> Config:
+    """``make_config(**options)`` with the first of ``impls`` (None: every implementation)
+    that takes the options: the base of a command over several, whose others still run
+    and refuse for themselves (``--kv-heads`` with naive first: naive is listed as refused,
+    sdpa-math solved); an implementation given in ``options`` comes first. The first one's
+    refusal when none takes them."""
+    from memcalc.impls import impl_names
+
+    names = [options.pop("impl")] if "impl" in options else []
+    names += list(impls) if impls is not None else ["naive", *impl_names()]
+    errors = []
+    for impl in dict.fromkeys(names):
+        try:
+            return make_config(impl=impl, **options)
+        except ValueError as error:
+            errors.append(error)
+    raise errors[0]

@@ -17,7 +17,7 @@ each configuration that does not fit the budget (``memcalc.budget.fit``), and re
 from __future__ import annotations
 
 from fractions import Fraction
-from itertools import product
+from itertools import islice, product
 from typing import Iterable, Literal
 
 import numpy as np
@@ -289,9 +289,9 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
         series = progress(series, len(series), "sweep")
     for impl, dtype in series:
         try:
-            config = base.replace(impl=impl, dtype=dtype)
+            config = _series_base(base, impl, dtype, axes)
             runs = _evaluated(config, axes)
-        except ValueError as error:  # the configuration itself is refused
+        except Exception as error:  # noqa: BLE001 - refused (or broken) wherever it is tried
             runs = [([], error)]
         for points, outcome in runs:
             if isinstance(outcome, Exception):
@@ -313,6 +313,25 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
 
 
 GRID = ("batch", "heads", "head_dim", "seq_len")  # the order of a sweep's configurations
+
+
+def _series_base(base: Config, impl: str, dtype: str, axes: dict) -> Config:
+    """``base`` as ``impl`` in ``dtype``, at the first point of the grid it takes (the grid
+    sets every configuration's sizes, but the figures are evaluated from a configuration
+    the implementation takes: ``base``'s own sizes may be refused, a head dim of 512 for
+    FlashAttention); the first refusal when it takes none of the first 64."""
+    from memcalc.vectorized import evaluate
+
+    first = None
+    for point in islice(product(*(axes[k] for k in GRID)), 64):
+        sizes = dict(zip(GRID, point))
+        try:
+            config = base.replace(impl=impl, dtype=dtype, **sizes)
+            evaluate(config, **{k: np.array([v], dtype=np.int64) for k, v in sizes.items()})
+            return config
+        except Exception as error:  # noqa: BLE001 - a model that rejects (or breaks on) it
+            first = first or error
+    raise first
 
 
 def _evaluated(config: Config, axes: dict) -> list[tuple[list[tuple], object]]:
@@ -353,8 +372,9 @@ def _one_by_one(run, points: list[tuple]) -> list[tuple[list[tuple], object]]:
         return [run(points)]
     alone = [run([p]) for p in points]
     accepted = [p for (p,), outcome in alone if not isinstance(outcome, Exception)]
-    refused = [r for r in alone if isinstance(r[1], Exception)]
-    return ([run(accepted)] if accepted else []) + refused
+    if not accepted:  # refused at every length: one refusal, of the shape
+        return [run(points)]
+    return [run(accepted)] + [r for r in alone if isinstance(r[1], Exception)]
 
 
 def _varying(points: list[tuple], axes: dict) -> dict[str, int]:

@@ -61,6 +61,7 @@ LIMIT = 1 << 62  # no answer above this: the sizes would not be addressable anyw
 # 16,384 rows took twice its time, past the limit
 REACH = 4
 STRETCH = 0.8  # the share of the time left a climb's step is planned to take
+NEAR = 8  # past a threshold at n, n + 2 .. n + NEAR are tried (fitting goes on by parity)
 
 
 class Solved(BaseModel):
@@ -140,7 +141,8 @@ class Unsolved(Exception):
                  estimate: int | None = None, ceiling: int | None = None,
                  stopped_after: float | None = None):
         self.lo, self.hi, self.estimate, self.ceiling = lo, hi, estimate, ceiling
-        bound = f"fits at {lo:,}" + (f", not at {hi:,}" if hi else "")
+        known = ([f"fits at {lo:,}"] if lo else []) + ([f"not at {hi:,}"] if hi else [])
+        bound = ", ".join(known) or "nothing replayed in time"
         if estimate is not None:
             bound += f"; the closed-form estimate, not replayed: {estimate:,}"
         if ceiling is not None:
@@ -401,14 +403,17 @@ def _gallop_up(probe: _Probe, lo: int, step: int) -> tuple[int, int | None]:
 
 
 def _aligned_above(probe: _Probe, n: int) -> list[int]:
-    """The first multiple of each power of two above ``n``, up to the ceiling (past which
-    nothing fits): where sizes align, tensors share cached blocks exactly and fitting goes
-    further (linear in bf16 at 80 GiB: head_dim 40,021 fits, 40,022 does not, 40,032 and
-    40,960 do). None for a loop, whose replays take seconds."""
+    """The next few values above ``n`` and the first multiple of each power of two above
+    it, up to the ceiling (past which nothing fits): fitting goes on past a threshold by
+    parity (linear-causal's batch at 16 GiB: 181 fits, 182 does not, 183 does) and where
+    sizes align, tensors sharing cached blocks exactly (linear in bf16 at 80 GiB: head_dim
+    40,021 fits, 40,022 does not, 40,032 and 40,960 do). None for a loop, whose replays
+    take seconds."""
     top = probe.ceiling()
     if top is None or top <= n or probe.grows():
         return []
-    found, power = set(), 2
+    found = {x for x in range(n + 2, min(n + NEAR, top) + 1) if probe.accepted.accepts(x)}
+    power = 2
     while power <= top:
         x = n - n % power + power
         if x <= top and probe.accepted.accepts(x):

@@ -117,3 +117,21 @@ def test_a_fit_in_a_budget_that_is_not_one_says_what_it_takes():
     with pytest.raises(TypeError, match="a Budget or a number of bytes"):
         b.fit("1GiB")
     assert b.fit(b.reserved_peak_bytes).fits and not b.fit(b.reserved_peak_bytes - 1).fits
+
+
+def test_options_one_implementation_refuses_leave_the_others_to_the_api_too():
+    """``memcalc.compare(heads=4, kv_heads=2)`` raised naive's refusal (the base was
+    naive), where the command lists naive as refused; so did oom and sweep."""
+    rows = memcalc.compare(heads=4, kv_heads=2, seq_len=256, impls=["naive", "sdpa-math"]).rows
+    assert [(r.impl, r.breakdown is not None) for r in rows] == [
+        ("naive", False), ("sdpa-math", True)]
+    assert [r.impl for r in memcalc.oom(impls=["naive", "sdpa-math"], heads=4, kv_heads=2,
+                                        gpu_gb=8).results] == ["sdpa-math"]
+    assert len(memcalc.sweep(impls=("sdpa-math",), heads=4, kv_heads=2, seq_lens=(256,)).rows) == 1
+
+
+def test_a_search_with_nothing_replayed_says_so():
+    """"no exact answer within 0.0001 s (fits at 0)": 0 is no length, and nothing fitted."""
+    report = memcalc.oom(impls=["naive"], time_limit=0.0001)
+    assert report.unsolved[0].reason.startswith(
+        "no exact answer within 0.0001 s (nothing replayed in time)")

@@ -130,3 +130,22 @@ def test_oom_named_alone_a_refusal_is_one_line(capsys):
                          "--gpu-gb", "80")
     assert_refused(code, out, err, "sdpa-flash")
     assert "fp16 and bf16 only" in err
+
+
+def test_a_first_implementation_refusing_the_options_does_not_refuse_the_others(capsys):
+    """``--kv-heads 1 --heads 2`` with naive first (every implementation's list starts
+    there) refused the whole command; compare listed naive as refused and solved the
+    others. Now oom does too."""
+    code, out, _ = run(capsys, "oom", "--gpu-gb", "16", "--heads", "2", "--kv-heads", "1",
+                       "--head-dim", "64", "--impl", "naive,sdpa-math", "--csv")
+    rows = {r.split(",")[0]: r.split(",")[1] for r in out.splitlines()[1:]}
+    assert code == 0 and rows == {"sdpa-math": "solved", "naive": "skipped"}
+
+
+def test_a_few_values_past_the_threshold_are_tried():
+    """linear-causal's batch at 16 GiB: 181 fits, 182 does not, 183 does (fitting goes on
+    by parity); the answer was 181. Nothing from 184 to 400 fits (checked one by one)."""
+    import memcalc
+
+    r = memcalc.oom(impl="checkpoint-linear-causal", gpu_gb=16, solve="batch").results[0]
+    assert (r.max_value, r.at_max.fits, r.at_next.fits) == (183, True, False)

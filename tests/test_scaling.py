@@ -297,3 +297,16 @@ def test_a_pivots_corner_stays_on_one_line_and_its_notes_explain_its_figure(toys
     assert header.split() == ["seq_len", "\\", "head_dim", "16", "32"]
     assert "peak: max_memory_allocated over the step; OOM: replaying" in " ".join(out.split())
     assert "x first" not in out
+
+
+def test_the_order_of_the_lists_does_not_decide_what_is_swept():
+    """The base configuration took the first value of each list: ``--head-dim 512,128``
+    with sdpa-flash dropped sdpa-flash at 128, ``--head-dim 12,16`` with sdpa-efficient
+    refused the sweep; ``--head-dim 128,512`` worked. Both orders now sweep the same."""
+    budget = Budget(device="test GPU", memory_bytes=80 << 30, reserve_bytes=0)
+    for dims in ((512, 128), (128, 512)):
+        s = sweep(make_config(impl="naive", dtype="fp16", head_dim=dims[0]), budget,
+                  seq_len=(64, 128), head_dim=dims, impls=("sdpa-flash", "naive"))
+        assert sorted((r.impl, r.head_dim, r.seq_len) for r in s.rows if r.impl != "naive") == [
+            ("sdpa-flash", 128, 64), ("sdpa-flash", 128, 128)]
+        assert [(k.impl, k.sizes) for k in s.skipped] == [("sdpa-flash", {"head_dim": 512})]

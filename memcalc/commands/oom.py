@@ -1,6 +1,6 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
-from memcalc.cli import (budget_from, budget_options, check_chunk, config_from, emit,
+from memcalc.cli import (budget_from, budget_options, check_chunk, config_options, emit,
                          format_options, shape_options)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
@@ -25,6 +25,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from memcalc.config import first_accepted
     from memcalc.progress import status
     from memcalc.thresholds import PartialReport, solve
 
@@ -33,7 +34,7 @@ def run(args) -> int:
     field = solve_field(args.solve)
     impls = _impls(args)
     check_chunk(args, impls)
-    base = config_from(args, impl=impls[0] if impls else "naive")
+    base = first_accepted(impls, **config_options(args))
     try:
         with status(f"solving {field}"):  # a chunked loop's search replays for a minute
             report = solve(base, budget_from(args), field, impls, args.time_limit)

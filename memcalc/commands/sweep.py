@@ -61,7 +61,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from memcalc.cli import budget_from, check_chunk, emit, loss_of
+    from memcalc.cli import budget_from, check_chunk, config_options, emit
     from memcalc.config import make_config
     from memcalc.progress import progress
     from memcalc.scaling import FIGURE_KEY, sweep
@@ -79,13 +79,9 @@ def run(args) -> int:
     if args.pivot is not None and args.pivot not in FIGURE_KEY:
         raise unknown("--pivot", args.pivot, list(FIGURE_KEY), "figure")
     dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
-    options = dict(seq_len=seq[0], batch=batch[0], heads=heads[0], head_dim=dims[0],
-                   kv_len=args.kv_len, kv_heads=args.kv_heads, dtype=dtypes[0],
-                   causal=args.causal, gpu=args.gpu, loss=loss_of(args),
-                   forward_only=args.forward_only,
-                   cublas_workspace_config=args.cublas_workspace_config,
-                   **({} if args.chunk is None else {"chunk": args.chunk}))
-    base = _first_accepted(impls, options)
+    options = {**config_options(args), "dtype": dtypes[0]}
+    base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
+                                  "seq_len": seq})
     for name in impls[1:]:
         make_config(impl=name)
     check_output(args.plot, "--plot")
@@ -100,16 +96,19 @@ def run(args) -> int:
     return 0
 
 
-def _first_accepted(impls: list[str], options: dict):
-    """The sweep's base configuration: the options with the first implementation that
-    takes them (``--kv-heads`` with flash2 first: the others are still swept, and flash2
-    is listed as skipped); the first one's refusal when none does."""
-    from memcalc.config import make_config
+def _base(impls: list[str], options: dict, lists: dict):
+    """The sweep's base configuration: the options with the first of the lists' values, and
+    the first implementation, that are taken (``--head-dim 512,128`` with sdpa-flash first:
+    the others are still swept, and head_dim 512 listed as refused for sdpa-flash); the
+    first refusal when none is, of the first 64 combinations."""
+    from itertools import islice, product
+
+    from memcalc.config import first_accepted
 
     errors = []
-    for impl in impls:
+    for values in islice(product(*lists.values()), 64):
         try:
-            return make_config(impl=impl, **options)
+            return first_accepted(impls, **{**options, **dict(zip(lists, values))})
         except ValueError as error:
             errors.append(error)
     raise errors[0]
