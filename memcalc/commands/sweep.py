@@ -82,8 +82,6 @@ def run(args) -> int:
     options = {**config_options(args), "dtype": dtypes[0]}
     base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
                                   "seq_len": seq})
-    for name in impls[1:]:
-        make_config(impl=name)
     check_output(args.plot, "--plot")
     result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
                    pivot=args.pivot, unit="bytes" if args.bytes else "MiB", progress=progress)
