@@ -104,7 +104,8 @@ def make_config(**options):
 def breakdown(**options):
     """What one forward and backward step allocates: a ``Breakdown``, whose ``fits`` says
     whether it fits the device (``gpu``'s preset, or ``gpu_gb`` x 2^30 B) less ``reserve``
-    (default 512 MiB). ``seq`` is accepted for ``seq_len``, as on the command line.
+    (default 512 MiB), a budget it shows and serializes as ``memcalc breakdown`` does.
+    ``seq`` is accepted for ``seq_len``, as on the command line.
 
     >>> b = memcalc.breakdown(impl="naive", seq_len=16384)
     >>> b.saved_bytes  # exp_x and p (2 x 8 x 16384^2 x 4 B), row sum and int64 argmax
@@ -118,8 +119,6 @@ def breakdown(**options):
     gpu_gb, reserve = options.pop("gpu_gb", None), options.pop("reserve", None)
     config = make_config(**options)
     b = predict(config)
-    if gpu_gb is None and reserve is None:
-        return b
     return b.with_budget(_budget(config, gpu_gb, reserve))
 
 
@@ -315,8 +314,6 @@ def trace(fn: Callable, *, gpu_gb=None, reserve=None, **options):
     config = make_config(**{**options, "impl": register_function(fn, label_of(fn))})
     check_causal(fn, config)
     b = run(fn, config)
-    if gpu_gb is None and reserve is None:
-        return b
     return b.with_budget(_budget(config, gpu_gb, reserve))
 
 

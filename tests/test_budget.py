@@ -157,6 +157,9 @@ def test_the_api_breakdown_in_a_budget_shows_it_as_the_command_does(capsys):
     code, out, _ = run(capsys, "breakdown", "--seq", "1024", "--gpu-gb", "40", "--json")
     assert code == 0 and b.to_dict() == json.loads(out)
     assert "40 GB (GB = 2^30 B" in b._repr_html_() and "fits: reserved peak" in b._repr_html_()
+    # no budget given: the preset's, as the command's default (its JSON had no "fits")
+    code, out, _ = run(capsys, "breakdown", "--seq", "1024", "--json")
+    assert memcalc.breakdown(seq_len=1024).to_dict() == json.loads(out)
 
 
 # --- CLI ----------------------------------------------------------------------------------
