@@ -6,6 +6,8 @@ same models from its options, so the CLI and the Python API cannot disagree.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import re
 from enum import Enum
 from typing import Iterable, Literal
@@ -244,10 +246,16 @@ def first_accepted(impls, **options) -> Config:
 
     names = [options.pop("impl")] if "impl" in options else []
     names += list(impls) if impls is not None else ["naive", *impl_names()]
-    errors = []
-    for impl in dict.fromkeys(names):
+    return first_taken(dict.fromkeys(names), lambda impl: make_config(impl=impl, **options))
+
+
+def first_taken(candidates, make, refused: type[Exception] = ValueError):
+    """``make(c)`` for the first of ``candidates`` (at most 64 tried) that it does not
+    refuse (raise ``refused``); the first refusal when it refuses them all."""
+    first = None
+    for candidate in islice(candidates, 64):
         try:
-            return make_config(impl=impl, **options)
-        except ValueError as error:
-            errors.append(error)
-    raise errors[0]
+            return make(candidate)
+        except refused as error:
+            first = first or error
+    raise first

@@ -17,7 +17,7 @@ each configuration that does not fit the budget (``memcalc.budget.fit``), and re
 from __future__ import annotations
 
 from fractions import Fraction
-from itertools import islice, product
+from itertools import product
 from typing import Iterable, Literal
 
 import numpy as np
@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from memcalc.budget import Budget, fit
 from memcalc.breakdown import Result
-from memcalc.config import Config
+from memcalc.config import Config, first_taken
 from memcalc.errors import refusal
 from memcalc.render import Column, Table, record_table
 from memcalc.units import fixed, human, mib, ratio_number, share
@@ -322,16 +322,14 @@ def _series_base(base: Config, impl: str, dtype: str, axes: dict) -> Config:
     FlashAttention); the first refusal when it takes none of the first 64."""
     from memcalc.vectorized import evaluate
 
-    first = None
-    for point in islice(product(*(axes[k] for k in GRID)), 64):
+    def taken(point: tuple) -> Config:
         sizes = dict(zip(GRID, point))
-        try:
-            config = base.replace(impl=impl, dtype=dtype, **sizes)
-            evaluate(config, **{k: np.array([v], dtype=np.int64) for k, v in sizes.items()})
-            return config
-        except Exception as error:  # noqa: BLE001 - a model that rejects (or breaks on) it
-            first = first or error
-    raise first
+        config = base.replace(impl=impl, dtype=dtype, **sizes)
+        evaluate(config, **{k: np.array([v], dtype=np.int64) for k, v in sizes.items()})
+        return config
+
+    # a model that rejects (or breaks on) a point: any exception is its refusal
+    return first_taken(product(*(axes[k] for k in GRID)), taken, refused=Exception)
 
 
 def _evaluated(config: Config, axes: dict) -> list[tuple[list[tuple], object]]:

@@ -96,17 +96,12 @@ def run(args) -> int:
 
 def _base(impls: list[str], options: dict, lists: dict):
     """The sweep's base configuration: the options with the first of the lists' values, and
-    the first implementation, that are taken (``--head-dim 512,128`` with sdpa-flash first:
-    the others are still swept, and head_dim 512 listed as refused for sdpa-flash); the
-    first refusal when none is, of the first 64 combinations."""
-    from itertools import islice, product
+    the first implementation, that are taken (``--heads 3,4 --kv-heads 2``: heads 3 is
+    refused, listed as such, the rest swept); the first refusal when none is."""
+    from itertools import product
 
-    from memcalc.config import first_accepted
+    from memcalc.config import first_accepted, first_taken
 
-    errors = []
-    for values in islice(product(*lists.values()), 64):
-        try:
-            return first_accepted(impls, **{**options, **dict(zip(lists, values))})
-        except ValueError as error:
-            errors.append(error)
-    raise errors[0]
+    return first_taken(product(*lists.values()),
+                       lambda values: first_accepted(impls, **{**options,
+                                                              **dict(zip(lists, values))}))
