@@ -99,6 +99,50 @@ def step_options(p: argparse.ArgumentParser) -> None:
                    help='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"')
 
 
+def input_options(p: argparse.ArgumentParser) -> None:
+    """What a traced target is called with (``memcalc.inputs``)."""
+    p.add_argument("--input", action="append", default=None, metavar="NAME=DIMS[:DTYPE]",
+                   help="an argument of the traced target, repeated for each, in call order "
+                        "or by parameter name: DIMS a comma list of whole numbers and the "
+                        "letters B, N, M, H, K, D (--batch, --seq, --kv-len, --heads, "
+                        "--kv-heads, --head-dim) or products (H*D); DTYPE default --dtype "
+                        "(bool, int64, ... for masks and ids; then :ones, :zeros, :arange or "
+                        ":padded for their values). Example: --input x=B,N,768")
+    p.add_argument("--no-grad", action="append", default=[], metavar="NAME",
+                   help="a floating input that needs no gradient (repeatable)")
+    p.add_argument("--autocast", default=None, metavar="DTYPE",
+                   help="run the forward under torch.autocast('cuda', dtype) as mixed-precision "
+                        "training does: bf16 or fp16 (CUDA's autocast policy; autocast written "
+                        "in the code itself is followed without this)")
+
+
+def inputs_from(args):
+    """``--input``, ``--no-grad`` and ``--autocast`` as a ``memcalc.tracing.Calling``'s
+    parts: ``(inputs or None, autocast dtype or None)``."""
+    from memcalc.inputs import inputs_of
+
+    autocast = autocast_dtype(args.autocast)
+    if not args.input:
+        if args.no_grad:
+            raise ValueError(f"--no-grad {args.no_grad[0]}: give the inputs with --input "
+                             f"first (without it the target takes q, k, v, which need grad)")
+        return None, autocast
+    return inputs_of(args.input, args.no_grad), autocast
+
+
+def autocast_dtype(text: str | None, field: str = "--autocast") -> str | None:
+    """``bf16``/``fp16`` (or torch's names) as torch's dtype name; fp32 is refused."""
+    from memcalc.names import dtype_name
+
+    if text is None:
+        return None
+    name = dtype_name(text)
+    if name not in ("bf16", "fp16"):
+        raise ValueError(f"{field}: {text!r} is not an autocast dtype; autocast runs in bf16 or "
+                         f"fp16 (bfloat16, float16)")
+    return {"bf16": "bfloat16", "fp16": "float16"}[name]
+
+
 def budget_options(p: argparse.ArgumentParser) -> None:
     """The device budget: ``--gpu``'s memory (or ``--gpu-gb``) less ``--reserve``."""
     p.add_argument("--gpu-gb", default=None, metavar="X",

@@ -174,6 +174,8 @@ class Config(BaseModel):
         forward-only, the loss, the chunk, the cuBLAS workspace setting); ``leave_out``:
         the size a search solves for, or what a sweep varies (sizes, ``dtype``)."""
         left = {leave_out} if isinstance(leave_out, str) else set(leave_out)
+        reads = get_impl(self.impl).reads
+        left |= set(Shape.model_fields) - reads if reads is not None else set()
         s, p = self.shape, self.protocol
         sizes = {"batch": f"B={s.batch}", "heads": f"H={s.heads}",
                  "kv_heads": f"Hk={s.kv_heads}" if s.kv_heads else "",

@@ -48,8 +48,6 @@ _MADE_BY = {
     ("dk", "bmm"): "BmmBackward0: grad of k",
 }
 
-_INPUTS = {"q", "k", "v", "grad_out"}
-
 # the legend's parts, each shown when the table shows any of its names
 _LEGEND_PARTS = (
     ({"exp_x", "row_sum", "e/r", "dp/r", "de"},
@@ -63,12 +61,12 @@ _LEGEND_PARTS = (
 
 
 def made_by(component) -> str:
-    """``node: what`` for a known name, else the op (``randn`` for the inputs)."""
+    """``node: what`` for a known name, else the op (``input (randn)`` for an input)."""
     known = _MADE_BY.get((component.name, component.op))
     if known:  # under no_grad (a forward-only step) no node keeps it
         return known if component.role is Role.saved else known.split(", kept by ")[0]
-    if component.name in _INPUTS:
-        return "input (randn)"
+    if component.role is Role.input:
+        return f"input ({component.op})"
     return "cuBLAS handle pool" if component.op == "cublas" else component.op
 
 

@@ -17,7 +17,7 @@ from memcalc.allocator import CachingAllocator, Sizes, round_segment, round_size
 from memcalc.forms import ZERO, Form, _simplify, constant
 from memcalc.symbolic import Sym, evaluate_sym
 from memcalc.tensors import Tensor
-from memcalc.timeline import Ledger, Live, input_tensors, replay
+from memcalc.timeline import Ledger, Live, replay, step_inputs
 
 @dataclass
 class Group:
@@ -39,7 +39,7 @@ class Group:
         program = impl.build(d)
         sizes: dict[tuple, Sym] = {}
         each: dict[int, Any] = {}
-        for t in (*input_tensors(d), *program.forward, *program.backward):
+        for t in (*step_inputs(program, d), *program.forward, *program.backward):
             if isinstance(t, Tensor):
                 nbytes = each[id(t)] = t.nbytes
                 if isinstance(nbytes, Sym):

@@ -36,6 +36,9 @@ class Impl:
     # search probes (``memcalc.accepted``)
     accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules
     chunked: bool = False  # reads Dims.chunk (--chunk): a loop over chunks of rows
+    # the shape fields its program reads (``Shape``'s names), None: all; titles leave the
+    # others out (a traced module called with x=(B, N, 768) reads no heads nor head dim)
+    reads: frozenset[str] | None = None
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""

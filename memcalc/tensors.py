@@ -145,10 +145,14 @@ def first_unpack() -> Mark:
 
 @dataclass(frozen=True)
 class Program:
-    """What one training step of an implementation allocates, forward then backward."""
+    """What one training step of an implementation allocates, forward then backward, and
+    what exists before it: ``inputs``, allocated before the warm-up step (None: ``q, k, v``
+    and ``grad_out``, ``memcalc.inputs.input_tensors``; a traced module's parameters,
+    buffers and own inputs otherwise)."""
 
     forward: tuple[Event, ...]
     backward: tuple[Event, ...]
+    inputs: tuple[Event, ...] | None = None
 
 
 __all__ = ["Dims", "Event", "Mark", "Program", "Role", "Tensor", "cublas", "first_unpack",

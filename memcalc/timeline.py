@@ -25,6 +25,7 @@ from memcalc.config import Config
 from memcalc.deadline import tick
 from memcalc.dims import Dims
 from memcalc.impls import get_impl
+from memcalc.inputs import input_tensors
 from memcalc.progress import detail, listening
 from memcalc.tensors import Cublas, Free, Program, Release, Role, Tensor
 
@@ -186,8 +187,7 @@ def replay(ledger: Ledger, d: Dims, program: Program, on_phase=None) -> Step:
     of each measured phase (``"forward"``, ``"backward"``), where the caller reads its
     peak."""
     grad = not d.forward_only
-    for t in input_tensors(d):
-        ledger.alloc(t.name, t)
+    _run(ledger, step_inputs(program, d), "main", grad)
     ledger.allocator.mark_warm_up()
     _phase(ledger, "warm-up", len(program.forward) + grad * len(program.backward))
     _run(ledger, program.forward, "main", grad)  # creates the workspaces, fills the cache
@@ -315,12 +315,10 @@ def _collector_paused():
             gc.enable()
 
 
-def input_tensors(d: Dims) -> list[Tensor]:
-    """``q, k, v`` and ``grad_out`` (protocol step 1), in the order they are allocated:
-    ``q`` and ``grad_out`` are ``(B, H, N, D)``, ``k`` and ``v`` ``(B, Hk, M, D)``."""
-    names = ["q", "k", "v"] + (["grad_out"] if d.loss == "grad" and not d.forward_only else [])
-    return [Tensor(n, (d.B, d.H, d.N, d.D) if n in ("q", "grad_out") else (d.B, d.Hk, d.M, d.D),
-                   d.dtype, Role.input, "randn") for n in names]
+def step_inputs(program: Program, d: Dims) -> tuple:
+    """What exists before the warm-up step (protocol step 1): the program's own inputs (a
+    traced module's state and arguments), else ``q, k, v`` and ``grad_out``."""
+    return program.inputs if program.inputs is not None else tuple(input_tensors(d))
 
 
 def tensor_sizes(config: Config) -> dict[str, int]:
@@ -329,7 +327,7 @@ def tensor_sizes(config: Config) -> dict[str, int]:
     d = config.dims
     program = get_impl(config.impl).program(d)
     sizes: dict[str, int] = {}
-    for t in (*input_tensors(d), *program.forward, *program.backward):
+    for t in (*step_inputs(program, d), *program.forward, *program.backward):
         if isinstance(t, Tensor):
             sizes.setdefault(t.name, t.nbytes)
     return sizes

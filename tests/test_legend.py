@@ -21,8 +21,8 @@ TERMS = ("e/r, e/r/r, -dp and -dp*e/r/r are the terms of DivBackward0's grad of 
 LEGEND = f"names: {SYMBOLS}; {GRADS}; {TERMS}"  # naive's table shows names of all three parts
 
 
-def component(name: str, op: str) -> Component:
-    return Component(name=name, role=Role.temporary, op=op, shape=(1, 16, 16), dtype="float32",
+def component(name: str, op: str, role: Role = Role.temporary) -> Component:
+    return Component(name=name, role=role, op=op, shape=(1, 16, 16), dtype="float32",
                      nbytes=1024, block_bytes=1024)  # 1 x 16 x 16 x 4 B
 
 
@@ -38,9 +38,9 @@ def test_made_by_an_unknown_name_or_op_is_the_op():
     assert made_by(component("softmax", "_softmax")) == "_softmax"  # sdpa-math's name
 
 
-@pytest.mark.parametrize("name", ["q", "k", "v", "grad_out"])
-def test_the_inputs_are_made_by_randn(name):
-    assert made_by(component(name, "randn")) == "input (randn)"
+@pytest.mark.parametrize("name, op", [("q", "randn"), ("grad_out", "randn"), ("ids", "ones")])
+def test_the_inputs_are_made_by_their_fill(name, op):
+    assert made_by(component(name, op, Role.input)) == f"input ({op})"
 
 
 def test_a_cublas_workspace_is_made_by_the_handle_pool():

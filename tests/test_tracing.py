@@ -113,7 +113,9 @@ def test_a_call_memcalc_does_not_model_names_the_line_and_why_with_no_meta_hint(
 @pytest.mark.parametrize("target, message", [
     ("missing.py:attn", "no file"),
     ("{tmp}/user.py:nope", "has no function 'nope'"),
-    ("{tmp}/user.py:two_args", "must accept (q, k, v)"),
+    ("{tmp}/user.py:two_args", "two_args(q, k) does not take (q, k, v): give each of its "
+     "inputs as --input NAME=DIMS[:DTYPE], e.g. --input q=B,N,768 (letters: B --batch, "
+     "N --seq, M --kv-len, H --heads, K --kv-heads, D --head-dim)"),
     ("{tmp}/broken.py:attn", "importing"),
     ("no_colon", "expected FILE.py:FUNCTION"),
     ("memcalc_no_such_module:attn", "importing"),
@@ -168,3 +170,29 @@ def test_oom_trace_agrees_with_direct_traces(capsys):
         return True
 
     assert fits(n) and not fits(n + 1)
+
+
+def test_oom_trace_of_a_module_with_weights_agrees_with_direct_traces(capsys):
+    """A module's parameters and buffers are in the fitted program as in a direct trace:
+    nanoGPT's slow attention from its hidden states, solved, then traced directly (CUDA
+    paths, as the search's samples) at N and N + 1 in the budget."""
+    import json
+
+    args = [f"{ROOT}/examples/attention/nanogpt.py:SlowCausalSelfAttention", "--input",
+            "x=B,N,768", "--batch", "1", "--gpu-gb", "3", "--json"]
+    assert main(["oom", "--trace", *args]) == 0
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    n = result["max_seq_len"]
+
+    def direct(seq_len):
+        assert main(["trace", *args, "--seq", str(seq_len)]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    at, after = direct(n), direct(n + 1)
+    assert at["fits"] and not after["fits"]
+    assert at["peak_bytes"] == result["peak_bytes_at_max"]
+    # resident: c_attn (768 x 2304 + 2304), c_proj (768 x 768 + 768) float32 and the causal
+    # mask (1, 1, 16384, 16384) float32
+    resident = [c for c in at["components"] if c["role"] in ("parameter", "buffer")]
+    assert sum(c["bytes"] for c in resident) == (768 * 2304 + 2304 + 768 * 768 + 768
+                                                 + 16384 * 16384) * 4

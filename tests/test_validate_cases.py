@@ -98,10 +98,12 @@ def test_usercode_cases_are_each_function_at_two_lengths(registry_restored):
 
 def test_code_binds_the_configurations_options():
     def attn(q, k, v, is_causal=False):
-        return is_causal
+        return q if is_causal else k
 
-    assert Case("usercode", NAIVE.replace(causal=True), attn).code()(1, 2, 3) is True
-    assert Case("usercode", NAIVE, lambda q, k, v: (q, k, v)).code()(1, 2, 3) == (1, 2, 3)
+    q, k, v = (torch.zeros(1) for _ in range(3))
+    assert Case("usercode", NAIVE.replace(causal=True), attn).code()(q, k, v) is q
+    # (out, weights) as attention modules return: the first is the output
+    assert Case("usercode", NAIVE, lambda q, k, v: (v, k)).code()(q, k, v) is v
     causal = cases.grid_cases([NAIVE.replace(causal=True)], ENV)[0]
     # the reference code, causal: traced it is the default trace of the configuration
     assert emulated.measure(causal.config, fn=causal.code()).figures() == \

@@ -90,3 +90,64 @@ def test_trace_frees_the_dead_in_the_order_they_were_tracked():
     allocs = [e[1] for e in tracer.events if e[0] == "alloc"]
     assert frees[:2] == [allocs[0], allocs[2]]  # a, then c
     assert [e[0] for e in tracer.events[:5]] == ["alloc"] * 3 + ["free"] * 2  # at the next op
+
+
+# --- composites: what the installed torch's own kernel runs ----------------------------
+
+SOFTMAX_INPUT = (2, 3, 5, 7)  # float32: 840 B; its bool mask 210 B; row mask (2, 3, 5, 1) 30 B
+
+
+def _profiled_safe_softmax() -> list[tuple[str, int]]:
+    """The ops ``aten::_safe_softmax`` calls on the installed torch (its CompositeExplicit
+    kernel, the same on CPU and CUDA), each with the bytes it left allocated, from
+    ``torch.profiler`` on a small CPU tensor; ops that allocate nothing are left out."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.ops.aten._safe_softmax(torch.randn(SOFTMAX_INPUT), -1)
+    top = next(e for e in prof.events() if e.name == "aten::_safe_softmax")
+    return [(c.name.removeprefix("aten::").lstrip("_"), c.cpu_memory_usage)
+            for c in top.cpu_children if c.cpu_memory_usage]
+
+
+def _traced_safe_softmax(composite) -> list[tuple[str, int]]:
+    """The allocations ``composite`` makes under the tracer, on the meta device."""
+    import torch
+
+    from memcalc.validation.emulated import Tracer
+
+    tracer = Tracer(0)
+    x = torch.empty(SOFTMAX_INPUT, device="meta")
+    with tracer:
+        composite(x, -1)
+    return [(e[2].op.lstrip("_"), e[2].nbytes) for e in tracer.events if e[0] == "alloc"]
+
+
+def test_the_traced_safe_softmax_runs_the_installed_torchs_ops():
+    """The composite the tracer runs for ``_safe_softmax`` allocates what the installed
+    torch's own kernel does, op by op: torch 2.6 to 2.13 run softmax (840 B), isneginf (210 B),
+    all (30 B), a 0-d zero (4 B) and a where into the softmax's storage (0 B)."""
+    from memcalc.validation.emulated import SAFE_SOFTMAX
+
+    assert _traced_safe_softmax(SAFE_SOFTMAX) == _profiled_safe_softmax()
+
+
+def test_the_model_of_safe_softmax_runs_the_installed_torchs_ops():
+    """memcalc/impls/sdpa_math.py declares the ops of the installed torch's kernel, in order,
+    with their bytes: the model and the tracer cannot share a wrong composite unseen."""
+    from memcalc.dims import Dims
+    from memcalc.impls.sdpa_math import safe_softmax
+    from memcalc.tensors import Tensor
+
+    B, H, N, M = SOFTMAX_INPUT
+    d = Dims(B=B, H=H, N=N, M=M, D=16, dtype="float32", causal=False, loss="grad", Hk=H, chunk=64)
+    declared = [(t.op.lstrip("_"), t.nbytes) for t in safe_softmax(d, "qk") if isinstance(t, Tensor)]
+    assert declared == _profiled_safe_softmax()
+
+
+def test_the_older_safe_softmax_is_told_apart():
+    """torch 2.5: a -inf scalar, eq, and an out-of-place where: the check sees it."""
+    from memcalc.validation.emulated import _safe_softmax_eq
+
+    assert _traced_safe_softmax(_safe_softmax_eq) != _profiled_safe_softmax()

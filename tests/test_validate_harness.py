@@ -7,10 +7,18 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from memcalc.dims import Dims  # noqa: E402
+from memcalc.inputs import Input  # noqa: E402
 from memcalc.validation.emulated import Tracer, TracerProbe  # noqa: E402
 from memcalc.validation.harness import Measured, make_inputs, run_protocol  # noqa: E402
 
 SHAPE, KV_SHAPE = (1, 2, 8, 4), (1, 2, 6, 4)
+
+
+def dims(dtype="float32", kv_len=8, loss="grad", forward_only=False):
+    """The sizes of SHAPE (B=1, H=2, N=8, D=4), keys KV_SHAPE when kv_len=6."""
+    return Dims(B=1, H=2, N=8, M=kv_len, D=4, dtype=dtype, causal=False, loss=loss, Hk=2,
+                chunk=64, forward_only=forward_only)
 
 
 class Ops(TorchDispatchMode):
@@ -91,9 +99,8 @@ class ZeroProbe:
 
 def test_make_inputs_allocates_q_k_v_then_grad_out():
     with Ops() as seen:
-        q, k, v, dout = make_inputs(torch, SHAPE, KV_SHAPE, torch.float32, "meta",
-                                    need_grad=True, grad_out=True,
-                                    out_like=((1, 8, 2, 4), torch.float64))
+        (q, k, v), dout = make_inputs(torch, dims(kv_len=6), "meta",
+                                      out_like=((1, 8, 2, 4), "float64"))
     assert seen.ops == [("randn", SHAPE, torch.float32), ("randn", KV_SHAPE, torch.float32),
                         ("randn", KV_SHAPE, torch.float32),
                         ("randn", (1, 8, 2, 4), torch.float64)]  # grad_out as out_like says
@@ -102,14 +109,30 @@ def test_make_inputs_allocates_q_k_v_then_grad_out():
 
 
 def test_make_inputs_grad_out_is_shaped_like_q_unless_told():
-    q, k, v, dout = make_inputs(torch, SHAPE, KV_SHAPE, torch.bfloat16, "meta",
-                                need_grad=True, grad_out=True)
+    (q, k, v), dout = make_inputs(torch, dims("bfloat16", kv_len=6), "meta")
     assert (dout.shape, dout.dtype) == (q.shape, torch.bfloat16)
     assert (k.shape, v.shape) == (KV_SHAPE, KV_SHAPE)
-    inference = make_inputs(torch, SHAPE, SHAPE, torch.float32, "meta", need_grad=False,
-                            grad_out=False, out_like=((1, 8, 2, 4), torch.float64))
-    assert inference[3] is None  # no grad_out without loss="grad", whatever out_like says
-    assert not any(t.requires_grad for t in inference[:3])
+    inference = make_inputs(torch, dims(forward_only=True), "meta",
+                            out_like=((1, 8, 2, 4), "float64"))
+    assert inference.grad_out is None  # no grad_out without a backward, whatever out_like says
+    assert not any(t.requires_grad for t in inference.leaves)
+    assert make_inputs(torch, dims(), "meta", out_like=((), "float32")).grad_out is None  # a loss
+
+
+def test_make_inputs_takes_any_inputs_with_their_fills():
+    """Inputs as declared, in order: floating ones random leaves that need grad (unless
+    turned off), integer and bool ones filled, never needing grad."""
+    inputs = (Input("x", ("B", "N", "H*D")), Input("ids", ("B", "N"), "int64"),
+              Input("pos", ("1", "N"), "int64", fill="arange"),
+              Input("mask", ("B", "N"), "int64", fill="padded"),
+              Input("bias", ("N",), grad=False))
+    (x, ids, pos, mask, bias), dout = make_inputs(torch, dims(), "cpu", inputs,
+                                                  out_like=((1, 8, 8), "float32"))
+    assert x.shape == (1, 8, 8) and x.requires_grad and x.is_leaf  # H*D = 2 x 4
+    assert torch.equal(ids, torch.ones(1, 8, dtype=torch.int64))
+    assert pos.tolist() == [list(range(8))]
+    assert mask.tolist() == [[1] * 6 + [0] * 2]  # the last quarter of the first row
+    assert not bias.requires_grad and dout.shape == (1, 8, 8)
 
 
 def test_training_warms_up_unread_then_reads_each_phase():
@@ -119,8 +142,7 @@ def test_training_warms_up_unread_then_reads_each_phase():
     log, outputs = [], []
     probe = LogProbe(log, outputs, allocated=[1000, 5000], max_allocated=[9000, 7000],
                      max_reserved=[8192, 10240])
-    inputs = make_inputs(torch, SHAPE, SHAPE, torch.float32, "cpu", need_grad=True,
-                         grad_out=True)
+    inputs = make_inputs(torch, dims(), "cpu")
     m = run_protocol(torch, logged_attn(log, outputs), probe, inputs, forward_only=False)
     assert log == ["forward grad=True", "backward",  # warm-up
                    "reset (0 alive)", "allocated", "forward grad=True", "allocated",
@@ -142,9 +164,9 @@ def test_warm_up_grads_are_released_before_the_measured_step(loss):
         seen.append([t.grad is None for t in (q, k, v, w)])
         return q * w + k + v
 
-    q, k, v, dout = make_inputs(torch, SHAPE, SHAPE, torch.float32, "cpu", need_grad=True,
-                                grad_out=loss == "grad")
-    run_protocol(torch, attn, ZeroProbe(), (q, k, v, dout), forward_only=False, parameters=(w,))
+    inputs = make_inputs(torch, dims(loss=loss), "cpu")
+    (q, k, v), dout = inputs
+    run_protocol(torch, attn, ZeroProbe(), inputs, forward_only=False, parameters=(w,))
     assert seen == [[True] * 4, [True] * 4]
     g = dout if loss == "grad" else torch.ones(SHAPE)  # out.sum() seeds ones
     assert torch.equal(q.grad, g * 2) and torch.equal(k.grad, g) and torch.equal(v.grad, g)
@@ -156,8 +178,7 @@ def test_warm_up_grads_are_released_before_the_measured_step(loss):
 def test_reserved_and_peak_take_the_larger_phase_when_it_is_the_forward():
     probe = LogProbe([], [], allocated=[0, 0], max_allocated=[9000, 7000],
                      max_reserved=[12288, 4096])
-    inputs = make_inputs(torch, SHAPE, SHAPE, torch.float32, "cpu", need_grad=True,
-                         grad_out=False)
+    inputs = make_inputs(torch, dims(loss="sum"), "cpu")
     m = run_protocol(torch, lambda q, k, v: q * k, probe, inputs, forward_only=False)
     assert m.reserved_peak_bytes == 12288  # max(12288 forward, 4096 backward)
     assert m.peak_bytes == 9000  # max(9000 forward, 7000 backward)
@@ -167,8 +188,7 @@ def test_forward_only_runs_twice_under_no_grad_and_never_backward():
     log, outputs = [], []
     probe = LogProbe(log, outputs, allocated=[1000, 2024], max_allocated=[6000],
                      max_reserved=[8192])
-    inputs = make_inputs(torch, SHAPE, SHAPE, torch.float32, "cpu", need_grad=True,
-                         grad_out=False)
+    inputs = make_inputs(torch, dims(loss="sum"), "cpu")
     m = run_protocol(torch, logged_attn(log, outputs), probe, inputs, forward_only=True)
     assert log == ["forward grad=False",  # warm-up, its output dead before the reset
                    "reset (0 alive)", "allocated", "forward grad=False", "allocated",
@@ -176,7 +196,7 @@ def test_forward_only_runs_twice_under_no_grad_and_never_backward():
     # 2024 - 1000 - 512 = 512: what the forward left besides out; no backward phase
     assert m == Measured(saved_bytes=512, forward_peak_bytes=6000, backward_peak_bytes=0,
                          reserved_peak_bytes=8192)
-    assert all(t.grad is None for t in inputs[:3])
+    assert all(t.grad is None for t in inputs.leaves)
 
 
 class Reads:
@@ -210,8 +230,7 @@ def test_figures_on_the_allocator_model(forward_only):
     tracer = Tracer(workspace_bytes=0)
     probe = Reads(TracerProbe(tracer))
     with tracer:
-        inputs = make_inputs(torch, SHAPE, SHAPE, torch.float32, "meta",
-                             need_grad=not forward_only, grad_out=not forward_only)
+        inputs = make_inputs(torch, dims(forward_only=forward_only), "meta")
         m = run_protocol(torch, attn, probe, inputs, forward_only)
         del inputs
     if forward_only:

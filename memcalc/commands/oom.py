@@ -1,7 +1,7 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
 from memcalc.cli import (budget_from, budget_options, check_chunk, config_options, emit,
-                         format_options, shape_options)
+                         format_options, input_options, inputs_from, shape_options)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
 
@@ -15,8 +15,10 @@ def add_arguments(parser) -> None:
                              "(unless the implementation refuses the default); the other "
                              "options fix the rest")
     parser.add_argument("--trace", default=None, metavar="FILE.py:FUNCTION",
-                        help="solve for your own fn(q, k, v), traced on the meta device "
-                             "(imports and runs the named file as Python code)")
+                        help="solve for your own function or module, traced on the meta "
+                             "device (imports and runs the named file as Python code), "
+                             "called with q, k, v or --input's tensors")
+    input_options(parser)
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                         help="give up on an implementation after this long, saying what is "
                              "known so far (default: 60; a chunked program at millions of "
@@ -50,11 +52,22 @@ def _impls(args) -> list[str] | None:
     from memcalc.names import impl_list
 
     impls = impl_list(args.impl)
-    if args.trace is not None:
-        import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
+    inputs, autocast = inputs_from(args)
+    if args.trace is None:
+        given = [f"--input {args.input[0]}" if inputs else "",
+                 f"--autocast {args.autocast}" if autocast else ""]
+        if any(given):
+            raise ValueError(f"{next(g for g in given if g)}: an option of a traced target; "
+                             f"give --trace FILE.py:FUNCTION")
+        return impls
+    import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-        from memcalc.tracing import load_function, register_function
+    from memcalc.tracing import (Calling, TraceError, check_inputs, load_function,
+                                 register_function)
 
-        traced = register_function(load_function(args.trace), args.trace)
-        impls = (impls or []) + [traced]
-    return impls
+    fn = load_function(args.trace)
+    try:
+        calling = Calling(check_inputs(fn, inputs), autocast)
+    except TraceError as error:
+        raise ValueError(f"--trace {args.trace}: {error}") from None
+    return (impls or []) + [register_function(fn, args.trace, calling)]

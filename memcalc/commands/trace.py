@@ -2,7 +2,8 @@
 the configured GPU would run it, with its fit in the device's budget."""
 
 from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from,
-                         emit, format_options, naming, shape_options)
+                         emit, format_options, input_options, inputs_from, naming,
+                         shape_options)
 
 HELP = ("breakdown of your own attention function or nn.Module, traced on the meta device "
         "along the GPU's code paths (imports and runs the named file or module as Python code)")
@@ -10,9 +11,11 @@ HELP = ("breakdown of your own attention function or nn.Module, traced on the me
 
 def add_arguments(parser) -> None:
     parser.add_argument("target", metavar="FILE.py:FUNCTION",
-                        help="fn(q, k, v) returning out, or an nn.Module class (built with no "
-                             "arguments on the meta device) or instance; also "
+                        help="a function or an nn.Module class (built with no arguments on "
+                             "the meta device) or instance, called with --input's tensors "
+                             "(default: q, k, v of shape (B, H, N, D)); also "
                              "MODULE:FUNCTION. The file is imported (its code runs)")
+    input_options(parser)
     shape_options(parser, impls="none")
     budget_options(parser)
     format_options(parser)
@@ -30,19 +33,21 @@ def run(args) -> int:
     line naming it as given."""
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.tracing import (TraceError, TraceOptions, check_causal, load_function,
-                                 register_function, traced)
+    from memcalc.tracing import (Calling, TraceError, TraceOptions, check_causal,
+                                 check_inputs, load_function, register_function, traced)
 
     check_output(args.plot, "--plot")
     budget = budget_from(args)
     options = TraceOptions(cuda=not args.meta_paths, workspace=_workspace(args.cudnn_workspace))
     history = []
+    inputs, autocast = inputs_from(args)
     try:
         fn = load_function(args.target)
-        config = config_from(args, impl=register_function(fn, args.target))
+        calling = Calling(check_inputs(fn, inputs), autocast)
+        config = config_from(args, impl=register_function(fn, args.target, calling))
         check_chunk(args, [config.impl])
         check_causal(fn, config)
-        result = traced(fn, config, options, budget, history)
+        result = traced(fn, config, options, budget, history, calling)
     except TraceError as error:
         text = str(error).removeprefix(f"--trace {args.target}: ")
         raise ValueError(f"target {args.target}: {text.splitlines()[0]}") from None

@@ -15,10 +15,11 @@ CUDA with ``sdpa_kernel(SDPBackend.MATH)`` and which meta and CPU tensors always
   (``convert_boolean_attn_mask``: ``where(mask, 0, -inf)``);
 * GQA: ``repeat_interleave`` of k and v to H heads (``pre_process_group_query_attention_input``),
   a clone of shape ``(B, Hk, H/Hk, M, D)`` each; the value copy is saved;
-* ``_safe_softmax`` (saves its result); ``SafeSoftmaxBackward0`` is ``_softmax_backward_data``.
+* ``_safe_softmax`` (saves its result; ``safe_softmax``); ``SafeSoftmaxBackward0`` is
+  ``_softmax_backward_data``.
 
-What the emulated trace sees differs from a live CUDA run in two places, both in the
-forward, both modelled here as the trace sees them (see ``mask_scores`` and ``weights``).
+The mask is added in place (``attn.add_``) and ``_safe_softmax`` runs its composite, as on
+a GPU; the emulated tracer makes both so as well (``memcalc/validation/emulated.py``).
 """
 
 from __future__ import annotations
@@ -89,40 +90,32 @@ def repeat_kv(d: Dims) -> list:
     ]
 
 
-def mask_scores(d: Dims) -> list:
-    """``attn += mask``. attention.cpp adds in place (``attn.add_``) unless
-    ``areAnyTensorSubclassLike`` is true, which it is whenever a dispatch mode is active
-    (``c10::impl::dispatch_mode_enabled``, ``aten/src/ATen/TensorSubclassLikeUtils.h``):
-    the emulated tracer is such a mode, so the trace (and this model) has an out-of-place
-    ``add``, one more N x M float32 block alive beside the scores. A live CUDA run adds in
-    place."""
-    if not d.causal:
-        return []
+def safe_softmax(d: Dims, scores: str) -> list:
+    """``_safe_softmax(attn, -1)`` as torch 2.13 runs it: a CompositeExplicitAutograd kernel
+    with no CUDA kernel (``aten/src/ATen/native/transformers/attention.cpp``), so on a GPU
+    each of its inner ops allocates: the softmax (the result: ``where_out`` writes the
+    fully-masked rows' zeros into it, allocating nothing), the ``isneginf`` bool mask, the
+    fully-masked-row mask and a 0-d zero, the three locals freed at its return (from torch
+    2.6 on, pytorch/pytorch#139613; torch 2.5 compared with a ``-inf`` scalar and allocated
+    ``where``'s result apart: ``memcalc.validation.emulated.SAFE_SOFTMAX``, what the trace
+    runs, by release)."""
+    bhnm = (d.B, d.H, d.N, d.M)
     return [
-        new("s", (d.B, d.H, d.N, d.M), F32, A, "add"),  # (B, H, N, M) qk + mask
-        free("qk"),
+        new("p", bhnm, F32, S, "_softmax"),  # (B, H, N, M) at::softmax(attn), then where_out
+        new("masked", bhnm, "bool", T, "isneginf"),  # (B, H, N, M) attn == -inf
+        new("masked_rows", (d.B, d.H, d.N, 1), "bool", T, "all"),  # (B, H, N, 1)
+        new("zero", (), F32, T, "scalar_tensor"),  # () 0.0, one 512-B block
+        free("masked", "masked_rows", "zero"),
+        free(scores),
     ]
 
 
 def weights(d: Dims) -> list:
     """``attn = _safe_softmax(attn, -1)``: its result is saved by ``SafeSoftmaxBackward0``
-    and by ``bmm(p, v)``. ``_safe_softmax`` is a CompositeExplicitAutograd kernel with no
-    CUDA kernel (``attention.cpp``), so on a GPU its inner ops allocate: the softmax, a
-    ``-inf`` scalar, the ``== -inf`` mask, the fully-masked-row mask, a zero scalar and the
-    ``where`` that is the result (the tracer runs the same composite)."""
-    scores = "s" if d.causal else "qk"
-    bhnm = (d.B, d.H, d.N, d.M)
-    events = [
-        new("softmax", bhnm, F32, T, "_softmax"),  # (B, H, N, M) at::softmax(attn)
-        new("neg_inf", (), F32, T, "scalar_tensor"),  # () -inf, one 512-B block
-        new("masked", bhnm, "bool", T, "eq"),  # (B, H, N, M) attn == -inf
-        new("masked_rows", (d.B, d.H, d.N, 1), "bool", T, "all"),  # (B, H, N, 1)
-        new("zero", (), F32, T, "scalar_tensor"),  # () 0.0, one 512-B block
-        new("p", bhnm, F32, S, "where"),  # (B, H, N, M) where(masked_rows, 0, softmax)
-        free("softmax", "neg_inf", "masked", "masked_rows", "zero"),
-        free(scores),
-    ]
-    if upcast(d):  # the weights are returned cast back, then dropped by sdpa
+    and by ``bmm(p, v)``; for fp16/bf16 the weights are also returned cast back, then
+    dropped by sdpa."""
+    events = safe_softmax(d, "qk")
+    if upcast(d):
         events.append(new("p_cast", (d.B, d.H, d.N, d.M), d.dtype, T, "_to_copy"))  # (B, H, N, M)
     return events
 
@@ -152,7 +145,8 @@ def forward(d: Dims) -> list:
         new("qk", (d.B * d.H, d.N, d.M), F32, A, "bmm"),  # (B*H, N, M)
         cublas(),
         free("ks"),  # a temporary: only autograd keeps it
-        *mask_scores(d),
+        # causal: attn.add_(*attn_mask), in place (the tracer makes it so too:
+        # memcalc.validation.emulated.Tracer.math_mask_add)
         *weights(d),
         *output(d),
         free(*[n for n in ("q32", "k32", "v32", "k_rep", "v_rep", "mask", "p_cast", "o32")

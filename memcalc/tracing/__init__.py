@@ -23,9 +23,8 @@ The user's file is imported, so it runs as code: only what the user names is imp
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
+import os
 import traceback
 from dataclasses import dataclass
 from fractions import Fraction
@@ -34,149 +33,18 @@ from typing import Callable
 
 from memcalc.breakdown import Breakdown
 from memcalc.config import Config
-from memcalc.tensors import Cublas, Dims, Free, Program, Release, Role, Tensor
 from memcalc.errors import one_line as _first_line
+from memcalc.inputs import QKV, Input, sizes_read
+from memcalc.tensors import Cublas, Dims, Free, Program, Release, Role, Tensor
 from memcalc.tracing.cudnn import Workspace
-from memcalc.tracing.errors import NotModelled, TraceError
+from memcalc.tracing.errors import NotModelled, RefusedOnGpu, TraceError
 from memcalc.tracing.sdpa_select import Release as TorchRelease
+from memcalc.tracing.target import (Bound, Calling, bound, check_causal,  # noqa: F401
+                                    check_inputs, label_of, load_function, prepared,
+                                    takes_causal)
 
 # odd lengths sharing no padding multiple: the first four fit, the last two verify
 SAMPLE_LENGTHS = (61, 97, 131, 173, 211, 257)
-
-
-def load_function(spec: str) -> Callable:
-    """``path/to/file.py:fn`` or ``package.module:fn``: import exactly that, return ``fn``."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise TraceError(f"--trace {spec}: expected FILE.py:FUNCTION or MODULE:FUNCTION"
-                         f"{_defines(Path(spec.rstrip(':')))}")
-    module = _import(target, spec)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        from memcalc.names import did_you_mean
-
-        known = _callables(module)
-        raise TraceError(f"--trace {spec}: {target} has no function {name!r}"
-                         f"{did_you_mean(name, known)}{_listing('it', known)}")
-    return prepared(fn, spec)
-
-
-def prepared(fn, spec: str) -> Callable:
-    """What is traced of ``fn``: a function or an ``nn.Module`` instance as it is, an
-    ``nn.Module`` class built with no arguments on the meta device; it must take
-    ``(q, k, v)``. ``spec`` names it in an error."""
-    if _is_module_class(fn):
-        from memcalc.tracing.state import instantiate
-
-        fn = instantiate(fn, spec)
-    elif not callable(fn):
-        raise TraceError(f"--trace {spec}: not a function or an nn.Module: "
-                         f"{type(fn).__name__}")
-    _check_signature(fn, spec)
-    return fn
-
-
-def label_of(fn) -> str:
-    """A traced function's name: its qualified name, or a module instance's class's."""
-    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
-
-
-def _callables(module) -> list[str]:
-    """The functions and classes ``module`` defines itself (not those it imports)."""
-    return [k for k, v in vars(module).items() if not k.startswith("_") and callable(v)
-            and getattr(v, "__module__", None) == module.__name__]
-
-
-def _defines(path: Path) -> str:
-    """``; x.py defines f, g`` for a Python file named without ``:FUNCTION``, read without
-    running it (its top-level functions and classes); else ``""``."""
-    import ast
-
-    if path.suffix != ".py" or not path.is_file():
-        return ""
-    try:
-        tree = ast.parse(path.read_text())
-    except (SyntaxError, ValueError, OSError):
-        return ""
-    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    return _listing(path.name, [n.name for n in tree.body
-                                if isinstance(n, kinds) and not n.name.startswith("_")])
-
-
-def _listing(where: str, names: list[str]) -> str:
-    return f"; {where} defines {', '.join(names)}" if names else ""
-
-
-def _is_module_class(obj) -> bool:
-    """An ``nn.Module`` subclass (checked without importing torch for plain functions)."""
-    import sys
-
-    nn = getattr(sys.modules.get("torch"), "nn", None)
-    return isinstance(obj, type) and nn is not None and issubclass(obj, nn.Module)
-
-
-def _import(target: str, spec: str):
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise TraceError(f"--trace {spec}: no file {target}")
-            module_spec = importlib.util.spec_from_file_location(f"memcalc_user_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-            return module
-        return importlib.import_module(target)
-    except (TraceError, KeyboardInterrupt):
-        raise
-    except BaseException as error:  # the user's module may raise anything, SystemExit too
-        raise TraceError(f"--trace {spec}: importing {target} failed: "
-                         f"{type(error).__name__}: {_first_line(error)}") from None
-
-
-def _check_signature(fn: Callable, spec: str) -> None:
-    try:
-        inspect.signature(fn).bind(None, None, None)
-    except TypeError:
-        raise TraceError(f"--trace {spec}: the function must accept (q, k, v)") from None
-    except ValueError:  # builtins without a signature: let the call decide
-        pass
-
-
-def takes_causal(fn: Callable) -> bool:
-    """Whether ``fn`` takes ``causal`` or ``is_causal`` (or any keyword; unknown: yes)."""
-    try:
-        params = inspect.signature(_called(fn)).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature
-        return True
-    return any(p.name in ("causal", "is_causal") or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _called(fn: Callable) -> Callable:
-    """What a call of ``fn`` runs: an ``nn.Module``'s ``forward`` (its ``__call__`` takes
-    ``*args, **kwargs``, which read as "any keyword": ``--causal`` reached no module)."""
-    return fn.forward if _is_module_class(type(fn)) else fn
-
-
-def check_causal(fn: Callable, config: Config) -> None:
-    """``causal`` reaches the function only through a ``causal`` or ``is_causal``
-    argument: refused, not ignored, when it takes neither."""
-    if config.causal and not takes_causal(fn):
-        raise ValueError("causal: the function takes neither causal nor is_causal (a mask "
-                         "it builds itself is traced as written)")
-
-
-def bind_options(fn: Callable, config: Config) -> Callable:
-    """``fn(q, k, v)`` with ``causal``/``is_causal`` passed when the function takes it."""
-    params = _parameters(fn)
-    options = {k: config.causal for k in ("causal", "is_causal") if k in params}
-    return lambda q, k, v: fn(q, k, v, **options)
-
-
-def _parameters(fn: Callable) -> set[str]:
-    try:
-        return set(inspect.signature(_called(fn)).parameters)
-    except ValueError:
-        return set()
 
 
 @dataclass(frozen=True)
@@ -190,33 +58,52 @@ class TraceOptions:
     workspace: Workspace = Workspace()
 
 
-def trace(fn: Callable, config: Config, options: TraceOptions = TraceOptions()) -> Breakdown:
+def trace(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
+          calling: Calling = Calling()) -> Breakdown:
     """The breakdown of ``fn``'s step under ``config``, traced on the meta device as it
-    would run on ``config``'s GPU."""
-    return traced(fn, config, options).breakdown
+    would run on ``config``'s GPU; ``fn`` is called as ``calling`` says (with ``q, k, v``
+    unless it gives other inputs: ``memcalc.inputs``)."""
+    return traced(fn, config, options, calling=calling).breakdown
 
 
 def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
-           budget=None, history: list | None = None):
-    """``trace`` with its notes (SDPA backends and why, what is not modelled) and, given a
-    ``memcalc.budget.Budget``, whether the step fits in it (a capped direct trace).
-    ``history``: a list to extend with the allocator ledger's history (for plots)."""
+           budget=None, history: list | None = None, calling: Calling = Calling()):
+    """``trace`` with its notes (SDPA backends and why, what is not modelled, which of
+    several returned values was the output) and, given a ``memcalc.budget.Budget``, whether
+    the step fits in it (a capped direct trace). ``history``: a list to extend with the
+    allocator ledger's history (for plots)."""
     from memcalc.budget import fit
     from memcalc.tracing.report import Traced
     from memcalc.validation.emulated import Tracer
 
+    if calling.autocast and not options.cuda:
+        raise TraceError("--autocast: autocast is CUDA's; --meta-paths follows the meta "
+                         "device, where torch turns CUDA autocast off")
     paths = _paths(config, options)
     tracer = Tracer(config.workspace_bytes, None, paths)
-    result = _measure(fn, config, options, paths=paths, tracer=tracer)
+    call = bound(fn, config, calling)
+    inputs = calling.inputs
+    result = _measure(call, config, options, inputs, paths=paths, tracer=tracer)
     if history is not None:
         history.extend(tracer.ledger.history)
     checked = {}
     if budget is not None:
-        replay = lambda capacity: _measure(fn, config, options, capacity)  # noqa: E731
+        replay = lambda capacity: _measure(call, config, options, inputs, capacity)  # noqa: E731
         checked = dict(budget=budget, fit=fit(config, budget.budget_bytes, result, replay))
+    notes = (*(paths.notes if paths else ()), *_returned(call))
     return Traced(breakdown=result, gpu=config.device.spec.label, cuda_paths=options.cuda,
-                  notes=tuple(paths.notes) if paths else (),
-                  kernels=tuple(paths.kernels) if paths else (), **checked)
+                  notes=notes, kernels=tuple(paths.kernels) if paths else (),
+                  inputs=tuple(i.text() for i in inputs if inputs is not QKV),
+                  autocast=calling.autocast, **checked)
+
+
+def _returned(call: Bound) -> tuple[str, ...]:
+    """The note that says which returned value the backward started from, if there were
+    several."""
+    if not call.returned:
+        return ()
+    return (f"the function returned {call.returned} is the output the backward starts from "
+            "(the rest is dropped before it)",)
 
 
 def _paths(config: Config, options: TraceOptions):
@@ -228,42 +115,39 @@ def _paths(config: Config, options: TraceOptions):
     return CudaPaths(config.device.spec, options.release, options.workspace)
 
 
-def _measure(fn: Callable, config: Config, options: TraceOptions, capacity: int | None = None,
-             paths=None, tracer=None) -> Breakdown:
-    """One direct trace of ``fn``'s step (see ``trace``)."""
+def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[Input, ...],
+             capacity: int | None = None, paths=None, tracer=None) -> Breakdown:
+    """One direct trace of the bound call's step (see ``trace``)."""
     from memcalc.tracing.state import on_meta
     from memcalc.validation.emulated import measure
 
     paths = paths or _paths(config, options)
 
     def run():
-        with on_meta(fn) as state:
-            return measure(config, bind_options(fn, config), capacity, paths, state,
-                           output_like(fn, config), tracer)
+        with on_meta(call.fn) as state:
+            return measure(config, call, capacity, paths, state,
+                           output_like(call, config, options, inputs), tracer, inputs)
 
-    return _guarded(run, fn)
+    return _guarded(run, call.fn)
 
 
-def output_like(fn: Callable, config: Config) -> tuple | None:
-    """``(shape, dtype)`` of ``fn``'s output when it is not q's, from a shape-only run
-    (meta tensors, no grad, no tracer): what ``grad_out`` must look like."""
-    import torch
-
-    from memcalc.validation.emulated import _shapes
+def output_like(call: Bound, config: Config, options: TraceOptions,
+                inputs: tuple[Input, ...]) -> tuple | None:
+    """``(shape, dtype)`` of the call's output when it is not q's, from a forward under
+    ``no_grad`` along the same code paths (a scratch trace): what ``grad_out`` must look
+    like. None when there is no ``grad_out`` to make."""
+    from memcalc.validation.emulated import Tracer, output_of
 
     if config.protocol.forward_only or config.protocol.loss != "grad":
         return None
-    dtype = getattr(torch, config.dtype.torch_name)
-    q_shape, kv_shape = _shapes(config)
-    with torch.no_grad():
-        q, k, v = (torch.empty(s, dtype=dtype, device="meta") for s in (q_shape, kv_shape, kv_shape))
-        out = bind_options(fn, config)(q, k, v)
-    if not isinstance(out, torch.Tensor):
-        raise TraceError(f"the function must return one tensor, not {type(out).__name__} "
-                         "(return the attention output only)")
-    if tuple(out.shape) == tuple(q_shape) and out.dtype == dtype:
+    scratch = Tracer(config.workspace_bytes, None, _paths(config, options))
+    shape, dtype = output_of(config, call, scratch, inputs)
+    d = config.dims
+    if inputs is QKV and shape == (d.B, d.H, d.N, d.D) and dtype == d.dtype:
         return None
-    return tuple(out.shape), out.dtype
+    if not dtype.startswith(("float", "bfloat")):
+        raise TraceError(f"the output is {dtype}: the backward needs a floating tensor")
+    return shape, dtype
 
 
 def _guarded(run: Callable, fn: Callable):
@@ -279,11 +163,15 @@ def _guarded(run: Callable, fn: Callable):
 
 
 def _explain(error: Exception, fn: Callable) -> str:
+    """One line: the user's line that failed, the library line under it where the failure
+    came from a library's code (transformers' mask builders), what was raised, and a hint."""
     source = _source_file(fn)
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == source]
-    where = f"line {frames[-1].lineno} of {Path(source).name} ({frames[-1].line})" if frames \
-        else getattr(fn, "__name__", "the function")
-    if isinstance(error, NotModelled):
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [f for f in frames if f.filename == source]
+    where = f"line {mine[-1].lineno} of {Path(source).name} ({mine[-1].line})" if mine \
+        else getattr(fn, "__name__", None) or type(fn).__name__
+    where += _library_line(frames, source)
+    if isinstance(error, (NotModelled, RefusedOnGpu)):
         return f"{where}: {_first_line(error)}"
     raised = f"{type(error).__name__}: {_first_line(error)}"
     if _meta_refused(error, source):
@@ -291,6 +179,21 @@ def _explain(error: Exception, fn: Callable) -> str:
         return f"{where} cannot run on the meta device: {raised}. Hint: {hint}"
     return (f"{where} raised {raised} (traced on the meta device: tensors without values). "
             f"If it runs on a GPU: {META_HINT}")
+
+
+def _library_line(frames, source: str) -> str:
+    """`` (in masking_utils.py:761, find_packed_sequence_indices)``: the last frame of the
+    failure in neither the user's file nor torch nor memcalc, when there is one after the
+    user's last; else ``""``."""
+    from memcalc.validation.emulated import _is_user_code
+
+    last_mine = max((i for i, f in enumerate(frames) if f.filename == source), default=-1)
+    library = [f for f in frames[last_mine + 1:] if f.filename != source
+               and _is_user_code(os.path.abspath(f.filename))]
+    if not library:
+        return ""
+    f = library[-1]
+    return f" (in {Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno}, {f.name})"
 
 
 CPU_HINT = ("a tensor or module on the CPU is traced on meta copies only when the function "
@@ -367,26 +270,38 @@ def _interpolate(xs, ys) -> Poly:
     return Poly(tuple(coefficients))
 
 
-def step_events(tracer, probe) -> tuple[list, list]:
-    """The measured step's forward and backward as program events, from a tracer's log."""
+def step_events(tracer, probe) -> tuple[list, list, list]:
+    """The step as program events, from a tracer's log: what exists before the warm-up
+    (resident state, inputs, grad_out), the measured forward and the measured backward."""
     events = tracer.events
     marks = [i for i, e in enumerate(events) if e[0] == "mark"]
-    # marks: reset, a0, a1, forward peak [, reset, backward peak]
-    forward = events[marks[1] + 1: marks[2]]
-    backward = events[marks[4] + 1: marks[5]] if len(marks) >= 6 else []
-    return _convert(forward, backward, probe.output_key)
+    # marks: inputs, reset, a0, a1, forward peak [, reset, backward peak]
+    inputs = events[:marks[0]]
+    forward = events[marks[2] + 1: marks[3]]
+    backward = events[marks[5] + 1: marks[6]] if len(marks) >= 7 else []
+    return _convert(inputs, forward, backward, probe.output_key)
 
 
-def _convert(forward: list, backward: list, output_key) -> tuple[list, list]:
-    """Name each allocation, give it a role (alive at the end of its phase: saved or
-    gradient; else activation or temporary), and turn frees of saved tensors into releases."""
+def _convert(inputs: list, forward: list, backward: list, output_key) -> tuple[list, list, list]:
+    """Name each allocation, give it a role (before the step: its own, or input; alive at
+    the end of its phase: saved or gradient; else activation or temporary), and turn frees
+    of saved tensors into releases."""
     names: dict = {}
+    before = [_event(e, names, _given_role(e)) for e in inputs]
     out_index = max((i for i, e in _alive(forward).items() if e[1] == output_key), default=None)
     fwd = [_event(e, names, _role(i, e, _alive(forward), out_index, Role.saved, Role.activation))
            for i, e in enumerate(forward)]
     bwd = [_event(e, names, _role(i, e, _alive(backward), None, Role.gradient, Role.temporary))
            for i, e in enumerate(backward)]
-    return [e for e in fwd if e], [e for e in bwd if e]
+    return [e for e in before if e], [e for e in fwd if e], [e for e in bwd if e]
+
+
+def _given_role(event) -> Role | None:
+    """Before the step: a parameter or buffer stays one, anything else is an input."""
+    if event[0] != "alloc":
+        return None
+    role = event[2].role
+    return role if role in (Role.parameter, Role.buffer) else Role.input
 
 
 def _alive(events: list) -> dict[int, tuple]:
@@ -432,37 +347,42 @@ def _unique(name: str, names: dict) -> str:
     return candidate
 
 
-def traced_program(fn: Callable, config: Config) -> Callable[[int], Program]:
+def traced_program(fn: Callable, config: Config,
+                   calling: Calling = Calling()) -> Callable[[int], Program]:
     """``fn``'s program at any seq_len, from traces at ``SAMPLE_LENGTHS`` under ``config``
-    (its seq_len ignored; key/value length follows seq_len)."""
+    (its seq_len ignored; key/value length follows seq_len), resident state and inputs
+    included: what a direct trace holds from the start, the fitted program holds too."""
     if config.shape.kv_len is not None:
         raise TraceError("--kv-len: traced code is solved with kv_len = seq_len")
-    samples = [_sample_events(fn, config, n) for n in SAMPLE_LENGTHS]
+    call = bound(fn, config, calling)
+    samples = [_sample_events(call, config, n, calling.inputs) for n in SAMPLE_LENGTHS]
     _check_same_structure(samples)
-    forward = _fit_events([s[0] for s in samples])
-    backward = _fit_events([s[1] for s in samples])
-    return lambda n: Program(tuple(e(n) for e in forward), tuple(e(n) for e in backward))
+    before, forward, backward = (_fit_events([s[i] for s in samples]) for i in range(3))
+    return lambda n: Program(tuple(e(n) for e in forward), tuple(e(n) for e in backward),
+                             tuple(e(n) for e in before))
 
 
-def _sample_events(fn: Callable, config: Config, n: int) -> tuple[list, list]:
+def _sample_events(call: Bound, config: Config, n: int,
+                   inputs: tuple[Input, ...]) -> tuple[list, list, list]:
     from memcalc.tracing.state import on_meta
     from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
 
     sample = config.replace(seq_len=n)
-    tracer = Tracer(sample.workspace_bytes, paths=_paths(sample, TraceOptions()))
+    options = TraceOptions()
+    tracer = Tracer(sample.workspace_bytes, paths=_paths(sample, options))
     probe = TracerProbe(tracer)
 
     def run():
-        with on_meta(fn) as state:
-            run_traced(sample, bind_options(fn, config), tracer, probe, state,
-                       output_like(fn, sample))
+        with on_meta(call.fn) as state:
+            run_traced(sample, call, tracer, probe, state,
+                       output_like(call, sample, options, inputs), inputs)
 
-    _guarded(run, fn)
+    _guarded(run, call.fn)
     return step_events(tracer, probe)
 
 
 def _check_same_structure(samples: list) -> None:
-    shapes = {tuple(_skeleton(e) for e in s[0] + s[1]) for s in samples}
+    shapes = {tuple(_skeleton(e) for e in s[0] + s[1] + s[2]) for s in samples}
     if len(shapes) != 1:
         raise TraceError("the step's op sequence changes with seq_len (data-dependent "
                          "control flow?): it cannot be solved as a polynomial in seq_len")
@@ -499,10 +419,11 @@ def _fit_or_fail(values: list[int], tensor: Tensor) -> Poly:
     return poly
 
 
-def register_function(fn: Callable, label: str) -> str:
-    """Register ``fn`` as implementation ``trace:<label>`` and return that name, for
-    ``Config(impl=...)``. Its program is fitted on first use, once per combination of the
-    sizes other than seq_len (batch, heads, head_dim, dtype, causal, loss, forward-only)."""
+def register_function(fn: Callable, label: str, calling: Calling = Calling()) -> str:
+    """Register ``fn`` (called as ``calling`` says) as implementation ``trace:<label>`` and
+    return that name, for ``Config(impl=...)``. Its program is fitted on first use, once
+    per combination of the sizes other than seq_len (batch, heads, head_dim, dtype,
+    causal, loss, forward-only)."""
     from memcalc.registry import Impl, add
 
     name = f"trace:{label}"
@@ -513,11 +434,13 @@ def register_function(fn: Callable, label: str) -> str:
             raise TraceError("--kv-len: traced code is solved with kv_len = seq_len")
         key = d.__class__(**{**d.__dict__, "N": 0, "M": 0})
         if key not in programs:
-            programs[key] = traced_program(fn, _config_of(name, d))
+            programs[key] = traced_program(fn, _config_of(name, d), calling)
         return programs[key](d.N)
 
     # tracing the same function again replaces its earlier registration, on purpose
-    add(Impl(name, f"traced from {label}", build, gqa=True, traced=True), replace=True)
+    reads = None if calling.inputs is QKV else sizes_read(calling.inputs)
+    add(Impl(name, f"traced from {label}", build, gqa=True, traced=True, reads=reads),
+        replace=True)
     return name
 
 

@@ -1,15 +1,14 @@
 """The CUDA dispatch layer of ``memcalc trace``: run what a GPU runs, not what the meta
 device runs, wherever their kernels allocate differently.
 
-Each rule is a small registered function citing the PyTorch source it follows. Two levels:
+Each rule is a small registered function citing the PyTorch source it follows:
 
 * torch-function rules (a ``TorchFunctionMode``) see the Python call before ATen's
   composite kernels split it, where CUDA and meta take different branches:
   ``scaled_dot_product_attention`` (backend choice), ``softmax``/``log_softmax`` with
   ``dtype=float32`` on fp16 (``half_to_float``), training ``dropout`` (fused);
-* dispatch rules (consulted by the tracer's ``TorchDispatchMode``) see aten ops: the math
-  backend's in-place mask add. ``_safe_softmax``'s CUDA composite is in
-  ``memcalc/validation/emulated.py`` (shared with validation, always on).
+* aten ops are the tracer's (``memcalc/validation/emulated.py``): ``_safe_softmax``'s CUDA
+  composite and the math backend's in-place mask add, on every path (validation too).
 
 A fused SDPA kernel's allocations are not written here: they are the programs of
 ``memcalc/impls/sdpa_flash.py`` and ``sdpa_efficient.py`` (and ``cudnn.py``), built from the
@@ -19,6 +18,7 @@ known on meta is collected in ``notes`` and shown with the result.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from memcalc.gpus import GPU
 from memcalc.tracing import cudnn, sdpa_select
-from memcalc.tracing.errors import NotModelled
+from memcalc.tracing.errors import NotModelled, RefusedOnGpu
 from memcalc.tracing.sdpa_select import MATH, Call, Flags, Release
 
 
@@ -67,7 +67,6 @@ class CudaPaths:
     tracer: object = None  # the emulated backend's Tracer, set when tracing starts
     notes: dict[str, None] = field(default_factory=dict)  # ordered set of lines
     kernels: dict[str, None] = field(default_factory=dict)  # fused SDPA backends run
-    mask_adds: int = 0  # math backend calls whose mask add is still to come
 
     @property
     def cc(self) -> tuple[int, int]:
@@ -76,16 +75,23 @@ class CudaPaths:
     def note(self, line: str) -> None:
         self.notes[line] = None
 
-    def mode(self) -> "Mode":
-        return Mode(self)
+    @contextmanager
+    def mode(self):
+        """The rules' torch-function mode, with CUDA's autocast over it (``autocast.py``:
+        it casts before the rules see a call, as autocast runs before SDPA's backend
+        choice on a GPU)."""
+        from memcalc.tracing.autocast import Autocast, enabled_on_meta
+        from memcalc.validation.emulated import torch_release
 
-    def observe(self, func) -> None:
-        """``observe``: what the trace cannot see inside ``func`` (the tracer calls this)."""
+        autocast = Autocast(self.tracer, torch_release())
+        with Mode(self), enabled_on_meta(autocast), autocast:
+            yield
+
+    def observe(self, func, args=(), kwargs=None) -> None:
+        """What the trace cannot see inside ``func`` (``observe``), and the checks a GPU
+        makes before running it (``check_dtypes``); the tracer calls this before each op."""
         observe(self, func)
-
-    def rule(self, func, args) -> Callable | None:
-        """``dispatch_rule``: the aten-level rule for ``func`` now, or None."""
-        return dispatch_rule(self, func, args)
+        check_dtypes(func, args, kwargs or {})
 
 
 class Mode(TorchFunctionMode):
@@ -97,10 +103,12 @@ class Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        from memcalc.validation.emulated import call_within
+
         handler = _FUNCTION_RULES.get(func)
         if handler is not None and self.paths.tracer is not None:
             return handler(self.paths, func, args, kwargs)
-        return func(*args, **kwargs)
+        return call_within(self, func, types, args, kwargs)
 
 
 def _arg(args, kwargs, index: int, name: str, default=None):
@@ -151,7 +159,7 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
     paths.note(f"scaled_dot_product_attention at {_where()[0]} {tuple(q.shape)} {call.dtype}"
                f"{' causal' if causal else ''}: {choice.reason()}")
     if choice.backend == MATH:
-        paths.mask_adds += bool(mask is not None or causal)
+        paths.tracer.mask_adds += bool(mask is not None or causal)  # made in place
         if dropout > 0 and call.requires_grad:
             paths.note("dropout inside the math backend: fused on a GPU (native_dropout, bool "
                        "mask), traced unfused on meta (a noise tensor of the scores' dtype): "
@@ -164,27 +172,6 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
                           "another --gpu may pick another backend")
     paths.kernels[choice.backend] = None
     return kernels.run(paths, choice.backend, q, k, v, call)
-
-
-@rule("math-mask-add", "aten/src/ATen/native/transformers/attention.cpp "
-      "(_scaled_dot_product_attention_math: attn.add_(*attn_mask))",
-      "the math backend adds its mask in place on a GPU (out of place under a dispatch mode)")
-def mask_add(paths: CudaPaths, func, args, kwargs):
-    """The first ``add.Tensor`` of a math SDPA call with a mask: in place, so the result is
-    the scores' own storage (an alias, no new allocation)."""
-    paths.mask_adds -= 1
-    paths.note("math backend mask add: in place, as on a GPU (attention.cpp attn.add_)")
-    return args[0].view(args[0].shape)
-
-
-def dispatch_rule(paths: CudaPaths, func, args) -> Callable | None:
-    """The aten-level rule for ``func`` now, or None."""
-    if (paths.mask_adds > 0 and func is torch.ops.aten.add.Tensor
-            and isinstance(args[1], torch.Tensor) and isinstance(args[0], torch.Tensor)
-            and torch.broadcast_shapes(args[0].shape, args[1].shape) == args[0].shape
-            and torch.result_type(args[0], args[1]) == args[0].dtype):
-        return mask_add
-    return None
 
 
 # --- softmax with dtype=float32 on fp16 --------------------------------------------------
@@ -249,6 +236,35 @@ UNMODELLED = {
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "norm",
                         "linalg_vector_norm", "var", "std", "var_mean", "std_mean", "prod",
                         "logsumexp", "all", "any"})
+
+
+# cuBLAS's ops: their CUDA kernels check that the operands share a dtype
+# (``aten/src/ATen/native/LinearAlgebra.cpp`` structured meta functions, shared with CPU),
+# which the meta device's Python meta functions skip (torch/_meta_registrations.py: meta_mm)
+BLAS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+                  "_addmm_activation"})
+
+
+def check_dtypes(func, args, kwargs) -> None:
+    """Raise what a GPU raises for a matmul of two dtypes (bf16 activations into float32
+    weights without autocast: "mat1 and mat2 must have the same dtype"). The message is
+    torch's own: the op run on empty CPU tensors of the same dtypes, whose checks are
+    those of the CUDA kernel."""
+    if func.overloadpacket.__name__ not in BLAS:
+        return
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if len({t.dtype for t in tensors}) < 2:
+        return
+    empty = lambda a: (torch.empty((0,) * a.dim(), dtype=a.dtype)  # noqa: E731
+                       if isinstance(a, torch.Tensor) else a)
+    try:
+        func(*map(empty, args), **{k: empty(v) for k, v in kwargs.items()})
+    except RuntimeError as error:
+        from memcalc.errors import one_line
+
+        raise RefusedOnGpu(f"on a GPU this raises RuntimeError: {one_line(error)} (the meta "
+                           f"device does not check; cast one operand, or run the step under "
+                           f"autocast: --autocast bf16)") from None
 
 
 def observe(paths: CudaPaths, func) -> None:

@@ -11,3 +11,8 @@ class TraceError(ValueError):
 class NotModelled(ValueError):
     """A call the GPU would run but memcalc does not model (a fused kernel's variant): the
     trace stops at the user's line with this reason, not a hint about the meta device."""
+
+
+class RefusedOnGpu(ValueError):
+    """A check the GPU makes and the meta device skips (the operands of a matmul in two
+    dtypes): the trace stops at the user's line with the message the GPU would raise."""

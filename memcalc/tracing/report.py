@@ -17,12 +17,19 @@ class Traced(Result):
     cuda_paths: bool = True  # False: the meta device's own code paths (--meta-paths)
     notes: tuple[str, ...] = ()
     kernels: tuple[str, ...] = ()  # the fused SDPA backends the trace modelled, not traced
+    inputs: tuple[str, ...] = ()  # what the target was called with, as --input says it
+    autocast: str | None = None  # the autocast region around the forward (--autocast)
 
     def summary(self) -> str:
         lines = [f"traced as on {self.gpu}: CUDA code paths emulated (memcalc README, "
                  "'Your own attention code')" if self.cuda_paths else
                  f"traced on the meta device's own code paths (--meta-paths), not the CUDA "
                  f"paths of {self.gpu}"]
+        if self.inputs:
+            lines.append(f"called with {', '.join(self.inputs)} (--input)")
+        if self.autocast:
+            lines.append(f"forward under torch.autocast('cuda', dtype=torch.{self.autocast}) "
+                         f"(--autocast)")
         lines += [f"- {n}" for n in self.notes]
         if self.budget is not None:
             lines += [self.budget.describe(), self.fit.describe()]
@@ -51,4 +58,5 @@ class Traced(Result):
         """The breakdown's JSON, the notes, and the budget and fit when checked."""
         extra = self.fit.verdict(self.budget) if self.budget is not None else {}
         return {**self.breakdown.to_dict(), "gpu": self.gpu, "cuda_paths": self.cuda_paths,
-                "notes": list(self.notes), "kernels": list(self.kernels), **extra}
+                "notes": list(self.notes), "kernels": list(self.kernels),
+                "inputs": list(self.inputs), "autocast": self.autocast, **extra}

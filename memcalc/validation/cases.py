@@ -52,9 +52,9 @@ class Case:
             from memcalc.validation.reference import reference_fn
 
             return reference_fn(self.config)
-        from memcalc.tracing import bind_options
+        from memcalc.tracing import bound
 
-        return bind_options(self.fn, self.config)
+        return bound(self.fn, self.config)
 
     def model(self) -> tuple[dict[str, int] | None, str]:
         """The model's figures (the tracer's for user code), or None and why."""

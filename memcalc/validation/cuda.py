@@ -20,6 +20,7 @@ from typing import Callable
 
 from memcalc.config import Config, Device
 from memcalc.validation.calibration import Calibration, calibrate
+from memcalc.inputs import QKV, Input
 from memcalc.validation.harness import Measured, make_inputs, run_protocol
 
 
@@ -103,23 +104,18 @@ def live_config(config: Config, env: dict[str, str]) -> Config:
 
 
 def measure(config: Config, torch=None, probe=None, device: str = "cuda",
-            fn: Callable | None = None) -> Measured:
-    """One protocol run of ``config``'s reference code (or ``fn``) from an empty allocator."""
+            fn: Callable | None = None, inputs: tuple[Input, ...] = QKV) -> Measured:
+    """One protocol run of ``config``'s reference code (or ``fn``, called with ``inputs``)
+    from an empty allocator."""
     from memcalc.validation.reference import reference_fn
 
     torch = torch or _torch()
     probe = probe or CudaProbe(torch.cuda)
     fn = fn or reference_fn(config)
-    proto = config.protocol
     _release(torch)
-    s = config.shape
-    inputs = make_inputs(torch, (s.batch, s.heads, s.seq_len, s.head_dim),
-                         (s.batch, s.key_heads, s.keys, s.head_dim),
-                         getattr(torch, config.dtype.torch_name), device,
-                         need_grad=not proto.forward_only,
-                         grad_out=proto.loss == "grad" and not proto.forward_only)
+    inputs = make_inputs(torch, config.dims, device, inputs)
     try:
-        return run_protocol(torch, fn, probe, inputs, proto.forward_only)
+        return run_protocol(torch, fn, probe, inputs, config.protocol.forward_only)
     finally:
         del inputs
         _release(torch)

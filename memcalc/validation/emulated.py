@@ -17,6 +17,7 @@ a loop runs (linear in them: a chunked loop at 65,536 rows traces in about 20 s)
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import sys
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -33,6 +35,7 @@ from memcalc.config import Config
 from memcalc.tensors import Role
 from memcalc.timeline import Ledger
 from memcalc.validation.compare import Check
+from memcalc.inputs import QKV, Input
 from memcalc.validation.harness import Measured, make_inputs, run_protocol
 from memcalc.validation.reference import reference_fn
 
@@ -53,11 +56,16 @@ def _is_user_code(path: str) -> bool:
     return not path.startswith(_MEMCALC_DIR) or path.startswith(_REFERENCE_DIR)
 
 
-def _safe_softmax(x, dim, dtype=None):
-    """``_safe_softmax`` as ``aten/src/ATen/native/transformers/attention.cpp`` writes it:
-    a CompositeExplicitAutograd kernel with no CUDA kernel, so on a GPU its inner ops
-    allocate (softmax, two 512-B scalars, a bool mask, a row mask, the ``where``) while on
-    the meta device its meta kernel allocates only the result."""
+def torch_release() -> tuple[int, int]:
+    """The installed torch's ``(major, minor)``: ``2.13.0+cpu`` is ``(2, 13)``."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _safe_softmax_eq(x, dim, dtype=None):
+    """``_safe_softmax`` in torch 2.5 (``aten/src/ATen/native/transformers/attention.cpp``):
+    the softmax, a ``-inf`` scalar, the ``== -inf`` mask, the fully-masked-row mask, a zero
+    scalar and an out-of-place ``where``, the result."""
     out = torch.softmax(x, dim, dtype=dtype)
     neg_inf = torch.scalar_tensor(float("-inf"), dtype=out.dtype, device=out.device)
     masked = x.eq(neg_inf)
@@ -66,10 +74,26 @@ def _safe_softmax(x, dim, dtype=None):
     return torch.where(masked_rows, zero, out)
 
 
-# ops whose CUDA kernel is a composite of other ops: the tracer runs that composite so that
-# its inner allocations are seen, as on a GPU
-# (``_safe_softmax`` exists from torch 2.5 on; torch 2.4's sdpa has no such op)
-CUDA_COMPOSITES = {op.default: _safe_softmax for op in
+def _safe_softmax_where_out(x, dim, dtype=None):
+    """``_safe_softmax`` from torch 2.6 on (pytorch/pytorch#139613): ``isneginf`` instead of
+    the scalar and ``eq``, and ``where_out`` writing into the softmax's own storage (no
+    second N x M result)."""
+    out = torch.softmax(x, dim, dtype=dtype)
+    masked = x.isneginf()
+    masked_rows = torch.all(masked, dim, keepdim=True)
+    zero = torch.scalar_tensor(0.0, dtype=out.dtype, device=out.device)
+    return torch.where(masked_rows, zero, out, out=out)
+
+
+# ``_safe_softmax`` is a CompositeExplicitAutograd kernel with no CUDA kernel, so on a GPU its
+# inner ops allocate, while its meta kernel allocates only the result: the tracer runs the
+# composite of the installed release (it exists from torch 2.5 on; torch 2.4's sdpa has no
+# such op). ``memcalc/impls/sdpa_math.py`` models the newest; tests/test_validate_emulated.py
+# checks both against the ops the installed torch's own kernel runs (torch.profiler).
+SAFE_SOFTMAX_WHERE_OUT = (2, 6)
+SAFE_SOFTMAX = (_safe_softmax_where_out if torch_release() >= SAFE_SOFTMAX_WHERE_OUT
+                else _safe_softmax_eq)
+CUDA_COMPOSITES = {op.default: SAFE_SOFTMAX for op in
                    [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
 
 
@@ -90,6 +114,8 @@ class Tracer(TorchDispatchMode):
         # paths); None for validation, which checks the models of what meta runs
         self.paths = paths
         self._quiet = 0
+        # math SDPA calls with a mask whose in-place add is still to come (``math_mask_add``)
+        self.mask_adds = 0
         # ("alloc", key, component) | ("free", key) | ("cublas",) | ("mark", what):
         # the run as a program, for memcalc/trace.py
         self.events: list[tuple] = []
@@ -101,11 +127,10 @@ class Tracer(TorchDispatchMode):
         if func in CUDA_COMPOSITES:
             with self:
                 return CUDA_COMPOSITES[func](*args, **(kwargs or {}))
+        if self.mask_adds and is_mask_add(func, args):
+            return self.math_mask_add(args[0])
         if self.paths is not None:
-            self.paths.observe(func)
-            rule = self.paths.rule(func, args)
-            if rule is not None:
-                return rule(self.paths, func, args, kwargs or {})
+            self.paths.observe(func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         op = func.overloadpacket.__name__
         for t in tree_leaves(out):
@@ -115,6 +140,19 @@ class Tracer(TorchDispatchMode):
             self.ledger.ensure_workspace(_thread(), _where()[0])
             self.events.append(("cublas",))
         return out
+
+    def math_mask_add(self, scores: torch.Tensor) -> torch.Tensor:
+        """The math SDPA backend's ``attn.add_(*attn_mask)`` (``attention.cpp``,
+        ``_scaled_dot_product_attention_math``), in place as without a dispatch mode: it adds
+        out of place when ``areAnyTensorSubclassLike`` holds, which any active dispatch mode
+        makes true (``c10::impl::dispatch_mode_enabled``, ``TensorSubclassLikeUtils.h``), so
+        the tracer itself would add an N x M block no GPU run has. The result is the scores'
+        own storage."""
+        self.mask_adds -= 1
+        if self.paths is not None:
+            self.paths.note("math backend mask add: in place, as on a GPU (attention.cpp "
+                            "attn.add_)")
+        return scores.view(scores.shape)
 
     def __exit__(self, *exc):
         self.collect_frees()
@@ -135,10 +173,16 @@ class Tracer(TorchDispatchMode):
             self.events.append(("free", key))
 
     def _track(self, t: torch.Tensor, op: str) -> None:
+        self.track(t, op, op)
+
+    def track(self, t: torch.Tensor, op: str, name: str) -> None:
+        """Track ``t``'s storage, made by ``op``, as ``name`` at the calling line: an input,
+        a temporary in backward, an activation in forward (roles the end of the step may
+        change)."""
         role = Role.input if op == "randn" else (
             Role.temporary if _thread() == "autograd" else Role.activation)
-        self.adopt(t, component(op, role, op, tuple(t.shape), str(t.dtype).removeprefix("torch."),
-                                t.untyped_storage().nbytes()))
+        self.adopt(t, component(name, role, op, tuple(t.shape),
+                                str(t.dtype).removeprefix("torch."), t.untyped_storage().nbytes()))
 
     def adopt(self, t: torch.Tensor, part: Component, located: bool = True) -> None:
         """Track ``t``'s storage as ``part`` (named after the calling line unless not
@@ -182,6 +226,49 @@ def component(name: str, role: Role, op: str, shape: tuple, dtype: str, nbytes: 
     """A traced allocation (its block is set by the ledger)."""
     return Component(name=name, role=role, op=op, shape=tuple(shape), dtype=dtype,
                      nbytes=nbytes, block_bytes=0)
+
+
+def is_mask_add(func, args) -> bool:
+    """``add.Tensor(scores, mask)`` whose result has the scores' shape and dtype: what the
+    first add of a math SDPA call with a mask is."""
+    return (func is torch.ops.aten.add.Tensor and isinstance(args[0], torch.Tensor)
+            and isinstance(args[1], torch.Tensor)
+            and torch.broadcast_shapes(args[0].shape, args[1].shape) == args[0].shape
+            and torch.result_type(args[0], args[1]) == args[0].dtype)
+
+
+class MathSdpa(TorchFunctionMode):
+    """Counts the math SDPA calls with a mask (every SDPA call takes the math backend on the
+    meta device), whose add the tracer makes in place. With a GPU's code paths the SDPA rule
+    of ``memcalc.tracing.cuda_paths`` counts them instead, as it picks the backend."""
+
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            masked = len(args) > 3 and args[3] is not None or kwargs.get("attn_mask") is not None
+            causal = len(args) > 5 and args[5] or kwargs.get("is_causal", False)
+            self.tracer.mask_adds += bool(masked or causal)
+        return call_within(self, func, types, args, kwargs)
+
+
+def call_within(mode: TorchFunctionMode, func, types, args, kwargs):
+    """``func`` run with ``mode`` active for the calls it makes. A torch-function mode is
+    popped while its handler runs, so a torch function written in Python
+    (``F.multi_head_attention_forward``, ``Tensor.backward``: the whole backward pass,
+    activation checkpointing's recomputation included) would run every inner call unseen;
+    ``torch.overrides.redispatch_function`` (torch 2.13) skips only the call at hand. Older
+    releases lack it: there the inner calls of such functions stay unseen. A builtin's inner
+    calls are C++, below every torch-function mode, and it is called as it is (some, such
+    as ``torch._C._set_grad_enabled``, do not take the skip)."""
+    redispatch = getattr(torch.overrides, "redispatch_function", None)
+    if redispatch is None or not inspect.isfunction(func):
+        return func(*args, **(kwargs or {}))
+    with mode:
+        return redispatch(func, types, args, kwargs or {})
 
 
 class TracerProbe:
@@ -228,6 +315,13 @@ class TracerProbe:
         return self.tracer.ledger.block_bytes(key)
 
 
+def located_name(name: str) -> tuple[str, str]:
+    """``("addmm", "gpt.py:27")`` of a tracked component's ``"addmm (gpt.py:27)"``; a
+    resident tensor's name (``c_attn.weight``) has no place: ``(name, "")``."""
+    what, sep, where = name.partition(" (")
+    return (what, where.removesuffix(")")) if sep else (name, "")
+
+
 def _thread() -> str:
     """``autograd`` inside a backward pass (the engine's device thread on CUDA), else ``main``."""
     return "autograd" if torch._C._current_graph_task_id() != -1 else "main"
@@ -250,55 +344,72 @@ def _where() -> tuple[str, str]:
 
 
 def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe,
-               state: tuple = (), out_like: tuple | None = None) -> Measured:
+               state: tuple = (), out_like: tuple | None = None,
+               inputs: tuple[Input, ...] = QKV) -> Measured:
     """The protocol for ``fn`` on the meta device, under ``tracer`` (and, when the tracer
     has CUDA paths, their torch-function rules). ``state``: ``(name, tensor, role)`` the
     function keeps resident (a module's parameters and buffers), counted from the start;
-    ``out_like``: ``grad_out``'s ``(shape, dtype)`` when not q's."""
+    ``out_like``: ``grad_out``'s ``(shape, dtype)`` when not q's; ``inputs``: what ``fn``
+    is called with, in order (``q, k, v`` by default)."""
     proto = config.protocol
-    paths = tracer.paths
-    if paths is not None:
-        paths.tracer = tracer
-    with tracer, (paths.mode() if paths is not None else _nothing()):
+    with tracer, function_modes(tracer):
         for name, t, role in state:
             tracer.adopt(t, component(name, role, "resident", tuple(t.shape),
                                       str(t.dtype).removeprefix("torch."), 0), located=False)
-        inputs = make_inputs(torch, *_shapes(config), getattr(torch, config.dtype.torch_name),
-                             "meta", need_grad=not proto.forward_only,
-                             grad_out=proto.loss == "grad" and not proto.forward_only,
-                             out_like=out_like)
-        _name_inputs(tracer, inputs)
+        made = make_inputs(torch, config.dims, "meta", inputs, out_like)
+        _name_inputs(tracer, made, inputs)
+        tracer.mark("inputs")  # the warm-up step starts here
         parameters = tuple(t for _, t, role in state if role is Role.parameter and t.requires_grad)
-        measured = run_protocol(torch, fn, probe, inputs, proto.forward_only, parameters)
-        del inputs
+        measured = run_protocol(torch, fn, probe, made, proto.forward_only, parameters)
+        del made
     return measured
 
 
-@contextmanager
-def _nothing():
-    yield
+def function_modes(tracer: Tracer):
+    """The torch-function layer a trace runs under: the GPU's code paths (``tracer.paths``,
+    CUDA's autocast included) or, on the meta device's own paths, the math SDPA calls'
+    count (``MathSdpa``)."""
+    if tracer.paths is None:
+        return MathSdpa(tracer)
+    tracer.paths.tracer = tracer
+    return tracer.paths.mode()
 
 
-def _name_inputs(tracer: Tracer, inputs) -> None:
+def output_of(config: Config, fn: Callable, tracer: Tracer,
+              inputs: tuple[Input, ...] = QKV) -> tuple[tuple[int, ...], str]:
+    """``(shape, dtype name)`` of what ``fn`` returns for ``inputs``, from one forward under
+    ``no_grad`` on the meta device, along ``tracer``'s code paths (a scratch tracer: what
+    it records is not read)."""
+    with tracer, function_modes(tracer):
+        made = make_inputs(torch, config.dims.replace(forward_only=True), "meta", inputs)
+        with torch.no_grad():
+            out = fn(*made.leaves)
+        return tuple(out.shape), str(out.dtype).removeprefix("torch.")
+
+
+def _name_inputs(tracer: Tracer, made, inputs: tuple[Input, ...]) -> None:
     """Call the protocol's inputs by their names, not by the line that made them."""
-    for name, t in zip(("q", "k", "v", "grad_out"), inputs):
-        if t is not None:
-            live = tracer.ledger.live[t.untyped_storage()._cdata]
+    names = [i.name for i in inputs] + ["grad_out"]
+    for name, t in zip(names, (*made.leaves, made.grad_out)):
+        key = t.untyped_storage()._cdata if t is not None else None
+        if key in tracer.ledger.live:
+            live = tracer.ledger.live[key]
             live.component = live.component.model_copy(update={"name": name, "source": ""})
 
 
 def measure(config: Config, fn: Callable | None = None, capacity: int | None = None,
             paths=None, state: tuple = (), out_like: tuple | None = None,
-            tracer: Tracer | None = None) -> Breakdown:
+            tracer: Tracer | None = None, inputs: tuple[Input, ...] = QKV) -> Breakdown:
     """Run the protocol for ``config`` on the meta device and read the breakdown off the
     trace; ``fn(q, k, v)`` defaults to the reference code of ``config.impl``. With
     ``capacity``, the allocator model raises ``OutOfMemory`` where the device would.
     ``paths`` (``memcalc.tracing.cuda_paths.CudaPaths``): follow a GPU's code paths;
-    ``state``, ``out_like``: see ``run_traced``; ``tracer``: a tracer to run under (to
-    read its history afterwards)."""
+    ``state``, ``out_like``, ``inputs``: see ``run_traced``; ``tracer``: a tracer to run
+    under (to read its history afterwards)."""
     tracer = tracer or Tracer(config.workspace_bytes, capacity, paths)
     probe = TracerProbe(tracer)
-    measured = run_traced(config, fn or reference_fn(config), tracer, probe, state, out_like)
+    measured = run_traced(config, fn or reference_fn(config), tracer, probe, state, out_like,
+                          inputs)
     relabel = _roles(tracer, probe)
     backward_live = probe.peaks[1] if len(probe.peaks) > 1 else ()
     result = Breakdown(config=config, forward_live=relabel(probe.peaks[0]),
@@ -321,11 +432,6 @@ def _roles(tracer: Tracer, probe: TracerProbe) -> Callable:
                      for c in components)
 
     return relabel
-
-
-def _shapes(config: Config) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    s = config.shape
-    return (s.batch, s.heads, s.seq_len, s.head_dim), (s.batch, s.key_heads, s.keys, s.head_dim)
 
 
 def _check_consistent(result: Breakdown, measured: Measured) -> None:

@@ -8,7 +8,10 @@ cannot follow different protocols.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
+
+from memcalc.dims import Dims
+from memcalc.inputs import QKV, Input, input_tensors
 
 
 class Probe(Protocol):
@@ -35,69 +38,99 @@ class Measured:
         return max(self.forward_peak_bytes, self.backward_peak_bytes)
 
 
-def make_inputs(torch, shape, kv_shape, dtype, device, need_grad: bool, grad_out: bool,
-                out_like: tuple | None = None):
-    """Allocate ``q, k, v`` (leaves) and, for ``loss="grad"``, ``grad_out``, in that order.
-    ``grad_out`` is shaped like q unless ``out_like = (shape, dtype)`` gives the function's
-    output (a traced function may return another layout, e.g. ``(B, N, H, d)``)."""
-    q = torch.randn(shape, dtype=dtype, device=device, requires_grad=need_grad)
-    k = torch.randn(kv_shape, dtype=dtype, device=device, requires_grad=need_grad)
-    v = torch.randn(kv_shape, dtype=dtype, device=device, requires_grad=need_grad)
-    out_shape, out_dtype = out_like or (shape, dtype)
-    dout = torch.randn(out_shape, dtype=out_dtype, device=device) if grad_out else None
-    return q, k, v, dout
+class Inputs(NamedTuple):
+    """What the step is called with: the leaves in call order, and ``grad_out`` (None for
+    ``--loss sum``, a forward-only step, or a 0-d output)."""
+
+    leaves: tuple
+    grad_out: object
 
 
-def _step(attn: Callable, q, k, v, dout, probe: Probe | None):
+def make_inputs(torch, d: Dims, device, inputs: tuple[Input, ...] = QKV,
+                out_like: tuple | None = None) -> Inputs:
+    """Allocate the step's inputs (``q, k, v`` unless ``inputs`` says otherwise) in order,
+    the floating ones leaves that need grad (``Input.needs_grad``), then ``grad_out``: shaped
+    like q unless ``out_like = (shape, dtype)`` gives the function's output (a traced
+    function may return another layout, e.g. ``(B, N, H, d)``). Integer and bool inputs
+    hold their fill (``memcalc.inputs.FILLS``)."""
+    leaves = tuple(_made(torch, i, d, device) for i in inputs)
+    declared = input_tensors(d, (), out_like)  # grad_out, if the step has one
+    dout = None
+    if declared:
+        dtype = getattr(torch, declared[0].dtype) if isinstance(declared[0].dtype, str) \
+            else declared[0].dtype
+        dout = torch.randn(declared[0].shape, dtype=dtype, device=device)
+    return Inputs(leaves, dout)
+
+
+def _made(torch, i: Input, d: Dims, device):
+    """One input tensor, as ``Input.filled`` says."""
+    shape, dtype, fill = i.shape(d), getattr(torch, i.dtype_in(d)), i.filled(d)
+    if fill == "randn":
+        return torch.randn(shape, dtype=dtype, device=device, requires_grad=i.needs_grad(d))
+    if fill == "arange":
+        last = shape[-1] if shape else 1
+        return torch.arange(last, dtype=dtype, device=device).expand(shape).contiguous()
+    made = (torch.zeros if fill == "zeros" else torch.ones)(shape, dtype=dtype, device=device)
+    if fill == "padded" and shape:
+        made[(0,) * (len(shape) - 1) + (slice(shape[-1] - shape[-1] // 4, None),)] = 0
+    return made
+
+
+def _step(attn: Callable, inputs: Inputs, probe: Probe | None):
     """Forward and backward once; with a probe, read the counters around each phase."""
     if probe is not None:
         probe.reset_peak()
         a0 = probe.allocated()
-    out = attn(q, k, v)
+    out = attn(*inputs.leaves)
     if probe is None:
-        _backward(out, dout)
+        _backward(out, inputs.grad_out)
         return None
     saved = probe.allocated() - a0 - probe.block_bytes(out)
     fwd_peak, fwd_reserved = probe.max_allocated(), probe.max_reserved()
     probe.reset_peak()
-    _backward(out, dout)
+    _backward(out, inputs.grad_out)
     del out
     reserved = max(fwd_reserved, probe.max_reserved())
     return Measured(saved, fwd_peak, probe.max_allocated(), reserved)
 
 
 def _backward(out, dout) -> None:
-    if dout is None:
-        out.sum().backward()
-    else:
+    """``out.backward(grad_out)``; a 0-d output (a loss) ``out.backward()``; else
+    ``out.sum().backward()`` (``--loss sum``)."""
+    if dout is not None:
         out.backward(dout)
+    elif out.dim() == 0:
+        out.backward()
+    else:
+        out.sum().backward()
 
 
-def run_protocol(torch, attn: Callable, probe: Probe, inputs, forward_only: bool,
+def run_protocol(torch, attn: Callable, probe: Probe, inputs: Inputs, forward_only: bool,
                  parameters: tuple = ()) -> Measured:
     """Warm-up step, reset, then the measured step (DESIGN.md section 1).
 
-    ``inputs`` are ``(q, k, v, grad_out)`` from ``make_inputs``; the warm-up output and
-    the leaf grads are released before the measured step, the grads of ``parameters``
-    (a traced module's) too, as ``zero_grad(set_to_none=True)`` does.
+    ``inputs`` from ``make_inputs``; the warm-up output and the leaf grads are released
+    before the measured step, the grads of ``parameters`` (a traced module's) too, as
+    ``zero_grad(set_to_none=True)`` does.
     """
-    q, k, v, dout = inputs
     if forward_only:
-        return _forward_only(torch, attn, probe, q, k, v)
-    _step(attn, q, k, v, dout, None)
-    for leaf in (q, k, v, *parameters):
-        leaf.grad = None
-    return _step(attn, q, k, v, dout, probe)
+        return _forward_only(torch, attn, probe, inputs.leaves)
+    _step(attn, inputs, None)
+    for leaf in (*inputs.leaves, *parameters):
+        if leaf.requires_grad:
+            leaf.grad = None
+    return _step(attn, inputs, probe)
 
 
-def _forward_only(torch, attn: Callable, probe: Probe, q, k, v) -> Measured:
+def _forward_only(torch, attn: Callable, probe: Probe, leaves: tuple) -> Measured:
     """Inference: the same forward under ``torch.no_grad()``, nothing saved, no backward."""
     with torch.no_grad():
-        out = attn(q, k, v)
+        out = attn(*leaves)
         del out
         probe.reset_peak()
         a0 = probe.allocated()
-        out = attn(q, k, v)
+        out = attn(*leaves)
         saved = probe.allocated() - a0 - probe.block_bytes(out)
         fwd_peak = probe.max_allocated()
         del out

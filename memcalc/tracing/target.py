@@ -1,0 +1,284 @@
+"""What ``memcalc trace`` calls: the user's function or ``nn.Module``, loaded from a file or
+module, and how its inputs reach its parameters.
+
+``load_function("file.py:name")`` imports exactly that file; ``prepared`` builds an
+``nn.Module`` class on the meta device; ``bound(fn, inputs, causal)`` is the callable the
+protocol calls with the input tensors in order: each input goes to the parameter of its
+name (positionally for ``q, k, v`` by default, as before), ``causal`` to a ``causal`` or
+``is_causal`` parameter, and what comes back is reduced to the one output tensor the
+backward starts from (``primary``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from memcalc.errors import one_line as _first_line
+from memcalc.inputs import EXAMPLE, QKV, Input, letters_help
+from memcalc.tracing.errors import TraceError
+
+
+def load_function(spec: str) -> Callable:
+    """``path/to/file.py:fn`` or ``package.module:fn``: import exactly that, return ``fn``."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise TraceError(f"--trace {spec}: expected FILE.py:FUNCTION or MODULE:FUNCTION"
+                         f"{_defines(Path(spec.rstrip(':')))}")
+    module = _import(target, spec)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        from memcalc.names import did_you_mean
+
+        known = _callables(module)
+        raise TraceError(f"--trace {spec}: {target} has no function {name!r}"
+                         f"{did_you_mean(name, known)}{_listing('it', known)}")
+    return prepared(fn, spec)
+
+
+def prepared(fn, spec: str) -> Callable:
+    """What is traced of ``fn``: a function or an ``nn.Module`` instance as it is, an
+    ``nn.Module`` class built with no arguments on the meta device. ``spec`` names it in
+    an error."""
+    if _is_module_class(fn):
+        from memcalc.tracing.state import instantiate
+
+        fn = instantiate(fn, spec)
+    elif not callable(fn):
+        raise TraceError(f"--trace {spec}: not a function or an nn.Module: "
+                         f"{type(fn).__name__}")
+    return fn
+
+
+def label_of(fn) -> str:
+    """A traced function's name: its qualified name, or a module instance's class's."""
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _callables(module) -> list[str]:
+    """The functions and classes ``module`` defines itself (not those it imports)."""
+    return [k for k, v in vars(module).items() if not k.startswith("_") and callable(v)
+            and getattr(v, "__module__", None) == module.__name__]
+
+
+def _defines(path: Path) -> str:
+    """``; x.py defines f, g`` for a Python file named without ``:FUNCTION``, read without
+    running it (its top-level functions and classes); else ``""``."""
+    import ast
+
+    if path.suffix != ".py" or not path.is_file():
+        return ""
+    try:
+        tree = ast.parse(path.read_text())
+    except (SyntaxError, ValueError, OSError):
+        return ""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return _listing(path.name, [n.name for n in tree.body
+                                if isinstance(n, kinds) and not n.name.startswith("_")])
+
+
+def _listing(where: str, names: list[str]) -> str:
+    return f"; {where} defines {', '.join(names)}" if names else ""
+
+
+def _is_module_class(obj) -> bool:
+    """An ``nn.Module`` subclass (checked without importing torch for plain functions)."""
+    nn = getattr(sys.modules.get("torch"), "nn", None)
+    return isinstance(obj, type) and nn is not None and issubclass(obj, nn.Module)
+
+
+def _import(target: str, spec: str):
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise TraceError(f"--trace {spec}: no file {target}")
+            name = f"memcalc_user_{path.stem}"
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            # registered, as an import would: inspect finds a class's file through it (an
+            # error in a module's forward names the user's line), dataclasses need it
+            sys.modules[name] = module
+            module_spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(target)
+    except (TraceError, KeyboardInterrupt):
+        raise
+    except BaseException as error:  # the user's module may raise anything, SystemExit too
+        raise TraceError(f"--trace {spec}: importing {target} failed: "
+                         f"{type(error).__name__}: {_first_line(error)}") from None
+
+
+# --- the signature ------------------------------------------------------------------------
+
+def called(fn: Callable) -> Callable:
+    """What a call of ``fn`` runs: an ``nn.Module``'s ``forward`` (its ``__call__`` takes
+    ``*args, **kwargs``, which read as "any keyword": ``--causal`` reached no module)."""
+    return fn.forward if _is_module_class(type(fn)) else fn
+
+
+def _parameters(fn: Callable) -> dict[str, inspect.Parameter] | None:
+    """``fn``'s parameters by name (a module's ``forward``'s), None for builtins without a
+    signature."""
+    try:
+        return dict(inspect.signature(called(fn)).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def takes_causal(fn: Callable) -> bool:
+    """Whether ``fn`` takes ``causal`` or ``is_causal`` (or any keyword; unknown: yes)."""
+    params = _parameters(fn)
+    return params is None or any(p.name in ("causal", "is_causal") or p.kind is p.VAR_KEYWORD
+                                 for p in params.values())
+
+
+def check_causal(fn: Callable, config) -> None:
+    """``causal`` reaches the function only through a ``causal`` or ``is_causal``
+    argument: refused, not ignored, when it takes neither."""
+    if config.causal and not takes_causal(fn):
+        raise ValueError("causal: the function takes neither causal nor is_causal (a mask "
+                         "it builds itself is traced as written)")
+
+
+def signature_text(fn: Callable) -> str:
+    """``forward(x, mask=None)``: how the user wrote the call, for messages."""
+    name = "forward" if _is_module_class(type(fn)) else getattr(fn, "__name__", "fn")
+    try:
+        return f"{name}{inspect.signature(called(fn))}"
+    except (TypeError, ValueError):
+        return f"{name}(...)"
+
+
+def check_inputs(fn: Callable, inputs: tuple[Input, ...] | None) -> tuple[Input, ...]:
+    """The inputs ``fn`` is called with: ``inputs`` when given, each binding to a parameter
+    (by name, or through ``*args``/``**kwargs``) and every parameter without a default
+    given; ``q, k, v`` when not given and ``fn`` takes three tensors. A TraceError that
+    names the parameters and shows an ``--input`` otherwise."""
+    params = _parameters(fn)
+    if not inputs:
+        if params is None or _binds(fn, 3):
+            return QKV
+        raise TraceError(f"{signature_text(fn)} does not take (q, k, v): give each of its "
+                         f"inputs as --input NAME=DIMS[:DTYPE], {_example(params)} "
+                         f"({letters_help()})")
+    if params is None:
+        return inputs
+    kinds = {p.kind for p in params.values()}
+    for i in inputs:
+        p = params.get(i.name)
+        if (p is None or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) \
+                and inspect.Parameter.VAR_KEYWORD not in kinds \
+                and inspect.Parameter.VAR_POSITIONAL not in kinds:
+            from memcalc.errors import did_you_mean
+
+            raise TraceError(f"--input {i.name}: {signature_text(fn)} has no parameter "
+                             f"{i.name!r}{did_you_mean(i.name, list(params))}")
+    given = {i.name for i in inputs}
+    missing = [p.name for p in params.values() if p.default is p.empty and p.name not in given
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if missing and not any(i.name not in params for i in inputs):
+        raise TraceError(f"{signature_text(fn)} needs {', '.join(missing)}: add --input "
+                         f"{missing[0]}=DIMS[:DTYPE] ({letters_help()})")
+    return inputs
+
+
+def _binds(fn: Callable, count: int) -> bool:
+    try:
+        inspect.signature(called(fn)).bind(*([None] * count))
+        return True
+    except TypeError:
+        return False
+
+
+def _example(params: dict | None) -> str:
+    """``e.g. --input x=B,N,768`` with the first parameter's name."""
+    first = next((n for n, p in (params or {}).items() if p.kind not in (p.VAR_POSITIONAL,
+                                                                         p.VAR_KEYWORD)), "x")
+    return f"e.g. --input {first}={EXAMPLE.split('=', 1)[1].split(' ')[0]}"
+
+
+# --- the call -----------------------------------------------------------------------------
+
+class Bound:
+    """``fn`` called as the protocol calls it: the input tensors in order, each to its
+    parameter, ``causal`` to ``causal``/``is_causal``; returns the one output tensor
+    (``primary``) and notes what that was when ``fn`` returned more (``returned``)."""
+
+    def __init__(self, fn: Callable, inputs: tuple[Input, ...] = QKV, causal: bool = False,
+                 autocast: str | None = None):
+        params = _parameters(fn) or {}
+        self.fn = fn
+        self.autocast = autocast
+        keywords = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self.names = [None if inputs is QKV or _positional(params.get(i.name), keywords)
+                      else i.name for i in inputs]
+        self.options = {k: causal for k in ("causal", "is_causal") if k in params}
+        self.returned = ""
+
+    def __call__(self, *tensors):
+        args = [t for name, t in zip(self.names, tensors) if name is None]
+        kwargs = {name: t for name, t in zip(self.names, tensors) if name is not None}
+        with self.region():
+            returned = self.fn(*args, **kwargs, **self.options)
+        out, self.returned = primary(returned)
+        return out
+
+    def region(self):
+        """``torch.autocast("cuda", dtype)`` around the forward (``--autocast``), as a
+        mixed-precision training loop writes it; else nothing."""
+        import contextlib
+
+        import torch
+
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=getattr(torch, self.autocast))
+
+
+def _positional(p: inspect.Parameter | None, keywords: bool) -> bool:
+    """An input with no parameter of its name goes to ``**kwargs`` by name if there is
+    one, else to ``*args``; one for a positional-only parameter goes positionally."""
+    return (p is None and not keywords) or (p is not None and p.kind is p.POSITIONAL_ONLY)
+
+
+@dataclass(frozen=True)
+class Calling:
+    """How a traced target is called: its inputs, and the autocast region around its
+    forward (``bfloat16`` or ``float16``; None: none but the target's own)."""
+
+    inputs: tuple[Input, ...] = QKV
+    autocast: str | None = None
+
+
+def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
+    """``fn`` with ``config``'s options, to be called as ``calling`` says."""
+    return Bound(fn, calling.inputs, config.causal, calling.autocast)
+
+
+def primary(out) -> tuple[object, str]:
+    """The tensor a step's backward starts from, and what was returned when that was more
+    than one tensor: a tensor itself; a Hugging Face ``ModelOutput`` or a dict with a
+    ``loss`` (``loss.backward()``); else a tuple's or a dict's first tensor (an attention
+    module's ``(output, weights)``). The rest is dropped before the backward."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out, ""
+    loss = out.get("loss") if hasattr(out, "get") and hasattr(out, "keys") else None
+    if isinstance(loss, torch.Tensor):
+        return loss, f"{type(out).__name__}: its loss"
+    values = list(out.values()) if hasattr(out, "values") and hasattr(out, "keys") else \
+        list(out) if isinstance(out, (tuple, list)) else []
+    keys = list(out.keys()) if hasattr(out, "keys") else list(range(len(values)))
+    for key, value in zip(keys, values):
+        if isinstance(value, torch.Tensor):
+            where = f"[{key!r}]" if isinstance(key, str) else f"[{key}]"
+            return value, f"{type(out).__name__}: its {where} {tuple(value.shape)}"
+    raise TraceError(f"the function must return a tensor (or a tuple, a dict or a Hugging "
+                     f"Face output holding one), not {type(out).__name__}")

@@ -1,0 +1,106 @@
+"""What ``memcalc trace`` calls (``memcalc/tracing/target.py``): inputs bound to the
+target's parameters, and the one output the backward starts from."""
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from memcalc.cli import main  # noqa: E402
+from memcalc.config import make_config  # noqa: E402
+from memcalc.inputs import QKV, inputs_of  # noqa: E402
+from memcalc.tracing import TraceError, trace  # noqa: E402
+from memcalc.tracing.target import Bound, Calling, check_inputs, primary  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NANOGPT = f"{ROOT}/examples/attention/nanogpt.py"
+
+
+def test_inputs_go_to_their_parameters_by_name():
+    def step(x, mask=None, *, scale=1.0):
+        return x, mask, scale
+
+    inputs = inputs_of(["mask=B,N:bool", "x=B,N,8"])
+    call = Bound(lambda **kw: (kw["x"],), inputs)  # **kwargs takes them by name
+    a, b = torch.zeros(1), torch.ones(1)
+    assert call(a, b) is b  # mask=a, x=b: the first tensor returned is x
+    assert check_inputs(step, inputs) == inputs
+    assert Bound(step, inputs)(a, b) is b
+
+
+def test_q_k_v_go_positionally_whatever_the_parameters_are_called():
+    call = Bound(lambda query, key, value: query @ key.T @ value, QKV)
+    q = torch.eye(2)
+    assert torch.equal(call(q, q, q), q)
+    assert check_inputs(lambda query, key, value: None, None) is QKV
+
+
+@pytest.mark.parametrize("fn, inputs, message", [
+    (lambda x: x, None, "<lambda>(x) does not take (q, k, v): give each of its inputs as "
+                        "--input NAME=DIMS[:DTYPE], e.g. --input x=B,N,768"),
+    (lambda x: x, ["y=B"], "--input y: <lambda>(x) has no parameter 'y'"),
+    (lambda x, mask: x, ["x=B"], "<lambda>(x, mask) needs mask: add --input mask=DIMS[:DTYPE]"),
+])
+def test_a_signature_the_inputs_do_not_fit_is_one_line(fn, inputs, message):
+    with pytest.raises(TraceError) as error:
+        check_inputs(fn, inputs_of(inputs) if inputs else None)
+    assert str(error.value).startswith(message)
+
+
+class Output(dict):
+    """A Hugging Face ``ModelOutput`` is a dict whose keys are its fields."""
+
+
+@pytest.mark.parametrize("returned, index, what", [
+    (lambda t: t[0], 0, ""),
+    (lambda t: (t[1], None), 1, "tuple: its [0] (2,)"),
+    (lambda t: [None, t[2]], 2, "list: its [1] (2,)"),
+    (lambda t: Output(logits=t[0], loss=t[2]), 2, "Output: its loss"),
+    (lambda t: {"hidden": t[1]}, 1, "dict: its ['hidden'] (2,)"),
+])
+def test_the_output_is_the_loss_or_the_first_tensor(returned, index, what):
+    tensors = [torch.zeros(2) for _ in range(3)]
+    out, said = primary(returned(tensors))
+    assert out is tensors[index] and said == what
+
+
+def test_an_output_without_a_tensor_is_refused():
+    with pytest.raises(TraceError, match="must return a tensor .* not NoneType"):
+        primary(None)
+
+
+def test_a_module_returning_a_tuple_is_traced_from_its_first_tensor_and_says_so(tmp_path):
+    (tmp_path / "pair.py").write_text(
+        "import torch\n"
+        "def attn(x):\n"
+        "    y = x * 2\n"
+        "    return y, y.detach()\n")
+    code = main(["trace", f"{tmp_path}/pair.py:attn", "--input", "x=B,N,16", "--batch", "2",
+                 "--seq", "64", "--json"])
+    assert code == 0
+
+
+def test_nanogpt_traces_from_its_hidden_states():
+    """nanoGPT's CausalSelfAttention(x): x (B, T, 768) fp32 is the input; its output
+    (B, T, 768) shapes grad_out; c_attn's and c_proj's weights and biases are resident."""
+    from memcalc.tracing import load_function
+
+    fn = load_function(f"{NANOGPT}:CausalSelfAttention")
+    calling = Calling(inputs_of(["x=B,N,768"]))
+    b = trace(fn, make_config(seq_len=128, batch=2), calling=calling)
+    named = {c.name: c for c in b.forward_live}
+    assert named["x"].shape == (2, 128, 768) and named["grad_out"].shape == (2, 128, 768)
+    assert named["c_attn.weight"].nbytes == 2304 * 768 * 4  # 7,077,888
+    assert named["c_proj.bias"].nbytes == 768 * 4
+
+
+def test_a_module_classs_error_names_the_users_line(tmp_path, capsys):
+    (tmp_path / "broken.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x * int(x.sum().item())\n")
+    code = main(["trace", f"{tmp_path}/broken.py:M", "--input", "x=B,N"])
+    err = capsys.readouterr().err
+    assert code == 2 and "line 4 of broken.py (return x * int(x.sum().item()))" in err
