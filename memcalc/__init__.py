@@ -284,12 +284,19 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
     return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
 
 
-def trace(fn: Callable, *, gpu_gb=None, reserve=None, **options):
-    """The breakdown of your own ``fn(q, k, v)``, traced on the meta device (needs torch):
-    a function, an ``nn.Module`` instance (its weights are left as they are), or an
-    ``nn.Module`` class (built with no arguments on the meta device). ``causal=True`` is
-    passed as its ``causal`` or ``is_causal`` argument (refused when it takes neither);
-    ``gpu_gb``, ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
+def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, gpu_gb=None, reserve=None,
+          **options):
+    """The breakdown of your own function or module's step, traced on the meta device as
+    the GPU runs it (needs torch): a function, an ``nn.Module`` instance (its weights are
+    left as they are), or an ``nn.Module`` class (built with no arguments on the meta
+    device). It is called with ``q, k, v`` ``(B, H, N, D)``, or with ``inputs``: a mapping
+    from its parameters to dims, as ``memcalc trace --input`` takes them
+    (``{"x": ("B", "N", 768), "mask": ("B", "N", "bool")}``; letters B, N, M, H, K, D are
+    the sizes ``batch``, ``seq_len``, ``kv_len``, ``heads``, ``kv_heads``, ``head_dim``);
+    ``no_grad`` names floating inputs that need no gradient; ``autocast="bf16"`` runs the
+    forward under ``torch.autocast("cuda", ...)``. ``causal=True`` is passed as its
+    ``causal`` or ``is_causal`` argument (refused when it takes neither); ``gpu_gb``,
+    ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
 
     >>> import math, torch
     >>> def attn(q, k, v):
@@ -297,29 +304,42 @@ def trace(fn: Callable, *, gpu_gb=None, reserve=None, **options):
     >>> memcalc.trace(attn, seq_len=1024, batch=1).saved_bytes  # p: 1024 x 1024 x 4 B
     4194304
     """
-    from memcalc.tracing import (TraceError, check_causal, label_of, prepared,
-                                 register_function, trace as run)
+    from memcalc.inputs import inputs_of
+    from memcalc.names import autocast_dtype
+    from memcalc.tracing import (Calling, TraceError, check_causal, check_inputs, label_of,
+                                 prepared, register_function, trace as run)
 
     options = _options("trace", options, ("gpu_gb", "reserve"))
     if not callable(fn):
-        raise TypeError(f"trace(): fn is a function fn(q, k, v) or an nn.Module, not "
-                        f"{type(fn).__name__}")
+        raise TypeError(f"trace(): fn is a function or an nn.Module, not {type(fn).__name__}")
     if "impl" in options:
         raise TypeError("trace(): takes no impl: it traces fn (memcalc.breakdown(impl=...) "
                         "replays an implementation)")
+    if isinstance(no_grad, str):
+        no_grad = (no_grad,)
+    if inputs is not None and not isinstance(inputs, dict):
+        raise ValueError(f"inputs: a mapping from the parameters to their dims, e.g. "
+                         f"{{'x': ('B', 'N', 768)}} (got {type(inputs).__name__})")
+    given = inputs_of(inputs, no_grad, "inputs") if inputs else None
+    if no_grad and not inputs:
+        raise ValueError(f"no_grad: {no_grad[0]!r}: give inputs= first (without it the "
+                         f"function takes q, k, v, which need grad)")
     try:
         fn = prepared(fn, label_of(fn))
+        calling = Calling(check_inputs(fn, given, "inputs"),
+                          autocast_dtype(autocast, "autocast"))
     except TraceError as error:
         raise ValueError(str(error).removeprefix("--trace ")) from None
-    config = make_config(**{**options, "impl": register_function(fn, label_of(fn))})
+    config = make_config(**{**options, "impl": register_function(fn, label_of(fn), calling)})
     check_causal(fn, config)
-    b = run(fn, config)
+    b = run(fn, config, calling=calling)
     return b.with_budget(_budget(config, gpu_gb, reserve))
 
 
 trace.__signature__ = inspect.Signature(
-    [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD), _kw("gpu_gb"),
-     _kw("reserve"), *(p for p in _config_parameters() if p.name != "impl")])
+    [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD), _kw("inputs"),
+     _kw("no_grad", ()), _kw("autocast"), _kw("gpu_gb"), _kw("reserve"),
+     *(p for p in _config_parameters() if p.name != "impl")])
 
 
 def validate(backend: str = "emulated", impls: list[str] | None = None, grid=None):

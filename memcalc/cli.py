@@ -120,6 +120,7 @@ def inputs_from(args):
     """``--input``, ``--no-grad`` and ``--autocast`` as a ``memcalc.tracing.Calling``'s
     parts: ``(inputs or None, autocast dtype or None)``."""
     from memcalc.inputs import inputs_of
+    from memcalc.names import autocast_dtype
 
     autocast = autocast_dtype(args.autocast)
     if not args.input:
@@ -128,19 +129,6 @@ def inputs_from(args):
                              f"first (without it the target takes q, k, v, which need grad)")
         return None, autocast
     return inputs_of(args.input, args.no_grad), autocast
-
-
-def autocast_dtype(text: str | None, field: str = "--autocast") -> str | None:
-    """``bf16``/``fp16`` (or torch's names) as torch's dtype name; fp32 is refused."""
-    from memcalc.names import dtype_name
-
-    if text is None:
-        return None
-    name = dtype_name(text)
-    if name not in ("bf16", "fp16"):
-        raise ValueError(f"{field}: {text!r} is not an autocast dtype; autocast runs in bf16 or "
-                         f"fp16 (bfloat16, float16)")
-    return {"bf16": "bfloat16", "fp16": "float16"}[name]
 
 
 def budget_options(p: argparse.ArgumentParser) -> None:

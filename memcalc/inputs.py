@@ -136,8 +136,11 @@ def _torch_dtype(text: str) -> str | None:
     return word if word in ITEMSIZE else None
 
 
-def letters_help() -> str:
-    """``letters: B --batch, N --seq, ...``: the option each letter stands for."""
+def letters_help(field: str = "--input") -> str:
+    """``letters: B --batch, N --seq, ...``: the option (or, for the API's ``inputs``, the
+    keyword) each letter stands for."""
+    if field == "inputs":
+        return "letters: " + ", ".join(f"{k} {SHAPE_FIELDS[k]}" for k in LETTERS)
     return "letters: " + ", ".join(f"{k} {flag.split(',')[0]}" for k, (_, _, flag) in LETTERS.items())
 
 

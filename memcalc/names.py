@@ -90,3 +90,15 @@ def dtype_name(value) -> str | None:
     """The canonical dtype (``fp32``, ``fp16``, ``bf16``) for an alias, a torch dtype or
     its string; None when it is none of them."""
     return DTYPE_ALIASES.get(str(value).strip().lower())
+
+
+def autocast_dtype(text: str | None, field: str = "--autocast") -> str | None:
+    """An autocast dtype (``bf16``, ``fp16`` or torch's names) as torch's name, None for
+    none; anything else, fp32 included, a ValueError naming ``field``."""
+    if text is None:
+        return None
+    name = dtype_name(text)
+    if name not in ("bf16", "fp16"):
+        raise ValueError(f"{field}: {text!r} is not an autocast dtype; autocast runs in bf16 or "
+                         f"fp16 (bfloat16, float16)")
+    return {"bf16": "bfloat16", "fp16": "float16"}[name]

@@ -63,7 +63,8 @@ def test_help_lists_the_options():
     import inspect
 
     parameters = inspect.signature(memcalc.trace).parameters
-    assert list(parameters)[:3] == ["fn", "gpu_gb", "reserve"] and "seq_len" in parameters
+    assert list(parameters)[:6] == ["fn", "inputs", "no_grad", "autocast", "gpu_gb", "reserve"]
+    assert "seq_len" in parameters
     assert "impl" not in parameters
 
 
@@ -87,3 +88,53 @@ def test_causal_reaches_a_modules_forward():
     assert masked - plain == 1024 * 1024  # the bool mask
     with pytest.raises(ValueError, match="causal: the function takes neither"):
         memcalc.trace(Projected(), seq_len=64, causal=True)
+
+
+class Hidden(torch.nn.Module):
+    """A module of hidden states (B, N, 16), as real attention modules are."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x, mask=None):
+        q, k, v = self.qkv(x).split(16, dim=-1)
+        return attn(q, k, v)
+
+
+def test_inputs_reach_any_signature():
+    b = memcalc.trace(Hidden, inputs={"x": ("B", "N", 16)}, seq_len=64, batch=2)
+    x = next(c for c in b.forward_live if c.name == "x")
+    assert (x.shape, x.dtype) == ((2, 64, 16), "float32")  # 2 x 64 x 16 x 4 B = 8,192 B
+    assert b.config.label() == "B=2 N=64 fp32"  # heads and head_dim are not read
+    masked = memcalc.trace(Hidden, inputs={"x": ("B", "N", 16), "mask": ("B", "N", "bool")},
+                           seq_len=64, batch=2)
+    mask = next(c for c in masked.forward_live if c.name == "mask")
+    assert (mask.nbytes, mask.block_bytes) == (2 * 64, 512)  # 128 bools, one 512-B block
+
+
+def test_inputs_are_refused_in_the_apis_words():
+    with pytest.raises(ValueError, match=r"^forward\(x, mask=None\) does not take \(q, k, v\): "
+                                         r"give each of its inputs as inputs=\{'x': "):
+        memcalc.trace(Hidden, seq_len=64)
+    with pytest.raises(ValueError, match=r"^inputs\['y'\]: forward\(x, mask=None\) has no "
+                                         r"parameter 'y'"):
+        memcalc.trace(Hidden, inputs={"y": ("B", "N", 16)})
+    with pytest.raises(ValueError, match="^inputs: a mapping"):
+        memcalc.trace(Hidden, inputs=["x=B,N,16"])
+    with pytest.raises(ValueError, match="^no_grad: 'x': give inputs= first"):
+        memcalc.trace(attn, no_grad="x")
+    with pytest.raises(ValueError, match="^autocast: 'fp32' is not an autocast dtype"):
+        memcalc.trace(Hidden, inputs={"x": ("B", "N", 16)}, autocast="fp32")
+
+
+def test_autocast_and_no_grad():
+    """Under autocast the linear's weight is cast to bf16 once (a component of its own);
+    with x needing no gradient the linear saves x's cast only (for the weight's grad), so
+    the weight's cast is an activation that dies with the autocast region."""
+    b = memcalc.trace(Hidden, inputs={"x": ("B", "N", 16)}, no_grad="x", autocast="bf16",
+                      seq_len=64, batch=2)
+    roles = {c.name.split(" (test_")[0]: c.role.value for c in b.forward_live}
+    assert roles["autocast qkv.weight as bfloat16 (cached)"] == "activation"
+    assert roles["autocast x as bfloat16"] == "saved"  # not cached: x needs no grad
+    assert not [c for c in b.backward_live if c.role == "gradient" and c.shape == (2, 64, 16)]

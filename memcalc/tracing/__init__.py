@@ -173,6 +173,9 @@ def _explain(error: Exception, fn: Callable) -> str:
     where += _library_line(frames, source)
     if isinstance(error, (NotModelled, RefusedOnGpu)):
         return f"{where}: {_first_line(error)}"
+    known = next((why for text, why in UNFOLLOWED.items() if text in str(error)), None)
+    if known:
+        return f"{where}: {known}"
     raised = f"{type(error).__name__}: {_first_line(error)}"
     if _meta_refused(error, source):
         hint = CPU_HINT if "device cpu" in str(error) else META_HINT
@@ -196,6 +199,13 @@ def _library_line(frames, source: str) -> str:
     return f" (in {Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno}, {f.name})"
 
 
+# kernels a trace cannot follow, told by what they raise on the meta device: one line each
+UNFOLLOWED = {
+    "FlexAttention is only supported on": (
+        "FlexAttention (torch.nn.attention.flex_attention) runs a kernel that torch compiles "
+        "for the GPU, which memcalc does not model yet; trace the same model with "
+        "attn_implementation 'sdpa' or 'eager'"),
+}
 CPU_HINT = ("a tensor or module on the CPU is traced on meta copies only when the function "
             "refers to it by a module-level name (or it is the nn.Module traced): one reached "
             "through a closure, another object's attribute or a bound method stays on the CPU; "

@@ -109,7 +109,6 @@ class Autocast(TorchFunctionMode):
             return composite(self, args, kwargs)
         if kind is None:
             return call_within(self, func, types, args, kwargs)
-        self._note()
         args, kwargs = self.cast(kind, args, kwargs)
         return call_within(self, func, types, args, kwargs)
 
@@ -133,6 +132,7 @@ class Autocast(TorchFunctionMode):
             given = any(isinstance(a, torch.dtype) for a in args) or \
                 kwargs.get("dtype") is not None
             if eligible(first) and not given:
+                self._note()
                 kwargs = {**kwargs, "dtype": torch.float32}
             return args, kwargs
         to = torch.float32 if kind == "fp32" else low
@@ -170,6 +170,7 @@ class Autocast(TorchFunctionMode):
         op that made it) in the tracer's ledger: ``autocast c_attn.weight as bfloat16``."""
         from memcalc.validation.emulated import located_name
 
+        self._note()
         with self.tracer.quiet():
             cast = source.to(to)
         src = self.tracer.ledger.live.get(source.untyped_storage()._cdata)

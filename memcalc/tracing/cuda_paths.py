@@ -205,7 +205,8 @@ def half_to_float(paths: CudaPaths, func, args, kwargs):
 # --- dropout -----------------------------------------------------------------------------
 
 @rule("fused-dropout", "aten/src/ATen/native/Dropout.cpp (dropout: native_dropout when "
-      "is_fused_kernel_acceptable), aten/src/ATen/native/cuda/Dropout.cu (bool mask)",
+      "is_fused_kernel_acceptable), aten/src/ATen/native/cuda/Dropout.cu (dropout_cuda: a "
+      "bool mask, allocated before the output)",
       "training dropout (0 < p < 1) runs native_dropout and saves a bool mask instead of a "
       "noise tensor of the input's dtype",
       funcs=(F.dropout, torch.dropout))
@@ -217,7 +218,15 @@ def fused_dropout(paths: CudaPaths, func, args, kwargs):
     if not train or inplace or not 0 < p < 1 or x.numel() == 0:
         return func(*args, **kwargs)  # identity, or dropout_ (never fused: Dropout.cpp)
     _noted(paths, f"dropout(p={p})", "fused native_dropout: a bool mask is saved")
-    return torch.ops.aten.native_dropout(x, p, True)[0]
+    tracer = paths.tracer
+    tracer.collect_frees()
+    with tracer.quiet():
+        out, mask = torch.ops.aten.native_dropout(x, p, True)
+    # Dropout.cu (dropout_cuda) allocates the mask before the output; the meta kernel
+    # returns them the other way round, and the order decides which cached block each takes
+    tracer.track(mask, "native_dropout", "native_dropout")
+    tracer.track(out, "native_dropout", "native_dropout")
+    return out
 
 
 def _noted(paths: CudaPaths, what: str, how: str) -> None:

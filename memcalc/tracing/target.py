@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Callable
 
 from memcalc.errors import one_line as _first_line
-from memcalc.inputs import EXAMPLE, QKV, Input, letters_help
+from memcalc.inputs import QKV, Input, letters_help
+
+EXAMPLE_DIMS = "('B', 'N', 768)"
 from memcalc.tracing.errors import TraceError
 
 
@@ -155,18 +157,22 @@ def signature_text(fn: Callable) -> str:
         return f"{name}(...)"
 
 
-def check_inputs(fn: Callable, inputs: tuple[Input, ...] | None) -> tuple[Input, ...]:
+def check_inputs(fn: Callable, inputs: tuple[Input, ...] | None,
+                 field: str = "--input") -> tuple[Input, ...]:
     """The inputs ``fn`` is called with: ``inputs`` when given, each binding to a parameter
     (by name, or through ``*args``/``**kwargs``) and every parameter without a default
     given; ``q, k, v`` when not given and ``fn`` takes three tensors. A TraceError that
-    names the parameters and shows an ``--input`` otherwise."""
+    names the parameters and shows an input (as ``field``, ``--input`` or the API's
+    ``inputs``, spells it) otherwise."""
     params = _parameters(fn)
     if not inputs:
         if params is None or _binds(fn, 3):
             return QKV
+        first = _first(params)
+        how = (f"inputs={{{first!r}: {EXAMPLE_DIMS}, ...}}" if field == "inputs" else
+               f"--input NAME=DIMS[:DTYPE], e.g. --input {first}=B,N,768")
         raise TraceError(f"{signature_text(fn)} does not take (q, k, v): give each of its "
-                         f"inputs as --input NAME=DIMS[:DTYPE], {_example(params)} "
-                         f"({letters_help()})")
+                         f"inputs as {how} ({letters_help(field)})")
     if params is None:
         return inputs
     kinds = {p.kind for p in params.values()}
@@ -177,15 +183,24 @@ def check_inputs(fn: Callable, inputs: tuple[Input, ...] | None) -> tuple[Input,
                 and inspect.Parameter.VAR_POSITIONAL not in kinds:
             from memcalc.errors import did_you_mean
 
-            raise TraceError(f"--input {i.name}: {signature_text(fn)} has no parameter "
+            name = f"inputs[{i.name!r}]" if field == "inputs" else f"{field} {i.name}"
+            raise TraceError(f"{name}: {signature_text(fn)} has no parameter "
                              f"{i.name!r}{did_you_mean(i.name, list(params))}")
     given = {i.name for i in inputs}
     missing = [p.name for p in params.values() if p.default is p.empty and p.name not in given
                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if missing and not any(i.name not in params for i in inputs):
-        raise TraceError(f"{signature_text(fn)} needs {', '.join(missing)}: add --input "
-                         f"{missing[0]}=DIMS[:DTYPE] ({letters_help()})")
+        how = (f"inputs[{missing[0]!r}] = (dims)" if field == "inputs" else
+               f"--input {missing[0]}=DIMS[:DTYPE]")
+        raise TraceError(f"{signature_text(fn)} needs {', '.join(missing)}: add {how} "
+                         f"({letters_help(field)})")
     return inputs
+
+
+def _first(params: dict | None) -> str:
+    """The first parameter's name (``x`` when there is none to name)."""
+    return next((n for n, p in (params or {}).items()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)), "x")
 
 
 def _binds(fn: Callable, count: int) -> bool:
@@ -194,13 +209,6 @@ def _binds(fn: Callable, count: int) -> bool:
         return True
     except TypeError:
         return False
-
-
-def _example(params: dict | None) -> str:
-    """``e.g. --input x=B,N,768`` with the first parameter's name."""
-    first = next((n for n, p in (params or {}).items() if p.kind not in (p.VAR_POSITIONAL,
-                                                                         p.VAR_KEYWORD)), "x")
-    return f"e.g. --input {first}={EXAMPLE.split('=', 1)[1].split(' ')[0]}"
 
 
 # --- the call -----------------------------------------------------------------------------
