@@ -284,8 +284,8 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
     return run(config, _budget(config, gpu_gb, reserve), impls, baseline)
 
 
-def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, gpu_gb=None, reserve=None,
-          **options):
+def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
+          gpu_gb=None, reserve=None, **options):
     """The breakdown of your own function or module's step, traced on the meta device as
     the GPU runs it (needs torch): a function, an ``nn.Module`` instance (its weights are
     left as they are), or an ``nn.Module`` class (built with no arguments on the meta
@@ -294,7 +294,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, gpu_gb=None, 
     (``{"x": ("B", "N", 768), "mask": ("B", "N", "bool")}``; letters B, N, M, H, K, D are
     the sizes ``batch``, ``seq_len``, ``kv_len``, ``heads``, ``kv_heads``, ``head_dim``);
     ``no_grad`` names floating inputs that need no gradient; ``autocast="bf16"`` runs the
-    forward under ``torch.autocast("cuda", ...)``. ``causal=True`` is passed as its
+    forward under ``torch.autocast("cuda", ...)``; ``param_dtype="bf16"`` puts a module's
+    floating parameters and buffers in that dtype (``model.to(torch.bfloat16)``). ``causal=True`` is passed as its
     ``causal`` or ``is_causal`` argument (refused when it takes neither); ``gpu_gb``,
     ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
 
@@ -305,7 +306,7 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, gpu_gb=None, 
     4194304
     """
     from memcalc.inputs import inputs_of
-    from memcalc.names import autocast_dtype
+    from memcalc.names import autocast_dtype, torch_dtype
     from memcalc.tracing import (Calling, TraceError, check_causal, check_inputs, label_of,
                                  prepared, register_function, trace as run)
 
@@ -327,7 +328,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, gpu_gb=None, 
     try:
         fn = prepared(fn, label_of(fn))
         calling = Calling(check_inputs(fn, given, "inputs"),
-                          autocast_dtype(autocast, "autocast"))
+                          autocast_dtype(autocast, "autocast"),
+                          torch_dtype(param_dtype, "param_dtype"))
     except TraceError as error:
         raise ValueError(str(error).removeprefix("--trace ")) from None
     config = make_config(**{**options, "impl": register_function(fn, label_of(fn), calling)})
@@ -338,7 +340,7 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, gpu_gb=None, 
 
 trace.__signature__ = inspect.Signature(
     [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD), _kw("inputs"),
-     _kw("no_grad", ()), _kw("autocast"), _kw("gpu_gb"), _kw("reserve"),
+     _kw("no_grad", ()), _kw("autocast"), _kw("param_dtype"), _kw("gpu_gb"), _kw("reserve"),
      *(p for p in _config_parameters() if p.name != "impl")])
 
 

@@ -114,21 +114,36 @@ def input_options(p: argparse.ArgumentParser) -> None:
                    help="run the forward under torch.autocast('cuda', dtype) as mixed-precision "
                         "training does: bf16 or fp16 (CUDA's autocast policy; autocast written "
                         "in the code itself is followed without this)")
+    p.add_argument("--param-dtype", default=None, metavar="DTYPE",
+                   help="the module's floating parameters and buffers in this dtype, as "
+                        "model.to(dtype) makes them for pure bf16 training (default: as built)")
 
 
-def inputs_from(args):
-    """``--input``, ``--no-grad`` and ``--autocast`` as a ``memcalc.tracing.Calling``'s
-    parts: ``(inputs or None, autocast dtype or None)``."""
+def calling_from(args, fn):
+    """``--input``, ``--no-grad``, ``--autocast`` and ``--param-dtype`` as the
+    ``memcalc.tracing.Calling`` of ``fn`` (raises its TraceError when they do not fit it)."""
     from memcalc.inputs import inputs_of
-    from memcalc.names import autocast_dtype
+    from memcalc.names import autocast_dtype, torch_dtype
+    from memcalc.tracing import Calling, check_inputs
 
     autocast = autocast_dtype(args.autocast)
-    if not args.input:
-        if args.no_grad:
-            raise ValueError(f"--no-grad {args.no_grad[0]}: give the inputs with --input "
-                             f"first (without it the target takes q, k, v, which need grad)")
-        return None, autocast
-    return inputs_of(args.input, args.no_grad), autocast
+    param_dtype = torch_dtype(args.param_dtype, "--param-dtype")
+    if not args.input and args.no_grad:
+        raise ValueError(f"--no-grad {args.no_grad[0]}: give the inputs with --input first "
+                         f"(without it the target takes q, k, v, which need grad)")
+    inputs = inputs_of(args.input, args.no_grad) if args.input else None
+    return Calling(check_inputs(fn, inputs), autocast, param_dtype)
+
+
+def traced_options_given(args) -> str | None:
+    """The first of a traced target's options given (``--input x=...``), for a command
+    told no target."""
+    for flag, value in (("--input", (args.input or [None])[0]), ("--autocast", args.autocast),
+                        ("--param-dtype", args.param_dtype),
+                        ("--no-grad", (args.no_grad or [None])[0])):
+        if value is not None:
+            return f"{flag} {value}"
+    return None
 
 
 def budget_options(p: argparse.ArgumentParser) -> None:

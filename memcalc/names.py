@@ -101,4 +101,16 @@ def autocast_dtype(text: str | None, field: str = "--autocast") -> str | None:
     if name not in ("bf16", "fp16"):
         raise ValueError(f"{field}: {text!r} is not an autocast dtype; autocast runs in bf16 or "
                          f"fp16 (bfloat16, float16)")
-    return {"bf16": "bfloat16", "fp16": "float16"}[name]
+    return torch_dtype(name, field)
+
+
+def torch_dtype(text: str | None, field: str) -> str | None:
+    """fp32, fp16, bf16 or an alias as torch's name (``bfloat16``); None for none; anything
+    else a ValueError naming ``field``."""
+    if text is None:
+        return None
+    short = dtype_name(text)
+    if short is None:
+        raise ValueError(f"{field}: unknown dtype {text!r}; known: fp32, fp16, bf16 (float32, "
+                         f"float16, bfloat16)")
+    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[short]

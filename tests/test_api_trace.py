@@ -63,7 +63,8 @@ def test_help_lists_the_options():
     import inspect
 
     parameters = inspect.signature(memcalc.trace).parameters
-    assert list(parameters)[:6] == ["fn", "inputs", "no_grad", "autocast", "gpu_gb", "reserve"]
+    assert list(parameters)[:7] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
+                                    "gpu_gb", "reserve"]
     assert "seq_len" in parameters
     assert "impl" not in parameters
 
@@ -138,3 +139,14 @@ def test_autocast_and_no_grad():
     assert roles["autocast qkv.weight as bfloat16 (cached)"] == "activation"
     assert roles["autocast x as bfloat16"] == "saved"  # not cached: x needs no grad
     assert not [c for c in b.backward_live if c.role == "gradient" and c.shape == (2, 64, 16)]
+
+
+def test_param_dtype_is_model_to_dtype():
+    """Pure bf16 training: the module's weight (48 x 16 x 2 B = 1,536 B) and bias (48 x 2 B
+    = 96 B) in bf16."""
+    b = memcalc.trace(Hidden, inputs={"x": ("B", "N", 16, "bf16")}, param_dtype="bf16",
+                      seq_len=64, batch=2)
+    state = {c.name: (c.dtype, c.nbytes) for c in b.forward_live if c.role == "parameter"}
+    assert state == {"qkv.weight": ("bfloat16", 1536), "qkv.bias": ("bfloat16", 96)}
+    with pytest.raises(ValueError, match="^param_dtype: unknown dtype 'bf17'"):
+        memcalc.trace(Hidden, inputs={"x": ("B", "N", 16)}, param_dtype="bf17")

@@ -155,3 +155,40 @@ def test_odd_lengths_equal_trace(impl, seq_len):
     config = Config(impl=impl, dtype="bf16", causal=True, chunk=100, shape=shape)
     assert figures_of(predict(config)) == figures_of(measure(config))
     assert predict(config).saved_bytes == 0
+
+
+def _user_checkpoint(fn, selective: bool):
+    """``fn`` under ``torch.utils.checkpoint`` as a user writes it in a model: non-reentrant,
+    or selective with a policy that recomputes every op (what non-reentrant does)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    def recompute(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    context = {"context_fn": partial(create_selective_checkpoint_contexts, recompute)} \
+        if selective else {}
+
+    def step(q, k, v, causal=False):
+        return checkpoint(fn, q, k, v, causal, use_reentrant=False, **context)
+
+    return step
+
+
+@pytest.mark.parametrize("selective", [False, True])
+@pytest.mark.parametrize("impl, dtype, causal", [("naive", "fp32", False),
+                                                 ("naive-softmax", "fp16", True),
+                                                 ("sdpa-math", "fp16", True)])
+def test_checkpointing_in_user_code_equals_the_model(impl, dtype, causal, selective):
+    """A user's checkpointed attention, traced on the GPU's code paths (the recomputation
+    in the backward follows them too), equals checkpoint-<impl> on every figure."""
+    from memcalc.tracing import trace
+    from memcalc.validation import figures_of
+    from memcalc.validation.reference import REFERENCES, reference_fn
+
+    reference_fn(Config(impl=impl))  # loads the reference code
+    config = Config(impl=f"checkpoint-{impl}", dtype=dtype, causal=causal, shape=SMALL)
+    traced = trace(_user_checkpoint(REFERENCES[impl], selective), config)
+    assert figures_of(traced) == figures_of(predict(config))

@@ -113,7 +113,7 @@ def test_json_without_a_budget_adds_only_the_gpu_its_paths_and_the_notes():
     data = json.loads(result.to_json())
     assert data == {**b.to_dict(), "gpu": H100, "cuda_paths": True,
                     "notes": ["first note", "second note"], "kernels": [], "inputs": [],
-                    "autocast": None}
+                    "autocast": None, "param_dtype": None}
     assert "budget_bytes" not in data and "fits" not in data
 
 
@@ -124,7 +124,7 @@ def test_json_with_a_budget_adds_its_figures_and_the_fit():
     added = {k: v for k, v in data.items() if k not in result.breakdown.to_dict()}
     assert added == {
         "gpu": H100, "cuda_paths": True, "notes": [], "kernels": [], "inputs": [],
-        "autocast": None,
+        "autocast": None, "param_dtype": None,
         "budget_bytes": 1_048_576,  # 1 MiB - reserve 0
         "fits": False,  # the first 2 MiB segment is over it
         "budget": {"device": "given", "memory_bytes": 1_048_576, "reserve_bytes": 0,

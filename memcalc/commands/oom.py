@@ -1,7 +1,8 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
-from memcalc.cli import (budget_from, budget_options, check_chunk, config_options, emit,
-                         format_options, input_options, inputs_from, shape_options)
+from memcalc.cli import (budget_from, budget_options, calling_from, check_chunk,
+                         config_options, emit, format_options, input_options, shape_options,
+                         traced_options_given)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
 
@@ -52,22 +53,19 @@ def _impls(args) -> list[str] | None:
     from memcalc.names import impl_list
 
     impls = impl_list(args.impl)
-    inputs, autocast = inputs_from(args)
     if args.trace is None:
-        given = [f"--input {args.input[0]}" if inputs else "",
-                 f"--autocast {args.autocast}" if autocast else ""]
-        if any(given):
-            raise ValueError(f"{next(g for g in given if g)}: an option of a traced target; "
-                             f"give --trace FILE.py:FUNCTION")
+        given = traced_options_given(args)
+        if given:
+            raise ValueError(f"{given}: an option of a traced target; give --trace "
+                             f"FILE.py:FUNCTION")
         return impls
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.tracing import (Calling, TraceError, check_inputs, load_function,
-                                 register_function)
+    from memcalc.tracing import TraceError, load_function, register_function
 
     fn = load_function(args.trace)
     try:
-        calling = Calling(check_inputs(fn, inputs), autocast)
+        calling = calling_from(args, fn)
     except TraceError as error:
         raise ValueError(f"--trace {args.trace}: {error}") from None
     return (impls or []) + [register_function(fn, args.trace, calling)]

@@ -1,8 +1,8 @@
 """``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code, traced as
 the configured GPU would run it, with its fit in the device's budget."""
 
-from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from,
-                         emit, format_options, input_options, inputs_from, naming,
+from memcalc.cli import (budget_from, budget_options, calling_from, check_chunk, check_output,
+                         config_from, emit, format_options, input_options, naming,
                          shape_options)
 
 HELP = ("breakdown of your own attention function or nn.Module, traced on the meta device "
@@ -33,17 +33,16 @@ def run(args) -> int:
     line naming it as given."""
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.tracing import (Calling, TraceError, TraceOptions, check_causal,
-                                 check_inputs, load_function, register_function, traced)
+    from memcalc.tracing import (TraceError, TraceOptions, check_causal, load_function,
+                                 register_function, traced)
 
     check_output(args.plot, "--plot")
     budget = budget_from(args)
     options = TraceOptions(cuda=not args.meta_paths, workspace=_workspace(args.cudnn_workspace))
     history = []
-    inputs, autocast = inputs_from(args)
     try:
         fn = load_function(args.target)
-        calling = Calling(check_inputs(fn, inputs), autocast)
+        calling = calling_from(args, fn)
         config = config_from(args, impl=register_function(fn, args.target, calling))
         check_chunk(args, [config.impl])
         check_causal(fn, config)

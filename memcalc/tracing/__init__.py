@@ -94,7 +94,7 @@ def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
     return Traced(breakdown=result, gpu=config.device.spec.label, cuda_paths=options.cuda,
                   notes=notes, kernels=tuple(paths.kernels) if paths else (),
                   inputs=tuple(i.text() for i in inputs if inputs is not QKV),
-                  autocast=calling.autocast, **checked)
+                  autocast=calling.autocast, param_dtype=calling.param_dtype, **checked)
 
 
 def _returned(call: Bound) -> tuple[str, ...]:
@@ -124,7 +124,7 @@ def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[I
     paths = paths or _paths(config, options)
 
     def run():
-        with on_meta(call.fn) as state:
+        with on_meta(call.fn, call.param_dtype) as state:
             return measure(config, call, capacity, paths, state,
                            output_like(call, config, options, inputs), tracer, inputs)
 
@@ -383,7 +383,7 @@ def _sample_events(call: Bound, config: Config, n: int,
     probe = TracerProbe(tracer)
 
     def run():
-        with on_meta(call.fn) as state:
+        with on_meta(call.fn, call.param_dtype) as state:
             run_traced(sample, call, tracer, probe, state,
                        output_like(call, sample, options, inputs), inputs)
 

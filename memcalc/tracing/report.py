@@ -19,6 +19,7 @@ class Traced(Result):
     kernels: tuple[str, ...] = ()  # the fused SDPA backends the trace modelled, not traced
     inputs: tuple[str, ...] = ()  # what the target was called with, as --input says it
     autocast: str | None = None  # the autocast region around the forward (--autocast)
+    param_dtype: str | None = None  # the module's floating state as module.to(dtype) makes it
 
     def summary(self) -> str:
         lines = [f"traced as on {self.gpu}: CUDA code paths emulated (memcalc README, "
@@ -27,6 +28,9 @@ class Traced(Result):
                  f"paths of {self.gpu}"]
         if self.inputs:
             lines.append(f"called with {', '.join(self.inputs)} (--input)")
+        if self.param_dtype:
+            lines.append(f"parameters and buffers in {self.param_dtype} (--param-dtype: "
+                         f"module.to(torch.{self.param_dtype}))")
         if self.autocast:
             lines.append(f"forward under torch.autocast('cuda', dtype=torch.{self.autocast}) "
                          f"(--autocast)")
@@ -59,4 +63,5 @@ class Traced(Result):
         extra = self.fit.verdict(self.budget) if self.budget is not None else {}
         return {**self.breakdown.to_dict(), "gpu": self.gpu, "cuda_paths": self.cuda_paths,
                 "notes": list(self.notes), "kernels": list(self.kernels),
-                "inputs": list(self.inputs), "autocast": self.autocast, **extra}
+                "inputs": list(self.inputs), "autocast": self.autocast,
+                "param_dtype": self.param_dtype, **extra}

@@ -36,10 +36,12 @@ def instantiate(cls, spec: str):
 
 
 @contextmanager
-def on_meta(fn: Callable) -> Iterator[tuple[Resident, ...]]:
+def on_meta(fn: Callable, dtype: str | None = None) -> Iterator[tuple[Resident, ...]]:
     """The tensors ``fn`` keeps resident, on the meta device while the block runs: a
     module's own state, or for a plain function the modules and meta tensors among the
-    module-level names its code refers to (``referenced``), each storage once.
+    module-level names its code refers to (``referenced``), each storage once. With
+    ``dtype`` (``--param-dtype``), a module's floating parameters and buffers are in that
+    dtype, as ``module.to(dtype)`` makes them (pure bf16 training).
 
     The user's objects are left as they were: a module's parameters and buffers off the
     meta device are swapped for meta copies for the block and back after it (a notebook's
@@ -51,13 +53,15 @@ def on_meta(fn: Callable) -> Iterator[tuple[Resident, ...]]:
     swapped: list[tuple[dict, str, object]] = []  # (a module's store, key, the user's tensor)
     copies: dict[int, object] = {}  # id(the user's tensor) -> its meta copy
     try:
+        to = getattr(torch, dtype) if dtype else None
         if isinstance(fn, torch.nn.Module):
-            found = _module_state("", _swapped_to_meta(fn, swapped, copies))
+            found = _module_state("", _swapped_to_meta(fn, swapped, copies, to))
         else:
             found = []
             for name, value in referenced(fn):
                 if isinstance(value, torch.nn.Module):
-                    found += _module_state(f"{name}.", _swapped_to_meta(value, swapped, copies))
+                    found += _module_state(f"{name}.",
+                                           _swapped_to_meta(value, swapped, copies, to))
                 elif isinstance(value, torch.Tensor) and value.device.type == "meta":
                     # a module-level nn.Parameter is a parameter: its grad is cleared between
                     # steps
@@ -94,27 +98,30 @@ def referenced(fn: Callable) -> list[tuple[str, object]]:
     return [(name, value) for name, value in namespace.items() if name in names]
 
 
-def _swapped_to_meta(module, swapped: list, copies: dict):
-    """``module`` with each parameter and buffer off the meta device replaced by a meta
-    copy (the same copy wherever one tensor is held), noted in ``swapped`` to be put back."""
+def _swapped_to_meta(module, swapped: list, copies: dict, dtype=None):
+    """``module`` with each parameter and buffer off the meta device (or, with ``dtype``,
+    floating in another dtype) replaced by a meta copy (the same copy wherever one tensor
+    is held), noted in ``swapped`` to be put back."""
     for sub in module.modules():
         for store in (sub._parameters, sub._buffers):
             for key, t in list(store.items()):
-                if t is None or t.device.type == "meta":
+                cast = dtype is not None and t is not None and t.is_floating_point() \
+                    and t.dtype != dtype
+                if t is None or (t.device.type == "meta" and not cast):
                     continue
                 if id(t) not in copies:
-                    copies[id(t)] = _meta_copy(t)
+                    copies[id(t)] = _meta_copy(t, dtype if cast else None)
                 swapped.append((store, key, t))
                 store[key] = copies[id(t)]
     return module
 
 
-def _meta_copy(t):
-    """A tensor like ``t`` on the meta device: a parameter stays a parameter, with its
-    ``requires_grad``."""
+def _meta_copy(t, dtype=None):
+    """A tensor like ``t`` on the meta device (in ``dtype`` if given): a parameter stays a
+    parameter, with its ``requires_grad``."""
     import torch
 
-    copy = torch.empty_like(t, device="meta")
+    copy = torch.empty_like(t, device="meta", dtype=dtype)
     if isinstance(t, torch.nn.Parameter):
         return torch.nn.Parameter(copy, requires_grad=t.requires_grad)
     return copy

@@ -219,10 +219,11 @@ class Bound:
     (``primary``) and notes what that was when ``fn`` returned more (``returned``)."""
 
     def __init__(self, fn: Callable, inputs: tuple[Input, ...] = QKV, causal: bool = False,
-                 autocast: str | None = None):
+                 autocast: str | None = None, param_dtype: str | None = None):
         params = _parameters(fn) or {}
         self.fn = fn
         self.autocast = autocast
+        self.param_dtype = param_dtype  # the module's floating state in it (on_meta)
         keywords = any(p.kind is p.VAR_KEYWORD for p in params.values())
         self.names = [None if inputs is QKV or _positional(params.get(i.name), keywords)
                       else i.name for i in inputs]
@@ -257,16 +258,18 @@ def _positional(p: inspect.Parameter | None, keywords: bool) -> bool:
 
 @dataclass(frozen=True)
 class Calling:
-    """How a traced target is called: its inputs, and the autocast region around its
-    forward (``bfloat16`` or ``float16``; None: none but the target's own)."""
+    """How a traced target is called: its inputs, the autocast region around its forward
+    (``bfloat16`` or ``float16``; None: none but the target's own), and the dtype of its
+    module's floating parameters and buffers (None: as built)."""
 
     inputs: tuple[Input, ...] = QKV
     autocast: str | None = None
+    param_dtype: str | None = None
 
 
 def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
     """``fn`` with ``config``'s options, to be called as ``calling`` says."""
-    return Bound(fn, calling.inputs, config.causal, calling.autocast)
+    return Bound(fn, calling.inputs, config.causal, calling.autocast, calling.param_dtype)
 
 
 def primary(out) -> tuple[object, str]:
