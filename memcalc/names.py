@@ -73,7 +73,7 @@ def solve_field(word: str, field: str = "--solve") -> str:
 
 # the kinds of case of a live validation run, in the order it takes them
 # (``memcalc.validation.cases``); here, so that the CLI lists them without importing it
-CASE_KINDS = ("oom-threshold", "fused", "usercode", "grid")
+CASE_KINDS = ("oom-threshold", "fused", "usercode", "modelcode", "grid")
 
 
 # dtype aliases: torch's names and the usual short ones (``memcalc.config.DType``)

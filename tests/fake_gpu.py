@@ -88,9 +88,11 @@ class FakeGpu(cuda.LiveGpu):
 
         return calibrate(self.cuda, allocate, used_before)
 
-    def measure(self, config, fn, capacity=None):
+    def measure(self, config, fn, capacity=None, inputs=None):
+        from memcalc.inputs import QKV
+
         self.runs.append(config)
-        return super().measure(config, self._with_scratch(fn), capacity)
+        return super().measure(config, self._with_scratch(fn), capacity, inputs or QKV)
 
     def _with_scratch(self, fn):
         if not self.forward_scratch:

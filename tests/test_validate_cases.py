@@ -142,17 +142,18 @@ class StubGpu:
     each op's scratch (or an error to raise); it counts the scratch reads."""
 
     oom_errors = (MemoryError,)
+    device = "meta"
 
     def __init__(self, figures=None, error=None, scratch=None):
         self.figures, self.error, self.scratch_result = figures, error, scratch
         self.scratch_reads = 0
 
-    def measure(self, config, fn, capacity=None):
+    def measure(self, config, fn, capacity=None, inputs=None):
         if self.error is not None:
             raise self.error
         return SimpleNamespace(**self.figures)
 
-    def scratch(self, config, fn):
+    def scratch(self, config, fn, inputs=None):
         self.scratch_reads += 1
         if isinstance(self.scratch_result, Exception):
             raise self.scratch_result

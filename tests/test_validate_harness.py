@@ -249,3 +249,20 @@ def test_figures_on_the_allocator_model(forward_only):
                              # 3,584 + grad of e, k.grad, q.grad = 3,584 + 3 x 512 = 5,120
                              backward_peak_bytes=3584 + 3 * 512,
                              reserved_peak_bytes=2 << 20)  # one 2 MiB small-pool segment
+
+
+def test_a_parameters_grad_left_by_an_earlier_step_is_released_first():
+    """A module traced twice (``memcalc oom --trace`` traces one instance at six lengths)
+    kept the first trace's grads, and the second accumulated into them (``add_`` in
+    AccumulateGrad): a step starts from ``zero_grad(set_to_none=True)``."""
+    w = torch.zeros(4, requires_grad=True)
+    w.grad = torch.ones(4)
+    seen = []
+
+    def attn(q, k, v):
+        seen.append(w.grad is None)
+        return q * w
+
+    run_protocol(torch, attn, ZeroProbe(), make_inputs(torch, dims(), "cpu"), forward_only=False,
+                 parameters=(w,))
+    assert seen == [True, True]

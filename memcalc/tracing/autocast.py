@@ -171,6 +171,7 @@ class Autocast(TorchFunctionMode):
         from memcalc.validation.emulated import located_name
 
         self._note()
+        self.tracer.collect_frees()  # what died before this op, as at every op's start
         with self.tracer.quiet():
             cast = source.to(to)
         src = self.tracer.ledger.live.get(source.untyped_storage()._cdata)

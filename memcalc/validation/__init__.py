@@ -23,6 +23,7 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
     named in ``cases``, default all of ``cases.KINDS``; written to ``out`` after each
     case, resumed from it, stopped after ``max_seconds``). ``progress(items, total,
     description)`` wraps the emulated loop (``memcalc.progress``)."""
+    shipped = configs is None and grid is None and impls is None
     if configs is None:
         configs = (load_grid(grid) if grid else default_grid()).expand(impls)
         if not configs and backend == "emulated" and impls:
@@ -38,6 +39,10 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
     if progress is not None:
         configs = progress(configs, len(configs), f"validate ({backend})")
     checks = tuple(runner.check(c) for c in configs)
+    if shipped:  # the model code's fitted programs (memcalc oom --trace) too
+        from memcalc.validation.modelcode import fitted_checks
+
+        checks += fitted_checks()
     return Report(backend=backend, environment=runner.environment(), checks=checks)
 
 

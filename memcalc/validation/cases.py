@@ -7,6 +7,8 @@ Cases, in the order a run takes them (the most evidence per minute first):
   read from kernel sources and which the meta device cannot run;
 - ``usercode``: ``memcalc/validation/usercode.py`` (sdpa as torch picks it, cuDNN attention,
   fused dropout, half-to-float softmax), whose model is the tracer;
+- ``modelcode``: ``memcalc/validation/modelcode.py`` (modules from hidden states, autocast
+  around and inside them, module state, Hugging Face attention), whose model is the tracer;
 - ``grid``: the shipped grid (the emulated backend's), re-targeted to the live device.
 
 For each case: the model (``predict``, or the tracer for user code), the emulated trace of
@@ -41,28 +43,49 @@ class Case:
     fn: Callable | None = None  # user code; None: the reference code of config.impl
     capacity: int | None = None
     expected: str | None = None  # fits | oom
+    # model code: ``fn`` is an nn.Module class, built on the device that runs it, and
+    # called as this says (memcalc.tracing.Calling); None: fn(q, k, v)
+    calling: object = None
 
     @property
     def key(self) -> str:
         return case_key(self.kind, self.config, self.capacity)
 
-    def code(self) -> Callable:
-        """``fn(q, k, v)`` with the configuration's options bound."""
+    def code(self, device: str = "meta") -> Callable:
+        """``fn(q, k, v)`` with the configuration's options bound; model code's module built
+        on ``device`` (in ``--param-dtype`` where given), called with its inputs."""
         if self.fn is None:
             from memcalc.validation.reference import reference_fn
 
             return reference_fn(self.config)
-        from memcalc.tracing import bound
+        from memcalc.tracing import Calling, bound
 
-        return bound(self.fn, self.config)
+        if self.calling is None:
+            return bound(self.fn, self.config)
+        import torch
+
+        with torch.device(device):
+            module = self.fn()
+        if self.calling.param_dtype:
+            module.to(getattr(torch, self.calling.param_dtype))
+        return bound(module, self.config, self.calling or Calling())
+
+    @property
+    def inputs(self) -> tuple:
+        """What ``code()`` is called with (``memcalc.inputs``)."""
+        from memcalc.inputs import QKV
+
+        return QKV if self.calling is None else self.calling.inputs
 
     def model(self) -> tuple[dict[str, int] | None, str]:
         """The model's figures (the tracer's for user code), or None and why."""
         try:
             if self.fn is not None:
-                from memcalc.tracing import trace
+                from memcalc.tracing import Calling, prepared, trace
 
-                return trace(self.fn, self.config).figures(), "memcalc trace"
+                fn = prepared(self.fn, self.config.impl) if self.calling else self.fn
+                return (trace(fn, self.config, calling=self.calling or Calling()).figures(),
+                        "memcalc trace")
             from memcalc.timeline import predict
 
             return predict(self.config).figures(), ""
@@ -123,6 +146,19 @@ def usercode_cases(env: dict[str, str]) -> list[Case]:
     return cases
 
 
+def modelcode_cases(env: dict[str, str]) -> list[Case]:
+    """Each model-code module (``memcalc/validation/modelcode.py``) at two lengths, batch 2,
+    fp32 inputs (autocast where its calling says so)."""
+    from memcalc.validation.cuda import live_config
+    from memcalc.validation.modelcode import model_code, register
+
+    names = register()
+    return [Case("modelcode", live_config(Config(impl=names[key],
+                                                 shape=Shape(batch=2, seq_len=n)), env),
+                 code.module, calling=code.calling)
+            for key, code in model_code().items() for n in (1024, 4096)]
+
+
 def oom_cases(env: dict[str, str], capacity: int) -> list[Case]:
     """For each of ``OOM_IMPLS`` (the seeds' B=8 H=1 d=16 fp32 step) the threshold memcalc's
     solver finds for an allocator capped at ``capacity``: N (fits) and N + 1 (does not)."""
@@ -146,6 +182,7 @@ def all_cases(kinds: tuple[str, ...], grid_configs: list[Config], env: dict[str,
     """Every case of ``kinds``, in ``KINDS`` order; only ``impls`` when given."""
     build = {"oom-threshold": lambda: oom_cases(env, capacity), "fused": lambda: fused_cases(env),
              "usercode": lambda: usercode_cases(env),
+             "modelcode": lambda: modelcode_cases(env),
              "grid": lambda: grid_cases(grid_configs, env)}
     cases = [c for kind in KINDS if kind in kinds for c in build[kind]()]
     return [c for c in cases if impls is None or c.config.impl in impls]
@@ -173,7 +210,7 @@ def _live(case: Case, gpu) -> tuple[str, dict[str, int] | None, str]:
     from memcalc.breakdown import FIGURES
 
     try:
-        m = gpu.measure(case.config, case.code(), case.capacity)
+        m = gpu.measure(case.config, case.code(gpu.device), case.capacity, case.inputs)
     except gpu.oom_errors as error:
         return "oom", None, one_line(error)
     except Exception as error:  # noqa: BLE001 - an unsupported kernel, say: recorded
@@ -183,6 +220,6 @@ def _live(case: Case, gpu) -> tuple[str, dict[str, int] | None, str]:
 
 def _scratch(case: Case, gpu) -> dict[str, int]:
     try:
-        return gpu.scratch(case.config, case.code())
+        return gpu.scratch(case.config, case.code(gpu.device), case.inputs)
     except Exception:  # noqa: BLE001 - a diagnostic: its failure must not lose the run
         return {}

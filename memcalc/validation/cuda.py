@@ -112,13 +112,29 @@ def measure(config: Config, torch=None, probe=None, device: str = "cuda",
     torch = torch or _torch()
     probe = probe or CudaProbe(torch.cuda)
     fn = fn or reference_fn(config)
+    out_like = _output_like(torch, config, device, fn, inputs)
     _release(torch)
-    inputs = make_inputs(torch, config.dims, device, inputs)
+    inputs = make_inputs(torch, config.dims, device, inputs, out_like)
     try:
         return run_protocol(torch, fn, probe, inputs, config.protocol.forward_only)
     finally:
         del inputs
         _release(torch)
+
+
+def _output_like(torch, config: Config, device: str, fn: Callable,
+                 inputs: tuple[Input, ...]) -> tuple | None:
+    """``(shape, dtype)`` of model code's output, from a forward under ``no_grad`` on the
+    device (released before the protocol starts): what ``grad_out`` must look like. None
+    for ``q, k, v`` code, whose output is shaped like q."""
+    if inputs is QKV or config.protocol.forward_only or config.protocol.loss != "grad":
+        return None
+    made = make_inputs(torch, config.dims.replace(forward_only=True), device, inputs)
+    with torch.no_grad():
+        out = fn(*made.leaves)
+    like = tuple(out.shape), str(out.dtype).removeprefix("torch.")
+    del out, made
+    return like
 
 
 def _release(torch) -> None:
@@ -187,12 +203,14 @@ class LiveGpu:
         _release(self.torch)
         return self.cuda.mem_get_info()[0]
 
-    def measure(self, config: Config, fn: Callable, capacity: int | None = None) -> Measured:
-        """One protocol run; with ``capacity``, reserved memory is capped at exactly that
-        many bytes (``exact_capacity``) for the run, as the model's ``capacity`` does."""
+    def measure(self, config: Config, fn: Callable, capacity: int | None = None,
+                inputs: tuple[Input, ...] = QKV) -> Measured:
+        """One protocol run of ``fn`` called with ``inputs``; with ``capacity``, reserved
+        memory is capped at exactly that many bytes (``exact_capacity``) for the run, as
+        the model's ``capacity`` does."""
         context, probe = self.probe_for(config, capacity)
         with context, self._capped(capacity):
-            return measure(config, self.torch, probe, self.device, fn)
+            return measure(config, self.torch, probe, self.device, fn, inputs)
 
     @contextmanager
     def _capped(self, capacity: int | None):
@@ -206,13 +224,15 @@ class LiveGpu:
         finally:
             self.cuda.set_per_process_memory_fraction(1.0)
 
-    def scratch(self, config: Config, fn: Callable) -> dict[str, int]:
+    def scratch(self, config: Config, fn: Callable,
+                inputs: tuple[Input, ...] = QKV) -> dict[str, int]:
         """Run the protocol again with every aten op bracketed by the counters (see
         ``op_scratch``): what each kind of op held beyond its outputs."""
         context, _ = self.probe_for(config, None)
         with context:
             return op_scratch(self.torch, self.cuda,
-                              lambda: measure(config, self.torch, _Uncounted(), self.device, fn))
+                              lambda: measure(config, self.torch, _Uncounted(), self.device, fn,
+                                              inputs))
 
 
 def op_scratch(torch, cuda, run: Callable[[], object]) -> dict[str, int]:

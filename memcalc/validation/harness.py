@@ -116,11 +116,17 @@ def run_protocol(torch, attn: Callable, probe: Probe, inputs: Inputs, forward_on
     """
     if forward_only:
         return _forward_only(torch, attn, probe, inputs.leaves)
+    _zero_grad(parameters)  # a module traced before keeps its grads: a step starts without
     _step(attn, inputs, None)
-    for leaf in (*inputs.leaves, *parameters):
+    _zero_grad((*inputs.leaves, *parameters))
+    return _step(attn, inputs, probe)
+
+
+def _zero_grad(leaves) -> None:
+    """``zero_grad(set_to_none=True)`` of the leaves that need grad."""
+    for leaf in leaves:
         if leaf.requires_grad:
             leaf.grad = None
-    return _step(attn, inputs, probe)
 
 
 def _forward_only(torch, attn: Callable, probe: Probe, leaves: tuple) -> Measured:

@@ -35,9 +35,11 @@ def load_previous(path: Path, environment: dict[str, str]) -> Report | None:
     environment (a ValueError naming the file otherwise)."""
     if not path.exists():
         return None
+    from memcalc.validation.modelcode import register as register_models
     from memcalc.validation.usercode import register
 
     register()  # its cases name the user-code implementations
+    register_models()  # and the model code's
     try:
         report = Report.model_validate_json(path.read_text())
     except ValueError as error:
