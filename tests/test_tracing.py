@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from memcalc.cli import main
-from memcalc.config import Config
+from memcalc.config import Config, make_config
 from memcalc.timeline import predict
 from memcalc.tracing import TraceError, fit, load_function, register_function, trace
 from memcalc.validation import figures_of
@@ -196,3 +196,56 @@ def test_oom_trace_of_a_module_with_weights_agrees_with_direct_traces(capsys):
     resident = [c for c in at["components"] if c["role"] in ("parameter", "buffer")]
     assert sum(c["bytes"] for c in resident) == (768 * 2304 + 2304 + 768 * 768 + 768
                                                  + 16384 * 16384) * 4
+
+
+LAZY_MASK = '''
+import torch
+import torch.nn as nn
+
+_mask = None
+
+
+class Lazy(nn.Module):
+    """Hugging Face GPT-2's eager _attn (transformers 4.x) with its causal mask buffer built
+    on the first call."""
+
+    def forward(self, q, k, v):
+        if getattr(self, "bias", None) is None:
+            self.register_buffer("bias", torch.tril(torch.ones(
+                (4096, 4096), dtype=torch.bool, device=q.device)).view(1, 1, 4096, 4096),
+                persistent=False)
+        w = torch.matmul(q, k.transpose(-1, -2))
+        w = w / torch.full([], v.size(-1) ** 0.5, dtype=w.dtype, device=w.device)
+        n = k.size(-2)
+        mask_value = torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device)
+        w = torch.where(self.bias[:, :, n - q.size(-2):n, :n], w, mask_value)
+        return torch.matmul(torch.softmax(w, dim=-1), v)
+
+
+def lazy(q, k, v):
+    """The same with a module-level mask set on the first call."""
+    global _mask
+    if _mask is None:
+        _mask = torch.tril(torch.ones((4096, 4096), dtype=torch.bool, device=q.device))
+    w = torch.where(_mask[:q.size(-2), :k.size(-2)], q @ k.transpose(-1, -2), -1e9)
+    return torch.softmax(w, dim=-1) @ v
+'''
+
+
+@pytest.mark.parametrize("name", ["Lazy", "lazy"])
+def test_state_built_on_the_first_call_is_built_in_the_warm_up(tmp_path, name):
+    """On a GPU the protocol's warm-up is the first call: it builds the mask, whose
+    16 MiB ``ones`` temporary leaves a cached segment the step's N x N tensors are carved
+    from. The scratch forward that learns grad_out's shape must not build it first, and
+    the trace leaves the user's module and names as they were."""
+    (tmp_path / "lazy_mask.py").write_text(LAZY_MASK)
+    fn = load_function(f"{tmp_path}/lazy_mask.py:{name}")
+    config = make_config(batch=2, heads=3, seq_len=333, head_dim=64, gpu="a100-80gb")
+    first, second = trace(fn, config), trace(fn, config)
+    assert figures_of(first) == figures_of(second)
+    assert any(c.op == "tril" for c in first.backward_live)  # the mask, made in the warm-up
+    if name == "Lazy":
+        assert first.backward_peak_bytes == 45_143_552
+        assert getattr(fn, "bias", None) is None
+    else:
+        assert fn.__globals__["_mask"] is None

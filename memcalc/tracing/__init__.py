@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -118,13 +119,13 @@ def _paths(config: Config, options: TraceOptions):
 def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[Input, ...],
              capacity: int | None = None, paths=None, tracer=None) -> Breakdown:
     """One direct trace of the bound call's step (see ``trace``)."""
-    from memcalc.tracing.state import on_meta
+    from memcalc.tracing.state import kept, on_meta
     from memcalc.validation.emulated import measure
 
     paths = paths or _paths(config, options)
 
     def run():
-        with on_meta(call.fn, call.param_dtype) as state:
+        with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
             return measure(config, call, capacity, paths, state,
                            output_like(call, config, options, inputs), tracer, inputs)
 
@@ -135,13 +136,18 @@ def output_like(call: Bound, config: Config, options: TraceOptions,
                 inputs: tuple[Input, ...]) -> tuple | None:
     """``(shape, dtype)`` of the call's output when it is not q's, from a forward under
     ``no_grad`` along the same code paths (a scratch trace): what ``grad_out`` must look
-    like. None when there is no ``grad_out`` to make."""
+    like. None when there is no ``grad_out`` to make. What the scratch forward leaves on the
+    function's modules and module-level names (state built on the first call, such as a
+    causal mask buffer registered lazily) is undone after it (``state.kept``): on a GPU the
+    protocol's warm-up is the first call, and builds it there."""
+    from memcalc.tracing.state import kept
     from memcalc.validation.emulated import Tracer, output_of
 
     if config.protocol.forward_only or config.protocol.loss != "grad":
         return None
     scratch = Tracer(config.workspace_bytes, None, _paths(config, options))
-    shape, dtype = output_of(config, call, scratch, inputs)
+    with kept(call.fn):
+        shape, dtype = output_of(config, call, scratch, inputs)
     d = config.dims
     if inputs is QKV and shape == (d.B, d.H, d.N, d.D) and dtype == d.dtype:
         return None
@@ -155,7 +161,11 @@ def _guarded(run: Callable, fn: Callable):
     from memcalc.allocator import OutOfMemory
 
     try:
-        return run()
+        with warnings.catch_warnings():
+            # torch's own warnings concern running on the meta device (dynamo refusing a
+            # meta tensor, autocast without CUDA), not the user's code
+            warnings.filterwarnings("ignore", module=r"torch\.")
+            return run()
     except (TraceError, OutOfMemory):  # a capped trace's OOM is an answer, not a failure
         raise
     except Exception as error:  # noqa: BLE001 - anything the user's code raises on meta
@@ -374,7 +384,7 @@ def traced_program(fn: Callable, config: Config,
 
 def _sample_events(call: Bound, config: Config, n: int,
                    inputs: tuple[Input, ...]) -> tuple[list, list, list]:
-    from memcalc.tracing.state import on_meta
+    from memcalc.tracing.state import kept, on_meta
     from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
 
     sample = config.replace(seq_len=n)
@@ -383,7 +393,7 @@ def _sample_events(call: Bound, config: Config, n: int,
     probe = TracerProbe(tracer)
 
     def run():
-        with on_meta(call.fn, call.param_dtype) as state:
+        with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
             run_traced(sample, call, tracer, probe, state,
                        output_like(call, sample, options, inputs), inputs)
 

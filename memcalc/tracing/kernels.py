@@ -88,14 +88,14 @@ class Kernel:
             self.padded = padded != d.D
             shape = (d.B, d.H, d.N, padded)  # q_pad is contiguous (B, H, N, dp)
             make = (lambda: torch.empty(shape, dtype=self.q.dtype, device="meta")) \
-                if self.padded else (lambda: torch.empty_like(self.q))  # empty_like(q_t)
+                if self.padded else (lambda: empty_like(self.q))  # empty_like(q_t)
             events = sdpa_flash.forward(d, sdpa_flash.gpu_of(d), "cuda")
         elif self.backend == EFFICIENT:
             make = lambda: torch.empty((d.B, d.N, d.H, d.D), dtype=self.q.dtype,  # noqa: E731
                                        device="meta").transpose(1, 2)
             events = sdpa_efficient.forward(d, "cuda", grad)
         else:
-            make = lambda: torch.empty_like(self.q)  # noqa: E731 alloc_with_matching_layout
+            make = lambda: empty_like(self.q)  # noqa: E731 alloc_with_matching_layout
             events = cudnn.forward(d, grad, self.call.dropout > 0, self.paths.workspace)
         self.replay(events, {"out": make}, grad)
         out = self.live.pop("out")
@@ -118,7 +118,7 @@ class Kernel:
             names = ("q.grad", "k.grad", "v.grad") if self.padded else ("dq", "dk", "dv")
             like = (self.q, self.k, self.v)
             real = {n: (lambda t=t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
-                    if self.padded else (lambda t=t: torch.empty_like(t))
+                    if self.padded else (lambda t=t: empty_like(t))
                     for n, t in zip(names, like)}
         elif self.backend == EFFICIENT:
             events = sdpa_efficient.backward(d, "cuda", transposed, leaves=False)
@@ -130,7 +130,7 @@ class Kernel:
             grad_copy = grad_out.stride() != self.out_stride
             events = cudnn.backward(d, grad_copy, self.call.dropout > 0, self.paths.workspace)
             names = ("dq", "dk", "dv")
-            real = {n: (lambda t=t: torch.empty_like(t)) for n, t in zip(names, (self.q, self.k, self.v))}
+            real = {n: (lambda t=t: empty_like(t)) for n, t in zip(names, (self.q, self.k, self.v))}
         self.replay(events, real, True)
         self.kept.clear()
         return tuple(self.live.pop(n) for n in names)
@@ -194,3 +194,25 @@ def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
         kernel.kept.clear()
         return out
     return _Node.apply(kernel, q, k, v)
+
+
+def empty_like(t: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_like(t)`` on the meta device (``preserve_format``: ``t``'s strides when
+    it is dense and non-overlapping, else contiguous), made with ``empty_strided``, whose
+    meta kernel is C++: ``empty_like``'s is torch's Python reference (``torch/_refs``),
+    which imports sympy through ``torch.fx.experimental.symbolic_shapes`` (0.27 s a trace)."""
+    if _dense(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its extent once each (a permutation of contiguous)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: (p[1], p[0])):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -73,14 +73,58 @@ def on_meta(fn: Callable, dtype: str | None = None) -> Iterator[tuple[Resident, 
             store[key] = original
 
 
-def referenced(fn: Callable) -> list[tuple[str, object]]:
-    """The module-level names ``fn``'s code refers to, with their values, in the order of
-    its module's namespace: those of its own code, of the functions and classes defined in
-    it, and of the module's functions it calls, recursively. Not the rest of the
-    namespace: a notebook's holds every model the user has loaded."""
+_ABSENT = object()
+_STORES = ("_parameters", "_buffers", "_modules")
+
+
+@contextmanager
+def kept(fn: Callable) -> Iterator[None]:
+    """Undo, when the block ends, what running ``fn`` left on its modules (each submodule's
+    attributes, parameters, buffers and children: ``register_buffer`` in a first
+    ``forward``) and on the module-level names its code refers to (a global set on the first
+    call). Such state is built by the first call on a GPU, the protocol's warm-up, with the
+    temporaries that build it; a scratch forward run before the protocol must not build it
+    instead, and a trace must not leave meta tensors on the user's objects."""
+    import torch
+
+    if isinstance(fn, torch.nn.Module):
+        roots = [fn]
+    else:
+        roots = [v for _, v in referenced(fn) if isinstance(v, torch.nn.Module)]
+    modules = list({id(m): m for r in roots for m in r.modules()}.values())
+    saved = [(m, dict(m.__dict__), {k: dict(m.__dict__[k]) for k in _STORES if k in m.__dict__},
+              set(m.__dict__.get("_non_persistent_buffers_set", ()))) for m in modules]
+    namespace, names = getattr(fn, "__globals__", None), _names(fn)
+    values = {n: namespace.get(n, _ABSENT) for n in names} if namespace is not None else {}
+    try:
+        yield
+    finally:
+        for m, attrs, stores, non_persistent in saved:
+            now = m.__dict__
+            for key in [k for k in now if k not in attrs]:
+                del now[key]
+            for key, value in attrs.items():
+                if now.get(key, _ABSENT) is not value:
+                    now[key] = value
+            for key, content in stores.items():  # in place: ``on_meta`` holds these dicts
+                now[key].clear()
+                now[key].update(content)
+            if "_non_persistent_buffers_set" in now:
+                now["_non_persistent_buffers_set"].clear()
+                now["_non_persistent_buffers_set"].update(non_persistent)
+        for name, value in values.items():
+            if value is _ABSENT:
+                namespace.pop(name, None)
+            elif namespace.get(name, _ABSENT) is not value:
+                namespace[name] = value
+
+
+def _names(fn: Callable) -> set[str]:
+    """Every global name ``fn``'s code refers to, present or not (one its first call sets),
+    through its nested code and the module's functions it calls (as ``referenced``)."""
     namespace = getattr(fn, "__globals__", None)
     if namespace is None:
-        return []
+        return set()
     names: set[str] = set()
     codes, seen = [fn.__code__], set()
     while codes:
@@ -90,11 +134,22 @@ def referenced(fn: Callable) -> list[tuple[str, object]]:
         seen.add(id(code))
         codes += [c for c in code.co_consts if inspect.iscode(c)]
         for name in code.co_names:
+            names.add(name)
             value = namespace.get(name)
-            if name in namespace and name not in names:
-                names.add(name)
-                if inspect.isfunction(value) and value.__globals__ is namespace:
-                    codes.append(value.__code__)
+            if inspect.isfunction(value) and value.__globals__ is namespace:
+                codes.append(value.__code__)
+    return names
+
+
+def referenced(fn: Callable) -> list[tuple[str, object]]:
+    """The module-level names ``fn``'s code refers to, with their values, in the order of
+    its module's namespace: those of its own code, of the functions and classes defined in
+    it, and of the module's functions it calls, recursively (``_names``). Not the rest of
+    the namespace: a notebook's holds every model the user has loaded."""
+    namespace = getattr(fn, "__globals__", None)
+    if namespace is None:
+        return []
+    names = _names(fn)
     return [(name, value) for name, value in namespace.items() if name in names]
 
 

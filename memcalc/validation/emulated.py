@@ -124,6 +124,14 @@ class Tracer(TorchDispatchMode):
         # the run as a program, for memcalc/trace.py
         self.events: list[tuple] = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """torch wraps a dispatch mode's ``__torch_dispatch__`` in ``torch._dynamo.disable``
+        unless this says no (``torch/utils/_python_dispatch.py``, torch 2.13), importing
+        ``torch._dynamo`` (0.8 s, a third of a trace) at the first op; a trace compiles
+        nothing."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._quiet:
             return func(*args, **(kwargs or {}))
@@ -367,7 +375,7 @@ def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe,
             tracer.adopt(t, component(name, role, "resident", tuple(t.shape),
                                       str(t.dtype).removeprefix("torch."), 0), located=False)
         made = make_inputs(torch, config.dims, "meta", inputs, out_like)
-        _name_inputs(tracer, made, inputs)
+        _name_inputs(tracer, made, inputs, config.dims)
         tracer.mark("inputs")  # the warm-up step starts here
         parameters = tuple(t for _, t, role in state if role is Role.parameter and t.requires_grad)
         measured = run_protocol(torch, fn, probe, made, proto.forward_only, parameters)
@@ -397,14 +405,17 @@ def output_of(config: Config, fn: Callable, tracer: Tracer,
         return tuple(out.shape), str(out.dtype).removeprefix("torch.")
 
 
-def _name_inputs(tracer: Tracer, made, inputs: tuple[Input, ...]) -> None:
-    """Call the protocol's inputs by their names, not by the line that made them."""
-    names = [i.name for i in inputs] + ["grad_out"]
-    for name, t in zip(names, (*made.leaves, made.grad_out)):
+def _name_inputs(tracer: Tracer, made, inputs: tuple[Input, ...], d) -> None:
+    """Call the protocol's inputs by their names, in the role ``input``, made by their fill
+    (``randn``: the meta device makes them with ``empty``), not by the line that made them."""
+    names = [(i.name, i.filled(d)) for i in inputs] + [("grad_out", "randn")]
+    for (name, fill), t in zip(names, (*made.leaves, made.grad_out)):
         key = t.untyped_storage()._cdata if t is not None else None
         if key in tracer.ledger.live:
             live = tracer.ledger.live[key]
-            live.component = live.component.model_copy(update={"name": name, "source": ""})
+            live.role = Role.input
+            live.component = live.component.model_copy(
+                update={"name": name, "source": "", "role": Role.input, "op": fill})
 
 
 def measure(config: Config, fn: Callable | None = None, capacity: int | None = None,

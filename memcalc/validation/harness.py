@@ -59,15 +59,23 @@ def make_inputs(torch, d: Dims, device, inputs: tuple[Input, ...] = QKV,
     if declared:
         dtype = getattr(torch, declared[0].dtype) if isinstance(declared[0].dtype, str) \
             else declared[0].dtype
-        dout = torch.randn(declared[0].shape, dtype=dtype, device=device)
+        dout = _random(torch, declared[0].shape, dtype, device)
     return Inputs(leaves, dout)
+
+
+def _random(torch, shape, dtype, device, requires_grad: bool = False):
+    """``randn``; on the meta device, which holds no values, ``empty``: the same block,
+    without torch's Python reference of ``randn`` for meta (``torch/_refs``), whose
+    ``torch._check`` imports ``torch.fx.experimental.symbolic_shapes`` (0.27 s a trace)."""
+    make = torch.empty if str(device) == "meta" else torch.randn
+    return make(shape, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
 def _made(torch, i: Input, d: Dims, device):
     """One input tensor, as ``Input.filled`` says."""
     shape, dtype, fill = i.shape(d), getattr(torch, i.dtype_in(d)), i.filled(d)
     if fill == "randn":
-        return torch.randn(shape, dtype=dtype, device=device, requires_grad=i.needs_grad(d))
+        return _random(torch, shape, dtype, device, i.needs_grad(d))
     if fill == "arange":
         last = shape[-1] if shape else 1
         return torch.arange(last, dtype=dtype, device=device).expand(shape).contiguous()
@@ -77,33 +85,38 @@ def _made(torch, i: Input, d: Dims, device):
     return made
 
 
-def _step(attn: Callable, inputs: Inputs, probe: Probe | None):
+def _step(torch, attn: Callable, inputs: Inputs, probe: Probe | None):
     """Forward and backward once; with a probe, read the counters around each phase."""
     if probe is not None:
         probe.reset_peak()
         a0 = probe.allocated()
     out = attn(*inputs.leaves)
     if probe is None:
-        _backward(out, inputs.grad_out)
+        _backward(torch, out, inputs.grad_out)
         return None
     saved = probe.allocated() - a0 - probe.block_bytes(out)
     fwd_peak, fwd_reserved = probe.max_allocated(), probe.max_reserved()
     probe.reset_peak()
-    _backward(out, inputs.grad_out)
+    _backward(torch, out, inputs.grad_out)
     del out
     reserved = max(fwd_reserved, probe.max_reserved())
     return Measured(saved, fwd_peak, probe.max_allocated(), reserved)
 
 
-def _backward(out, dout) -> None:
+def _backward(torch, out, dout) -> None:
     """``out.backward(grad_out)``; a 0-d output (a loss) ``out.backward()``; else
-    ``out.sum().backward()`` (``--loss sum``)."""
-    if dout is not None:
+    ``out.sum().backward()`` (``--loss sum``). Run as ``torch.autograd.backward`` runs it
+    (``torch/autograd/__init__.py``): the seed of a scalar is ``ones_like`` (its
+    ``_make_grads``), then the engine; without ``_make_grads``' checks of a given grad,
+    which import sympy (``torch.fx.experimental.symbolic_shapes``, 0.27 s a trace)."""
+    if dout is None:
+        out = out if out.dim() == 0 else out.sum()
+        dout = torch.ones_like(out, memory_format=torch.preserve_format)
+    run = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+    if run is None or out.shape != dout.shape:  # torch < 2.4, or a mismatch to report
         out.backward(dout)
-    elif out.dim() == 0:
-        out.backward()
-    else:
-        out.sum().backward()
+        return
+    run((out,), (dout,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 def run_protocol(torch, attn: Callable, probe: Probe, inputs: Inputs, forward_only: bool,
@@ -117,9 +130,9 @@ def run_protocol(torch, attn: Callable, probe: Probe, inputs: Inputs, forward_on
     if forward_only:
         return _forward_only(torch, attn, probe, inputs.leaves)
     _zero_grad(parameters)  # a module traced before keeps its grads: a step starts without
-    _step(attn, inputs, None)
+    _step(torch, attn, inputs, None)
     _zero_grad((*inputs.leaves, *parameters))
-    return _step(attn, inputs, probe)
+    return _step(torch, attn, inputs, probe)
 
 
 def _zero_grad(leaves) -> None:
