@@ -38,7 +38,8 @@ def test_softmax_saves_only_the_weights():
     b = predict(Config(impl="naive-softmax"))
     assert b.saved_bytes == NN  # p
     assert b.forward_peak_bytes == 2 * NN + 2 * WS + 4 * ND + ND  # s, p, ws, inputs, out = 17,288,921,088
-    assert b.backward_peak_bytes == 3 * NN + 2 * WS + 4 * ND + 2 * ND  # p, dp, dscores; out, dv
+    # p, dp, dscores and CUDA's grad * p inside _softmax_backward_data; out, dv
+    assert b.backward_peak_bytes == 4 * NN + 2 * WS + 4 * ND + 2 * ND  # 34,477,178,880
 
 
 def test_weights_only_function_holds_four_nn_in_backward():

@@ -15,13 +15,14 @@ def test_naive_softmax_names_the_scores_and_their_grads():
     """(B, H, N, M) and (B*H, N, M) tensors quadruple when N and M double; the (B*H, N, D)
     output and grads, the (B, H, M, D) dk and the (B*H, D, M) dk_t only double."""
     assert quadratic_names(make_config(impl="naive-softmax")) == {
-        "qk", "s", "p", "dp", "dscores", "ds"}
+        "qk", "s", "p", "dp", "dscores", "dscores tmp", "ds"}
 
 
 def test_causal_mask_counts_though_it_has_no_batch_or_heads():
     """The (N, M) bool ``ones`` and ``mask`` quadruple too: growth, not a 4-d shape, decides."""
     assert quadratic_names(make_config(impl="naive-softmax", causal=True)) == {
-        "qk", "s", "ones", "mask", "s_masked", "p", "dp", "dscores", "ds_masked", "ds"}
+        "qk", "s", "ones", "mask", "s_masked", "p", "dp", "dscores", "dscores tmp", "ds_masked",
+        "ds"}
 
 
 def test_phi_q_is_not_n_x_m_when_head_dim_equals_the_probe_length():

@@ -245,7 +245,11 @@ def test_state_built_on_the_first_call_is_built_in_the_warm_up(tmp_path, name):
     assert figures_of(first) == figures_of(second)
     assert any(c.op == "tril" for c in first.backward_live)  # the mask, made in the warm-up
     if name == "Lazy":
-        assert first.backward_peak_bytes == 45_143_552
+        # 45,143,552 B, an independent reference's figure for this step (its 2,661,336 B
+        # softmax grad served by the 2,934,784 B tail the ones temporary's segment left),
+        # and one more 2 x 3 x 333 x 333 x 4 B block (2,661,376 B): CUDA's grad * p
+        # temporary inside _softmax_backward_data, which the reference leaves out
+        assert first.backward_peak_bytes == 45_143_552 + 2_661_376
         assert getattr(fn, "bias", None) is None
     else:
         assert fn.__globals__["_mask"] is None

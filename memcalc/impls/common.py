@@ -1,4 +1,4 @@
-"""Events every implementation shares: the loss of the protocol."""
+"""Events every implementation shares: the loss of the protocol, the softmax's backward."""
 
 from __future__ import annotations
 
@@ -18,4 +18,18 @@ def with_loss(d: Dims, backward: list) -> list:
         new("dloss", (), d.dtype, Role.temporary, "ones_like"),  # () seed grad of backward()
         *backward,
         free("loss", "dloss"),
+    ]
+
+
+def softmax_backward(name: str, shape: tuple, dtype: str) -> list:
+    """``_softmax_backward_data`` as CUDA runs it (``aten/src/ATen/native/cuda/SoftMax.cu``,
+    ``softmax_backward_cuda_out``): its structured output ``name``, then ``Tensor tmp = grad
+    * output`` inside the kernel, freed as it returns, a second tensor of the scores' shape
+    for the length of the op. The meta kernel makes the output only; the tracer adds the
+    same temporary (``memcalc.validation.emulated.CUDA_TEMPORARIES``). Read from the
+    source; not yet checked on a GPU."""
+    return [
+        new(name, shape, dtype, Role.temporary, "_softmax_backward_data"),  # grad_input
+        new(f"{name} tmp", shape, dtype, Role.temporary, "mul"),  # grad * output
+        free(f"{name} tmp"),
     ]

@@ -9,7 +9,7 @@ Reference code: ``memcalc/validation/reference.py`` (``naive``, ``naive-softmax`
 from __future__ import annotations
 
 from memcalc.registry import register
-from memcalc.impls.common import with_loss
+from memcalc.impls.common import softmax_backward, with_loss
 from memcalc.tensors import Dims, Program, Role, cublas, free, last_save, new, release
 
 A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
@@ -141,7 +141,7 @@ def naive_softmax(d: Dims) -> Program:
         free(s, "p"),
     ]
     backward = output_backward(d, "p", last_use=False) + [
-        new("dscores", bhnm, dt, T, "_softmax_backward_data"),  # (B, H, N, M)
+        *softmax_backward("dscores", bhnm, dt),  # (B, H, N, M), and grad * p inside
         release("p"),
         free("dp"),
         *scores_backward(d, "dscores"),
@@ -166,7 +166,7 @@ def naive_weights(d: Dims) -> Program:
         new("dv", (d.B * d.H, d.M, d.D), dt, G, "bmm"),  # (B*H, M, D) p^T @ dout
         cublas(),
         new("dp", (d.B * d.H, d.N, d.M), dt, T, "bmm"),  # (B*H, N, M) dout @ v^T
-        new("dsm", bhnm, dt, T, "_softmax_backward_data"),  # (B, H, N, M)
+        *softmax_backward("dsm", bhnm, dt),  # (B, H, N, M), and dp * p inside
         new("ds", bhnm, dt, T, "div"),  # (B, H, N, M) / sqrt(D)
         free("dsm", "dp"),
         new("dq", (d.B * d.H, d.N, d.D), dt, G, "bmm"),  # (B*H, N, D) ds @ k

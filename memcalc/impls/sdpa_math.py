@@ -25,7 +25,7 @@ a GPU; the emulated tracer makes both so as well (``memcalc/validation/emulated.
 from __future__ import annotations
 
 from memcalc.registry import register
-from memcalc.impls.common import with_loss
+from memcalc.impls.common import softmax_backward, with_loss
 from memcalc.tensors import (
     Dims,
     Program,
@@ -180,7 +180,7 @@ def values_backward(d: Dims) -> list:
         new("dp", (d.B * d.H, d.N, d.M), F32, T, "bmm"),  # (B*H, N, M) dout @ v^T
         *([release(saved_v)] if saved_v else []),
         *([free("dout32")] if upcast(d) else []),
-        new("ds", (d.B, d.H, d.N, d.M), F32, T, "_softmax_backward_data"),  # (B, H, N, M)
+        *softmax_backward("ds", (d.B, d.H, d.N, d.M), F32),  # (B, H, N, M), and dp * p inside
         release("p"),
         free("dp"),
     ]

@@ -99,6 +99,13 @@ CUDA_COMPOSITES = {op.default: SAFE_SOFTMAX for op in
                    [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
 
 
+# temporaries a CUDA kernel allocates and frees inside itself, after its outputs, which the
+# meta kernel does not: ``softmax_backward_cuda_out`` (aten/src/ATen/native/cuda/SoftMax.cu)
+# computes ``Tensor tmp = grad * output`` (memcalc.impls.common.softmax_backward models it)
+CUDA_TEMPORARIES = {torch.ops.aten._softmax_backward_data.default:
+                    lambda grad, output, *rest: grad * output}
+
+
 class Tracer(TorchDispatchMode):
     """Dispatch mode that replays a meta-device run through the allocator model."""
 
@@ -155,6 +162,10 @@ class Tracer(TorchDispatchMode):
         if op in CUBLAS_OPS:
             self.ledger.ensure_workspace(_thread(), _where()[0])
             self.events.append(("cublas",))
+        if func in CUDA_TEMPORARIES:
+            with self:
+                CUDA_TEMPORARIES[func](*args, **(kwargs or {}))  # made, then dropped
+            self.collect_frees()
         return out
 
     def math_mask_add(self, scores: torch.Tensor) -> torch.Tensor:
