@@ -5,7 +5,8 @@
 3. OOM solve: ``memcalc.solver.max_fitting`` against ``bisect_max`` (``bench_oom_sweep``).
 4. Emulated trace (``memcalc.validation.emulated.measure``, the reference code on the meta
    device) against the analytical model (``predict``), per configuration of the shipped grid.
-5. CLI start-up against ``python -c "import pydantic, rich"`` (``bench_startup``).
+5. CLI start-up against ``python -c "import pydantic, rich"``, and ``memcalc trace`` of the
+   SDPA example against ``python -c "import torch"`` (``bench_startup``).
 6. The engine's long cases (``bench_engine``): chunked programs at N = 1e4..1e6, their OOM
    solve under a time limit, ``compare`` against ``breakdown``, a 1e6 grid and sweep to 16M.
 
@@ -137,6 +138,13 @@ def bench_emulated() -> float:
     return statistics.median(ratios)
 
 
+def bench_trace(runs: int) -> float:
+    """``memcalc trace`` of the SDPA example against ``import torch``: the factor."""
+    result = bench_startup.measure(runs, bench_startup.TRACE_ARGS, bench_startup.TORCH_FLOOR)
+    print(bench_startup.report(result, "Trace"))
+    return result["factor"]
+
+
 def bench_cli(runs: int) -> float:
     """``bench_startup.measure``; the factor over the floor."""
     result = bench_startup.measure(runs)
@@ -150,7 +158,7 @@ def bench_engine_cases(quick: bool) -> None:
 
 
 def summary(latency: float, sweeps: list[float], oom: float | None, emulated: float,
-            startup: float) -> str:
+            startup: float, trace: float) -> str:
     """The ratios, one line each."""
     sweep = (f"{min(sweeps):,.0f}x to {max(sweeps):,.0f}x" if sweeps else "see above")
     return "\n".join([
@@ -161,6 +169,7 @@ def summary(latency: float, sweeps: list[float], oom: float | None, emulated: fl
         f"{f'{oom:.1f}x' if oom else 'see above'}",
         f"  emulated trace time / analytical model time          {emulated:,.0f}x (median)",
         f"  CLI start-up / python -c 'import pydantic, rich'     {startup:.2f}x",
+        f"  memcalc trace (SDPA example) / python -c 'import torch' {trace:.2f}x",
     ])
 
 
@@ -182,9 +191,11 @@ def main() -> None:
     print()
     startup = bench_cli(args.runs)
     print()
+    trace = bench_trace(args.runs)
+    print()
     bench_engine_cases(args.quick)
     print()
-    print(summary(latency, sweeps, oom, emulated, startup))
+    print(summary(latency, sweeps, oom, emulated, startup, trace))
     print(f"(total {time.perf_counter() - start:.0f} s)")
 
 

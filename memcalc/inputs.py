@@ -112,8 +112,11 @@ def parse_input(text: str, field: str = "--input") -> Input:
     if dtype.strip():
         dtype_value = _torch_dtype(dtype.strip()) or dtype_name(dtype.strip())
         if dtype_value is None:
-            raise ValueError(f"{field} {name}: unknown dtype {dtype.strip()!r}; known: "
-                             f"{', '.join(sorted(ITEMSIZE))} and fp32, fp16, bf16")
+            from memcalc.errors import did_you_mean
+
+            known = [*sorted(ITEMSIZE), "fp32", "fp16", "bf16"]
+            raise ValueError(f"{field} {name}: unknown dtype {dtype.strip()!r}"
+                             f"{did_you_mean(dtype.strip(), known)}; known: {', '.join(known)}")
         dtype_value = _torch_dtype(dtype_value) or dtype_value
     if fill.strip() and fill.strip() not in FILLS:
         from memcalc.errors import did_you_mean

@@ -35,3 +35,12 @@ def test_the_loop_state_diagnostic_runs(capsys):
     assert "40 chunks of 64" in out and "forward: no chunk's small pool repeats" in out
     # one row a slice of the 40 backward chunks, last chunk first: 5 each
     assert out.splitlines()[-8].split()[0] == "5"
+
+
+def test_the_startup_benchmark_measures_the_trace(capsys):
+    """One run of each: the trace of the SDPA example and its floor, import torch."""
+    bench_startup = pytest.importorskip("bench_startup")
+    result = bench_startup.measure(1, bench_startup.TRACE_ARGS, bench_startup.TORCH_FLOOR)
+    text = bench_startup.report(result, "Trace")
+    assert text.startswith("Trace, median of 1 fresh processes each:")
+    assert 'python -c "import torch" (floor)' in text and result["factor"] > 0

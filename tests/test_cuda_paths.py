@@ -198,6 +198,20 @@ def test_training_dropout_saves_a_bool_mask():
             and c.dtype == "float16" and c.shape == (B, H, N, N)]
 
 
+def test_fused_dropout_allocates_its_mask_before_its_output():
+    """Dropout.cu, dropout_cuda: ``mask = at::empty_like(self, bool)`` then ``ret =
+    at::empty_like(self)``; the meta kernel returns them the other way round, and the order
+    decides which cached block each takes (an independent reference's backward peak for
+    nanoGPT's manual attention, B=3 H=5 N=777 d=80 fp16, matched the meta order)."""
+    def attn(q, k, v):
+        return F.dropout(torch.softmax(q @ k.transpose(-2, -1), -1), 0.1, training=True) @ v
+
+    config = make_config(impl="naive", seq_len=64, batch=1, heads=2, head_dim=16, dtype="fp16")
+    _, allocs = _history(attn, config)
+    dropout = [c.dtype for c in allocs if c.op == "native_dropout"]
+    assert dropout[:2] == ["bool", "float16"]  # the warm-up's: mask, then output
+
+
 def test_math_backend_mask_add_is_in_place(monkeypatch):
     """attention.cpp: attn.add_(*attn_mask), in place on a GPU and on both trace paths;
     out of place under a dispatch mode when the tracer does not make it so."""

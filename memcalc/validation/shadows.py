@@ -28,6 +28,19 @@ def _meta(value) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "meta"
 
 
+def _meta_tensors(values) -> list:
+    """The meta tensors among ``values`` and the lists and tuples in them (an op's
+    arguments: a list of tensors is as deep as they go)."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "meta":
+                found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    return found
+
+
 class Shadows:
     """The CPU values of tracked meta tensors, by tensor, while the tensor lives."""
 
@@ -54,20 +67,24 @@ class Shadows:
     def follow(self, func, args, kwargs, out) -> None:
         """After ``func`` ran on meta: shadow its small outputs when every meta tensor it
         read is shadowed (or it read none and made integers or bools), by running it on
-        the shadows; an in-place op that cannot be followed leaves its operands unknown."""
-        leaves = [t for t in tree_flatten(out)[0] if _meta(t)]
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if _meta(t)]
-        if not leaves or any(t.numel() > LIMIT for t in leaves):
-            return self._forget(func, inputs)
+        the shadows; an in-place op that cannot be followed leaves its operands unknown.
+        Called for every op of a trace: what reads no shadowed tensor returns at once."""
+        inputs = _meta_tensors((*args, *kwargs.values()))
+        known = [t for t in inputs if id(t) in self.values]
+        if inputs and not known:
+            return None  # floating data, say: nothing known, nothing to forget
+        leaves = _meta_tensors(out if isinstance(out, (tuple, list)) else (out,))
+        if len(known) < len(inputs) or not leaves or any(t.numel() > LIMIT for t in leaves):
+            return self._forget(func, known)
         if not inputs and any(t.is_floating_point() for t in leaves):
             return None  # random or empty floats: nothing known
         cpu = self._on_cpu(args, kwargs)
         if cpu is None:
-            return self._forget(func, inputs)
+            return self._forget(func, known)
         try:
             computed = func(*cpu[0], **cpu[1])
         except Exception:  # noqa: BLE001 - a CPU kernel missing: the values stay unknown
-            return self._forget(func, inputs)
+            return self._forget(func, known)
         for t, value in zip(tree_flatten(out)[0], tree_flatten(computed)[0]):
             if _meta(t) and isinstance(value, torch.Tensor):
                 self._set(t, value)
