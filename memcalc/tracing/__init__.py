@@ -1,22 +1,24 @@
-"""Bring your own attention: trace a user's function on the meta device and treat it like
-a built-in implementation.
+"""Bring your own attention: trace a user's function or model on the meta device and treat
+it like a built-in implementation.
 
-``trace(fn, config)`` runs the protocol (DESIGN.md section 1) for ``fn(q, k, v)`` on the
-emulated backend and returns the same ``Breakdown`` as ``predict``, its components named by
-the op that allocated them and the user's source line. It follows the code paths of the
-configured GPU, not the meta device's, where they allocate differently
-(``cuda_paths.py``: SDPA backend choice and fused kernels, half-to-float softmax, fused
-dropout, the math backend's in-place mask add); ``grad_out`` is shaped like the function's
-output (learnt from a shape-only run first); a module's parameters and buffers, and a
-function's module-level tensors, are resident (``state.py``). ``traced`` adds what the trace
-took or could not see (``report.Traced``).
+``trace(fn, config, calling=...)`` runs the protocol (DESIGN.md section 1) for ``fn``
+called as ``calling`` says (``target.py``: ``q, k, v``, or the inputs of ``--input``; an
+autocast region; the module's dtype) on the emulated backend and returns the same
+``Breakdown`` as ``predict``, its components named by the op that allocated them and the
+user's source line. It follows the code paths of the configured GPU, not the meta device's,
+where they allocate differently (``cuda_paths.py``: SDPA backend choice and fused kernels,
+half-to-float softmax, fused dropout, the matmul dtype check; ``autocast.py``: CUDA's
+autocast); ``grad_out`` is shaped like the function's output (learnt from a scratch
+forward first); a module's parameters and buffers, and a function's module-level tensors,
+are resident, and state built on the first call is left to the warm-up (``state.py``).
+``traced`` adds what the trace took or could not see (``report.Traced``).
 
-``traced_program(fn, config)`` turns the function into a program of the kind built-in
-implementations declare: it traces at a few sequence lengths, checks that the op sequence
-does not change, and recovers every allocation's size as an exact polynomial in seq_len
-(fitted with fractions on four lengths, verified on two more). Registered under a name
-(``register_function``), the traced code then works everywhere a built-in does:
-``predict``, OOM solving, sweeps.
+``traced_program(fn, config, calling)`` turns the function into a program of the kind
+built-in implementations declare, resident state and inputs included: it traces at a few
+sequence lengths, checks that the op sequence does not change, and recovers every
+allocation's size as an exact polynomial in seq_len (fitted with fractions on four lengths,
+verified on two more). Registered under a name (``register_function``), the traced code
+then works everywhere a built-in does: ``predict``, OOM solving, sweeps.
 
 The user's file is imported, so it runs as code: only what the user names is imported.
 """
