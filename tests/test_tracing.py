@@ -63,14 +63,21 @@ def test_padded_sizes_cannot_be_solved(tmp_path):
     ("    return (lambda: torch.ones(1) + q)()\n", "is not on the expected device cpu!. "
      "Hint: a tensor or module on the CPU is traced on meta copies only when the function "
      "refers to it by a module-level name"),
-    # the code's own error: not blamed on the meta device, the hint kept for a custom
-    # kernel that refuses a non-CUDA tensor
+    # the code's own raise: as it is, not blamed on the meta device, no hint
     ("    raise RuntimeError('custom kernel')\n", "line 3 of user.py (raise RuntimeError('cus"
-     "tom kernel')) raised RuntimeError: custom kernel (traced on the meta device: tensors "
-     "without values). If it runs on a GPU: data-dependent code"),
-    ("    return {}['x']\n", "raised KeyError: 'x' (traced"),
-    # the code's own NotImplementedError, raised by its own statement: not torch's refusal
-    ("    raise NotImplementedError('todo')\n", "raised NotImplementedError: todo (traced"),
+     "tom kernel')) raised RuntimeError: custom kernel\n"),
+    ("    raise NotImplementedError('todo')\n", "raised NotImplementedError: todo\n"),
+    # an error of the code on the inputs it was given: what it was called with
+    ("    return {}['x']\n", "raised KeyError: 'x' (called with q (8, 1, 128, 16) float32, "
+     "k (8, 1, 128, 16) float32, v (8, 1, 128, 16) float32)\n"),
+    ("    return q @ torch.ones(8, 8, device=q.device)\n", "line 3 of user.py (return q @ "
+     "torch.ones(8, 8, device=q.device)) raised RuntimeError: "),
+    # code that needs CUDA itself (a custom kernel's launcher, say): the hint for it
+    ("    torch.cuda.synchronize()\n    return q\n", "raised AssertionError: Torch not compiled "
+     "with CUDA enabled. If it runs on a GPU: data-dependent code"),
+    # an output that needs no grad: there is no backward to trace
+    ("    return (q * 2).detach()\n", "the output needs no gradient (detached, or made under "
+     "no_grad), so there is no backward to trace; --forward-only traces inference"),
 ])
 def test_meta_failures_name_the_line(tmp_path, capsys, body, message):
     (tmp_path / "user.py").write_text("import torch\ndef attn(q, k, v):\n" + body)

@@ -131,7 +131,7 @@ def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[I
             return measure(config, call, capacity, paths, state,
                            output_like(call, config, options, inputs), tracer, inputs)
 
-    return _guarded(run, call.fn)
+    return _guarded(run, call.fn, called_with(config, inputs))
 
 
 def output_like(call: Bound, config: Config, options: TraceOptions,
@@ -158,8 +158,10 @@ def output_like(call: Bound, config: Config, options: TraceOptions,
     return shape, dtype
 
 
-def _guarded(run: Callable, fn: Callable):
-    """Run a trace; a failure becomes a TraceError naming the user's line and a hint."""
+def _guarded(run: Callable, fn: Callable, called_with: str = ""):
+    """Run a trace; a failure becomes a TraceError naming the user's line, what the target
+    was ``called_with`` (``q (8, 1, 1024, 16) float32, ...``) where that explains it, and a
+    hint where one applies."""
     from memcalc.allocator import OutOfMemory
 
     try:
@@ -171,12 +173,14 @@ def _guarded(run: Callable, fn: Callable):
     except (TraceError, OutOfMemory):  # a capped trace's OOM is an answer, not a failure
         raise
     except Exception as error:  # noqa: BLE001 - anything the user's code raises on meta
-        raise TraceError(_explain(error, fn)) from None
+        raise TraceError(_explain(error, fn, called_with)) from None
 
 
-def _explain(error: Exception, fn: Callable) -> str:
+def _explain(error: Exception, fn: Callable, called_with: str = "") -> str:
     """One line: the user's line that failed, the library line under it where the failure
-    came from a library's code (transformers' mask builders), what was raised, and a hint."""
+    came from a library's code (transformers' mask builders), what was raised, and what
+    explains it: the meta device's refusal and a hint, an output that needs no grad, or the
+    inputs (a shape the code did not expect); the code's own ``raise``, as it is."""
     source = _source_file(fn)
     frames = traceback.extract_tb(error.__traceback__)
     mine = [f for f in frames if f.filename == source]
@@ -189,11 +193,31 @@ def _explain(error: Exception, fn: Callable) -> str:
     if known:
         return f"{where}: {known}"
     raised = f"{type(error).__name__}: {_first_line(error)}"
-    if _meta_refused(error, source):
+    if _own_raise(frames, source):
+        return f"{where} raised {raised}"
+    if _meta_refused(error):
         hint = CPU_HINT if "device cpu" in str(error) else META_HINT
         return f"{where} cannot run on the meta device: {raised}. Hint: {hint}"
-    return (f"{where} raised {raised} (traced on the meta device: tensors without values). "
-            f"If it runs on a GPU: {META_HINT}")
+    if "does not require grad" in str(error):
+        return (f"{where} raised {raised}: the output needs no gradient (detached, or made "
+                f"under no_grad), so there is no backward to trace; --forward-only traces "
+                f"inference")
+    if any(word in str(error).lower() for word in ("cuda", "device")):
+        return f"{where} raised {raised}. If it runs on a GPU: {META_HINT}"
+    return f"{where} raised {raised}" + (f" (called with {called_with})" if called_with else "")
+
+
+def _own_raise(frames, source: str) -> bool:
+    """Whether the failure is a ``raise`` statement of the user's own file."""
+    last = frames[-1] if frames else None
+    return last is not None and last.filename == source and \
+        (last.line or "").startswith("raise")
+
+
+def called_with(config: Config, inputs: tuple[Input, ...]) -> str:
+    """``q (8, 1, 1024, 16) float32, k ..., v ...``: the tensors a trace calls its target with."""
+    d = config.dims
+    return ", ".join(f"{i.name} {i.shape(d)} {i.dtype_in(d)}" for i in inputs)
 
 
 def _library_line(frames, source: str) -> str:
@@ -227,14 +251,10 @@ META_HINT = ("data-dependent code (.item(), .cpu(), shapes from values) cannot b
              "or pick the built-in model that matches it (memcalc impls)")
 
 
-def _meta_refused(error: Exception, source: str) -> bool:
+def _meta_refused(error: Exception) -> bool:
     """Whether torch refused an op for lack of data or of a meta kernel ("Tensor.item()
     cannot be called on meta tensors", "Cannot copy out of meta tensor", "Could not run
-    'x' with arguments from the 'Meta' backend"): not an error of the code itself, which
-    raises its own (the last frame is a ``raise`` statement in the user's ``source``)."""
-    last = (traceback.extract_tb(error.__traceback__) or [None])[-1]
-    if last is not None and last.filename == source and (last.line or "").startswith("raise"):
-        return False
+    'x' with arguments from the 'Meta' backend"): not an error of the code itself."""
     return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
 
 
@@ -399,7 +419,7 @@ def _sample_events(call: Bound, config: Config, n: int,
             run_traced(sample, call, tracer, probe, state,
                        output_like(call, sample, options, inputs), inputs)
 
-    _guarded(run, call.fn)
+    _guarded(run, call.fn, called_with(sample, inputs))
     return step_events(tracer, probe)
 
 
