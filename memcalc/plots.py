@@ -11,7 +11,6 @@ memcalc never loads it. Axes are in MiB or GiB, chosen from the largest value, a
 
 from __future__ import annotations
 
-from typing import Iterable
 
 from memcalc.allocator import MiB
 from memcalc.units import GiB, human
@@ -118,11 +117,12 @@ def _mark_saved_and_peak(ax, events, result, scale: int, unit: str) -> None:
             bbox={"boxstyle": "round", "fc": "white", "ec": "#cccccc"})
 
 
-def plot_components(results: Iterable, path: str | None = None):
+def plot_components(results, path: str | None = None):
     """The live set at each result's peak as one stacked horizontal bar per implementation,
     by role, each labelled with its peak and phase; horizontal so that long names stay
-    readable however many implementations there are."""
-    results = list(results)
+    readable however many implementations there are. ``results``: breakdowns, or a
+    ``memcalc.compare`` result (its rows with figures)."""
+    results = _breakdowns(results)
     scale, unit = _unit(max(r.peak_bytes for r in results))
     fig, ax = _figure(10, 1.6 + 0.38 * len(results))
     names = [r.config.impl for r in results]
@@ -147,6 +147,20 @@ def plot_components(results: Iterable, path: str | None = None):
     ax.grid(axis="x", color="#eeeeee")
     ax.set_axisbelow(True)
     return _finish(fig, path)
+
+
+def _breakdowns(results) -> list:
+    """Breakdowns from a list of them or from a comparison's rows (those with figures); a
+    TypeError naming what is taken otherwise."""
+    rows = getattr(results, "rows", None)
+    if rows is not None:
+        results = [r.breakdown for r in rows if getattr(r, "breakdown", None) is not None]
+    results = list(results) if not isinstance(results, (str, bytes)) else [results]
+    if not results or not all(hasattr(r, "peak_bytes") and hasattr(r, "components")
+                               for r in results):
+        raise TypeError("plot_components: breakdowns (memcalc.breakdown(...)) or a comparison "
+                        f"(memcalc.compare(...)), not {type(results[0]).__name__ if results else 'nothing'}")
+    return results
 
 
 def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | None = 10.0):

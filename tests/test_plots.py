@@ -131,3 +131,16 @@ def test_peaks_draws_the_figure_that_decides_fitting(tmp_path):
     ys = ax.lines[0].get_ydata()
     assert [y <= budget_y for y in ys] == [r.fits for r in table.rows]
     assert [r.fits for r in table.rows] == [True, True, True, False]
+
+
+def test_components_takes_a_comparison(tmp_path):
+    """``plot_components(memcalc.compare(...))`` raised AttributeError ('tuple' object has
+    no attribute 'peak_bytes'): a comparison's rows with figures are drawn."""
+    import memcalc
+
+    comparison = memcalc.compare(seq_len=1024, impls=["naive", "sdpa-flash", "flash2"])
+    fig = plot_components(comparison, str(tmp_path / "bars.png"))
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["naive", "flash2"]  # sdpa-flash refuses fp32: no figures, no bar
+    with pytest.raises(TypeError, match="plot_components: breakdowns .* not int"):
+        plot_components([1, 2])
