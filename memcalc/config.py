@@ -72,8 +72,7 @@ class Shape(BaseModel):
     @model_validator(mode="after")
     def _check_groups(self) -> "Shape":
         if self.heads % self.key_heads:
-            raise ValueError(f"--kv-heads: kv_heads ({self.key_heads}) must divide heads "
-                             f"({self.heads})")
+            raise ValueError(f"kv_heads: {self.key_heads} must divide heads ({self.heads})")
         return self
 
 
@@ -159,7 +158,7 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _check_gqa(self) -> "Config":
         if self.shape.key_heads != self.shape.heads and not get_impl(self.impl).gqa:
-            raise ValueError(f"--kv-heads: implementation {self.impl} needs kv_heads == heads "
+            raise ValueError(f"kv_heads: implementation {self.impl} needs kv_heads == heads "
                              f"({self.shape.key_heads} != {self.shape.heads})")
         return self
 
@@ -227,15 +226,28 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
                 gpu: str | None = "h100-80gb", loss: str = "grad", forward_only: bool = False,
                 cublas_workspace_config: str | None = None) -> Config:
     """A ``Config`` from the flat options the CLI and the Python API share (the CLI's
-    ``--seq`` is ``seq_len``); raises pydantic's ValidationError naming the field."""
-    return Config(
-        impl=impl, dtype=dtype, causal=causal, chunk=chunk,
-        shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
-                    kv_len=kv_len, kv_heads=kv_heads),
-        device=Device(gpu=gpu),
-        protocol=Protocol(loss=loss, forward_only=forward_only,
-                          cublas_workspace_config=cublas_workspace_config),
-    )
+    ``--seq`` is ``seq_len``); a bad value is a one-line ValueError that starts with the
+    field (``kv_heads: 3 must divide heads (4)``), which the CLI names by its option."""
+    from pydantic import ValidationError
+
+    from memcalc.errors import one_line
+
+    if gpu is None:
+        from memcalc.gpus import gpu_presets
+
+        raise ValueError(f"gpu: a GPU preset (memcalc.gpus.gpu_presets()); known: "
+                         f"{', '.join(gpu_presets())} (got None)")
+    try:
+        return Config(
+            impl=impl, dtype=dtype, causal=causal, chunk=chunk,
+            shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
+                        kv_len=kv_len, kv_heads=kv_heads),
+            device=Device(gpu=gpu),
+            protocol=Protocol(loss=loss, forward_only=forward_only,
+                              cublas_workspace_config=cublas_workspace_config),
+        )
+    except ValidationError as error:
+        raise ValueError(one_line(error)) from None
 
 
 def first_accepted(impls, **options) -> Config:

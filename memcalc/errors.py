@@ -25,17 +25,22 @@ def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:
         loc = [str(p) for p in first["loc"] if not str(p).startswith("function-")]
         message = _first_line(first["msg"].removeprefix("Value error, "), "invalid")
         value = first.get("input")
-        if not loc:  # a check across fields: its message names them
-            return message
+        if not loc:  # a check across fields: its message names them ("kv_heads: ...")
+            return _flagged(message, flags)
         name = (flags or {}).get(loc[-1], ".".join(loc))
         if isinstance(value, dict):  # a check across a nested model's fields: the same
             return f"{name}: {message}"
         return f"{name}: {message} (got {value!r}){_suggestion(first, value)}"
-    first = _first_line(str(error), type(error).__name__)
-    field, sep, rest = first.partition(": ")
-    if sep and field in (flags or {}):  # "kv_len: ..." from the library: name the option
+    return _flagged(_first_line(str(error), type(error).__name__), flags)
+
+
+def _flagged(message: str, flags: dict[str, str] | None) -> str:
+    """``kv_len: ...`` from the library with the field named by its option (``--kv-len:
+    ...``) when ``flags`` maps it."""
+    field, sep, rest = message.partition(": ")
+    if sep and field in (flags or {}):
         return f"{flags[field]}: {rest}"
-    return first
+    return message
 
 
 def _suggestion(error: dict, value) -> str:

@@ -14,7 +14,12 @@ def test_docstring_examples():
 
 
 def test_api_errors_name_the_field():
-    from pydantic import ValidationError
-
-    with pytest.raises(ValidationError, match="seq_len"):
+    """One line, naming the keyword, suggesting a near miss: no pydantic text or link."""
+    with pytest.raises(ValueError, match=r"^seq_len: Input should be greater than or equal to "
+                                         r"1 \(got 0\)$"):
         memcalc.breakdown(seq_len=0)
+    with pytest.raises(ValueError, match=r"^impl: unknown implementation 'naiv' \(did you mean "
+                                         r"'naive' or 'naive-softmax' or 'naive-weights'\?\)"):
+        memcalc.breakdown(impl="naiv")
+    with pytest.raises(ValueError, match=r"^gpu: a GPU preset .*; known: a100-40gb"):
+        memcalc.breakdown(gpu=None)  # not the Device model's memory_bytes, which it does not take

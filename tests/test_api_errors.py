@@ -19,7 +19,7 @@ CASES = [
     ("breakdown", {"gpu": "tpu"}, "gpu"),
     ("breakdown", {"loss": "mean"}, "loss"),
     ("breakdown", {"chunk": 0}, "chunk"),
-    ("breakdown", {"heads": 4, "kv_heads": 3}, "kv-heads"),
+    ("breakdown", {"heads": 4, "kv_heads": 3}, "kv_heads: 3 must divide heads (4)"),
     ("breakdown", {"cublas_workspace_config": "4096"}, "cublas_workspace_config"),
     ("oom", {**NAIVE, "gpu_gb": "x"}, "gpu-gb"),
     ("oom", {**NAIVE, "gpu_gb": -1}, "gpu-gb"),

@@ -13,9 +13,10 @@ from memcalc.errors import FLAGS, one_line
 GE_1 = "Input should be greater than or equal to 1"
 
 
-def refusal(make, *args, **kwargs) -> ValidationError:
-    """The ValidationError that ``make(*args, **kwargs)`` raises."""
-    with pytest.raises(ValidationError) as caught:
+def refusal(make, *args, **kwargs) -> ValueError:
+    """The ValueError (pydantic's ValidationError is one) that ``make(*args, **kwargs)``
+    raises; ``make_config`` makes it one line already, which ``one_line`` keeps."""
+    with pytest.raises(ValueError) as caught:
         make(*args, **kwargs)
     return caught.value
 
@@ -72,9 +73,11 @@ def test_pydantic_value_error_framing_is_dropped():
 def test_a_check_across_fields_is_its_message_alone():
     """No location: the message names the fields itself; no "(got ...)" of a whole model."""
     assert one_line(refusal(make_config, heads=4, kv_heads=3), FLAGS) == (
-        "--kv-heads: kv_heads (3) must divide heads (4)")
+        "--kv-heads: 3 must divide heads (4)")
     assert one_line(refusal(make_config, impl="naive", heads=4, kv_heads=2), FLAGS) == (
         "--kv-heads: implementation naive needs kv_heads == heads (2 != 4)")
+    assert one_line(refusal(make_config, heads=4, kv_heads=3)) == (  # the API's: no option
+        "kv_heads: 3 must divide heads (4)")
 
 
 def _even(value: int) -> int:
@@ -130,8 +133,7 @@ def test_every_message_is_one_line_and_says_something():
     assert one_line(refusal(Chunked, chunk=1), FLAGS) == "--chunk: line one (got 1)"
     assert one_line(ValueError("\nsecond")) == "second"
     error = refusal(Outer, shape={"impl": "sdpa-math", "shape": {"heads": 4, "kv_heads": 3}})
-    assert one_line(error, FLAGS) == (
-        "shape.shape: --kv-heads: kv_heads (3) must divide heads (4)")
+    assert one_line(error, FLAGS) == "shape.shape: kv_heads: 3 must divide heads (4)"
 
 
 def test_a_library_field_prefix_becomes_the_option():

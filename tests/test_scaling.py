@@ -263,7 +263,7 @@ def test_a_sweep_with_every_series_refused_is_an_error():
     from memcalc.config import Config
 
     with pytest.raises(ValueError, match="^no implementation has figures for these options: "
-                                         "naive bf16: --kv-heads: .*; sdpa-flash bf16: "):
+                                         "naive bf16: kv_heads: .*; sdpa-flash bf16: "):
         sweep(Config(impl="sdpa-flash", causal=True, shape={"heads": 2, "kv_heads": 1,
                                                              "kv_len": 128}),
               BUDGET, seq_len=(256,), impls=("naive", "sdpa-flash"), dtypes=("bf16",))

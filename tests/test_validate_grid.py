@@ -72,7 +72,8 @@ def known_impls() -> str:
     ({"name": "g", "configs": [{"impl": "naive", "shape": {"batch": 0}}]},
      "configs.0.shape.batch: Input should be greater than or equal to 1 (got 0)"),
     ({"name": "g", "products": [{"impl": ["flashy"]}]},
-     "impl: unknown implementation 'flashy'; known: {known} (got 'flashy')"),
+     "impl: unknown implementation 'flashy' (did you mean 'flash2'?); known: {known} (got "
+     "'flashy')"),
     ({"name": "g", "products": [{"impl": ["naive"], "sequence": [8]}]},
      "products.0.sequence: Extra inputs are not permitted (got [8])"),
     ({"name": "g", "products": [{"impl": ["naive"], "head_dim": []}]},

@@ -14,7 +14,10 @@ from memcalc.registry import IMPLS, Impl, register  # noqa: F401
 def get_impl(name: str) -> Impl:
     """The implementation called ``name``; a ValueError listing the known ones otherwise."""
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; known: {', '.join(IMPLS)}")
+        from memcalc.errors import did_you_mean
+
+        raise ValueError(f"unknown implementation {name!r}{did_you_mean(name, IMPLS)}; known: "
+                         f"{', '.join(IMPLS)}")
     return IMPLS[name]
 
 
