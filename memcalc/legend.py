@@ -60,14 +60,58 @@ _LEGEND_PARTS = (
 )
 
 
+# the fused SDPA kernels' own tensors (memcalc/impls/sdpa_flash.py, sdpa_efficient.py,
+# memcalc/tracing/cudnn.py), by (name, op): what each is, not the allocator call that made it
+_KERNEL = {
+    ("out", "empty_like"): "the output", ("out", "empty"): "the output",
+    ("lse", "empty"): "logsumexp, kept for the backward",
+    ("rng_state", "empty"): "dropout RNG seed and offset, kept",
+    ("philox_offset", "empty"): "dropout RNG offset, kept",
+    ("philox_seed", "empty"): "dropout RNG seed, kept",
+    ("lse_accum", "empty"): "split-KV logsumexp accumulator",
+    ("out_accum", "empty"): "float32 output accumulator",
+    ("softmax_d", "empty"): "backward: rowsum(dO * O)",
+    ("delta", "empty"): "backward: rowsum(dO * O)",
+    ("delta", "contiguous"): "backward: rowsum(dO * O)",
+    ("do*o", "mul"): "backward: dO * O", ("rowsum", "sum"): "backward: rowsum(dO * O)",
+    ("dq_accum", "empty"): "backward: float32 accumulator of dq",
+    ("dk_expanded", "empty"): "backward: dk per query head, summed to the key heads",
+    ("dv_expanded", "empty"): "backward: dv per query head, summed to the key heads",
+    ("dq", "empty_like"): "backward: dq", ("dk", "empty_like"): "backward: dk",
+    ("dv", "empty_like"): "backward: dv", ("dq", "empty"): "backward: dq",
+    ("dk", "empty"): "backward: dk", ("dv", "empty"): "backward: dv",
+    ("dout_t", "contiguous"): "backward: grad_out copied to the kernel's layout",
+    ("dout_t", "permute"): "backward: grad_out copied to the kernel's layout",
+    ("out_t", "contiguous"): "backward: the output copied to the kernel's layout",
+    ("workspace", "empty"): "backward kernel's workspace",
+    ("cudnn_workspace", "allocate"): "cuDNN's workspace",
+}
+_KERNELS = ("flash", "efficient", "cudnn")
+
+
 def made_by(component) -> str:
-    """``node: what`` for a known name, else the op (``input (randn)`` for an input)."""
+    """``node: what`` for a known name, what a fused kernel's tensor is, else the op
+    (``input (randn)`` for an input)."""
     known = _MADE_BY.get((component.name, component.op))
     if known:  # under no_grad (a forward-only step) no node keeps it
         return known if component.role is Role.saved else known.split(", kept by ")[0]
+    kernel = _kernel_tensor(component)
+    if kernel:
+        return kernel
     if component.role is Role.input:
         return f"input ({component.op})"
     return "cuBLAS handle pool" if component.op == "cublas" else component.op
+
+
+def _kernel_tensor(component) -> str:
+    """``flash kernel: backward: float32 accumulator of dq``: a fused kernel's own tensor,
+    named as a trace names it (``flash dq_accum (...)``) or as its model does; else ``""``."""
+    words = component.name.split(" (")[0].split(" ")
+    kernel = words[0] if len(words) == 2 and words[0] in _KERNELS else ""
+    what = _KERNEL.get((words[-1], component.op)) if len(words) <= 2 else None
+    if what is None or (not kernel and component.op not in ("empty", "empty_like")):
+        return ""
+    return f"{kernel or 'fused'} kernel: {what}"
 
 
 def legend(components) -> list[str]:

@@ -51,27 +51,28 @@ class Repeated:
     source = property(lambda self: self.members[0].source)
 
 
-def _kind(component) -> tuple | None:
-    """What a numbered tensor shares with the others of its kind; None without a number."""
+def _kind(component) -> tuple:
+    """What a tensor shares with the others of its kind: its name with the numbers
+    blanked, its op, role, dtype, shape, bytes, block and source."""
     c = component
-    pattern = _NUMBER.sub("#", c.name)
-    if pattern == c.name:
-        return None
-    return pattern, c.op, c.role, c.dtype, c.shape, c.nbytes, c.block_bytes, c.source
+    return _NUMBER.sub("#", c.name), c.op, c.role, c.dtype, c.shape, c.nbytes, c.block_bytes, \
+        c.source
 
 
 def collapse(components) -> list:
-    """The rows of a table of ``components``: each kind of at least ``FEW`` numbered tensors
-    as one ``Repeated`` row where its first member was; the rest as they are."""
+    """The rows of a table of ``components``: each kind of at least ``FEW`` tensors whose
+    names differ in their numbers, or of two or more of one name (a traced backward's two
+    ``mul (MulBackward0)``, which no row could tell apart), as one ``Repeated`` row where its
+    first member was; the rest as they are."""
     kinds = [_kind(c) for c in components]
     members: dict[tuple, list] = {}
     for kind, c in zip(kinds, components):
-        if kind is not None:
-            members.setdefault(kind, []).append(c)
+        members.setdefault(kind, []).append(c)
     rows = []
     for kind, c in zip(kinds, components):
-        group = members.get(kind, ()) if kind is not None else ()
-        if len(group) < FEW:
+        group = members[kind]
+        same = all(m.name == group[0].name for m in group)
+        if len(group) < (2 if same else FEW):
             rows.append(c)
         elif group[0] is c:
             rows.append(Repeated(tuple(group)))

@@ -95,7 +95,7 @@ MEANS = {  # what a sweep's column (or a pivot's figure) is
     "reserved": "max_memory_reserved",
     "forward": "max_memory_allocated over the forward",
     "backward": "max_memory_allocated over the backward",
-    "x first": "peak over the first row's with the same shape but seq_len",
+    "x first": "peak over the peak at the first length, the other sizes the same",
     "N^2 share": "blocks of the tensors whose size grows as seq_len x kv_len, at the peak",
     "OOM?": "replaying the step with capacity = budget raises (reserved memory)",
 }

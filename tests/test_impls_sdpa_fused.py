@@ -46,7 +46,7 @@ def test_registered_as_source_derived():
 #   LSE  = 8 x 16 x 4096 x 4 B       =   2,097,152 (2 MiB): logsumexp; softmax_d (4096 is
 #          already a multiple of 128)
 #   ACC  = 8 x 4096 x 16 x 128 x 4 B = 268,435,456 (256 MiB): dq_accum (128 is a multiple of 32)
-#   RNG  = 512 + 512: rng_state (2 x 8 B) and unused (8 B), one small block each
+#   RNG  = 512 + 512: rng_state (2 x 8 B) and philox_offset (8 B), one small block each
 # No split-KV: B x H x ceil(N / 64) = 8 x 16 x 64 = 8192 >= 0.8 x 2 x 132.
 # saved    = LSE + RNG                                   =     2,098,176
 # fwd peak = 4 ND (inputs) + ND (out) + LSE + RNG        =   673,186,816
@@ -60,7 +60,7 @@ BIG = {"batch": 8, "heads": 16, "seq_len": 4096, "head_dim": 128}
 def test_flash_by_hand():
     b = predict(Config(impl="sdpa-flash", dtype="bf16", shape=BIG))
     assert b.saved_bytes == LSE + RNG  # 2,098,176
-    assert sorted(c.name for c in b.saved) == ["lse", "rng_state", "unused"]
+    assert sorted(c.name for c in b.saved) == ["lse", "philox_offset", "rng_state"]
     assert b.forward_peak_bytes == 5 * ND + LSE + RNG  # 673,186,816
     assert b.backward_peak_bytes == 10 * ND + 2 * LSE + ACC + RNG  # 1,614,808,064
     assert b.workspace_bytes == 0  # no cuBLAS call on either thread
@@ -97,7 +97,7 @@ def test_split_kv_accumulators_in_the_forward_peak():
     # = 2,097,152 (2 MiB: a 20 MiB segment, split)
     b = predict(Config(impl="sdpa-flash", dtype="fp16",
                        shape={"batch": 1, "heads": 2, "seq_len": 1024, "head_dim": 64}))
-    # q, k, v, grad_out, out; lse, accumulators, rng_state, unused = 3,449,856
+    # q, k, v, grad_out, out; lse, accumulators, rng_state, philox_offset = 3,449,856
     assert b.forward_peak_bytes == 5 * 262_144 + 8_192 + 32_768 + 2_097_152 + 1024
     assert b.saved_bytes == 8_192 + 1024  # the accumulators die with mha_fwd
 
@@ -283,7 +283,7 @@ def test_fake_cuda_outputs_match_the_models():
         return t.numel() * t.element_size()
 
     flash = tensors(sdpa_flash.program(dims(causal=True)))
-    for name, fake in [("out", out), ("lse", lse), ("rng_state", rng), ("unused", unused),
+    for name, fake in [("out", out), ("lse", lse), ("rng_state", rng), ("philox_offset", unused),
                        ("dq", grads[0]), ("dk", grads[1]), ("dv", grads[2])]:
         assert (flash[name].nbytes, flash[name].dtype) == (size(fake), str(fake.dtype)[6:]), name
     assert grads[0].stride() == q.stride()  # flash grads keep q's layout: no copy

@@ -96,3 +96,16 @@ def test_plain_text_and_markdown_show_who_made_each_component():
     assert "| e/r | DivBackward0: grad of r (e / r) | temporary |" in md
     assert "| q | input (randn) | input |" in md
     assert "| cuBLAS workspace, main thread | cuBLAS handle pool | workspace |" in md
+
+
+@pytest.mark.parametrize("name, op, said", [
+    ("flash dq_accum (ScaledDotProductFlashAttentionBackward)", "empty",
+     "flash kernel: backward: float32 accumulator of dq"),
+    ("dq_accum", "empty", "fused kernel: backward: float32 accumulator of dq"),  # the model's
+    ("efficient dout_t (ScaledDotProductEfficientAttentionBackward)", "contiguous",
+     "efficient kernel: backward: grad_out copied to the kernel's layout"),
+    ("dq", "bmm", "BmmBackward0: grad of q"),  # naive's dq: not a kernel's
+])
+def test_a_fused_kernels_tensors_say_what_they_are(name, op, said):
+    """Not ``empty`` or ``contiguous``, the allocator call that made them."""
+    assert made_by(component(name, op)) == said

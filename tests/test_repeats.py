@@ -52,3 +52,19 @@ def test_chunked_breakdown_table_shows_kinds_and_its_csv_every_tensor():
     rows = list(csv.reader(io.StringIO(b.to_csv())))
     assert len(rows) == 1 + len(b.components)  # a header, then one row per tensor
     assert {"S0", "S9"} <= {r[0] for r in rows}
+
+
+def test_two_tensors_of_one_name_are_one_row():
+    """A traced backward's two ``mul (MulBackward0)`` of the same size: two identical rows no
+    reader could tell apart, now ``2 x mul (MulBackward0)``; two numbered names stay two."""
+    from memcalc.breakdown import Component
+    from memcalc.repeats import collapse
+    from memcalc.tensors import Role
+
+    def c(name):
+        return Component(name=name, role=Role.temporary, op="mul", shape=(4, 4),
+                         dtype="float32", nbytes=64, block_bytes=512)  # 4 x 4 x 4 B
+
+    rows = collapse([c("mul (MulBackward0)"), c("x1"), c("mul (MulBackward0)"), c("x2")])
+    assert [r.name for r in rows] == ["2 x mul (MulBackward0)", "x1", "x2"]
+    assert rows[0].block_bytes == 1024  # 2 x 512

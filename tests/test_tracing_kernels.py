@@ -159,7 +159,7 @@ def test_padded_flash_saves_only_the_padded_output_and_releases_before_unpadding
         # mha_bwd returns (frees are taken in allocation order), then the release
         "-flash dout_t", "-flash out_t", "-flash softmax_d", "-flash dq_accum",
         "-flash q_pad", "-flash k_pad", "-flash v_pad", "-flash lse", "-flash rng_state",
-        "-flash unused", "-flash dout_pad",
+        "-flash philox_offset", "-flash dout_pad",
         "+flash v.grad 640", "-flash dv",  # (1, 2, 8, 20) x 2 B = 640 B
         "+flash k.grad 640", "-flash dk", "+flash q.grad 640", "-flash dq"]
 

@@ -12,9 +12,9 @@ PyTorch's sources of the torch 2.13 era (``aten/src/ATen/native/transformers/``)
   ``mha_fwd``, which allocates ``out = empty_like(q)`` (same strides, so the bytes of
   q), ``softmax_lse (B, H, N)`` float32, the split-KV accumulators when
   ``num_splits_heuristic`` picks more than one split, ``rng_state`` ``(2,)`` uint64 and
-  ``_unused`` ``()`` uint64 (one 512-B block each);
+  ``_unused`` ``()`` uint64, which sdpa returns as ``philox_offset`` (one 512-B block each);
 * ``tools/autograd/derivatives.yaml``: ``ScaledDotProductFlashAttentionBackward0`` saves
-  query, key, value, output, logsumexp, rng_state and unused (checked on the meta
+  query, key, value, output, logsumexp, rng_state and philox_offset (checked on the meta
   device: ``tests/test_impls_sdpa_fused.py``);
 * ``cuda/attention_backward.cu`` ``_flash_attention_backward``: ``grad_out.contiguous()``
   and ``out.contiguous()`` of the ``(B, N, H, d)`` views, then ``mha_bwd``: dq, dk, dv
@@ -169,15 +169,15 @@ def forward(d: Dims, gpu: Gpu, on: str) -> list:
     internals), for checking the autograd skeleton on the meta device."""
     padded, _ = head_dims(d)
     accum = split_accumulators(d, gpu) if on == "cuda" else []
-    saved = [t.name for t in pads(d)] + ["lse", "rng_state", "unused"]
+    saved = [t.name for t in pads(d)] + ["lse", "rng_state", "philox_offset"]
     return pads(d) + [
         new("out", (d.B, d.N, d.H, padded), d.dtype, O, "empty_like"),  # (B, N, H, dp), q's layout
         new("lse", (d.B, d.H, d.N), F32, S, "empty"),  # (B, H, N) softmax_lse
         *accum,
         new("rng_state", (2,), "uint64", S, "empty"),  # (2,) philox seed, offset: 512-B block
-        new("unused", (), "uint64", S, "empty"),  # () one uint64: 512-B block
+        new("philox_offset", (), "uint64", S, "empty"),  # () mha_fwd's _unused: 512-B block
         *([free(*(t.name for t in accum))] if accum else []),
-        free(*saved),  # autograd holds them (output, lse, rng_state, unused, padded q, k, v)
+        free(*saved),  # autograd holds them (output, lse, rng_state, philox_offset, padded qkv)
     ]
 
 
@@ -246,7 +246,7 @@ def backward(d: Dims, on: str, grad_copy: bool | None = None,
     events += layout + grads(d, T if pad else G) + buffers  # (B, H, N, dp) zeros + grad
     if layout or buffers:  # mha_bwd, then _flash_attention_backward return
         events.append(free(*(t.name for t in buffers + layout)))
-    events.append(release(*[t.name for t in pads(d)], "lse", "rng_state", "unused"))
+    events.append(release(*[t.name for t in pads(d)], "lse", "rng_state", "philox_offset"))
     return events + ([free("dout_pad")] + unpad_grads(d) if pad else [])
 
 
@@ -261,6 +261,6 @@ def program(d: Dims, gpu: Gpu | None = None, on: str = "cuda") -> Program:
 @register("sdpa-flash", "SDPA FlashAttention-2 backend: saves the (B, H, N) logsumexp",
           gqa=True, traced=False, accepted=accepted)
 def sdpa_flash(d: Dims) -> Program:
-    """Saved: logsumexp, rng_state, unused (and padded q, k, v when D % 8 != 0); backward:
+    """Saved: logsumexp, rng_state, philox_offset (and padded q, k, v when D % 8 != 0); backward:
     layout copies of grad and out, dq, dk, dv, float32 softmax_d and dq_accum."""
     return program(d)

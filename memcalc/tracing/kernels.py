@@ -22,7 +22,7 @@ from memcalc.impls import sdpa_efficient, sdpa_flash
 from memcalc.tensors import Dims, Free, Release, Role, Tensor
 from memcalc.tracing import cudnn
 from memcalc.tracing.errors import NotModelled
-from memcalc.tracing.sdpa_select import EFFICIENT, FLASH, Call
+from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
 
 
 def dims_of(call: Call, gpu) -> Dims:
@@ -139,7 +139,9 @@ class Kernel:
 class _Node(torch.autograd.Function):
     """The fused kernel as autograd sees it: saves q, k, v and the output (as
     ``derivatives.yaml`` has the flash / efficient / cuDNN nodes do), plus the model's
-    saved tensors in ``kernel.kept``."""
+    saved tensors in ``kernel.kept``. One subclass per backend (``NODES``), so that the
+    backward's tensors are named after the node torch names
+    (``ScaledDotProductFlashAttentionBackward``), not this class."""
 
     @staticmethod
     def forward(ctx, kernel: Kernel, q, k, v):
@@ -158,6 +160,12 @@ class _Node(torch.autograd.Function):
         grads = kernel.backward(grad_out)
         kernel.q = kernel.k = kernel.v = None
         return (None, *grads)
+
+
+# each backend's autograd node under the name torch gives it (derivatives.yaml), less the 0
+NODES = {backend: type(name, (_Node,), {}) for backend, name in (
+    (FLASH, "ScaledDotProductFlashAttention"), (EFFICIENT, "ScaledDotProductEfficientAttention"),
+    (CUDNN, "ScaledDotProductCudnnAttention"))}
 
 
 def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
@@ -193,7 +201,7 @@ def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
             out = kernel.forward()
         kernel.kept.clear()
         return out
-    return _Node.apply(kernel, q, k, v)
+    return NODES[backend].apply(kernel, q, k, v)
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
