@@ -31,31 +31,34 @@ from fractions import Fraction
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from memcalc.allocator import MiB, OutOfMemory
+from memcalc.allocator import KiB, MiB, OutOfMemory
 from memcalc.breakdown import Breakdown, Result, register_judge
 from memcalc.config import Config, Device
 from memcalc.units import GiB, decimal, finite_decimal, human
 
 DEFAULT_RESERVE_BYTES = 512 * MiB
 GB = GiB
-"""What ``--gpu-gb`` counts: 2^30 bytes (GPUs are sold in binary gigabytes: an "80GB" A100
-shows 81920 MiB = 80 x 2^30 B)."""
+"""What a GB is, in ``--gpu-gb`` and in every size: 2^30 bytes. GPUs are sold in binary
+gigabytes (an "80GB" A100 shows 81920 MiB = 80 x 2^30 B) and PyTorch prints GiB, so memcalc
+has one meaning for each unit: KB, MB, GB are KiB, MiB, GiB, and output says GiB."""
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-_UNITS = {"": MiB, "b": 1, "kib": 1024, "mib": MiB, "gib": GiB, "k": 1024, "m": MiB, "g": GiB,
-          "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1024 * GiB,
+          "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB,
+          "kb": KiB, "mb": MiB, "gb": GB, "tb": 1024 * GB}  # memory units: powers of 2
+_SIZE_HELP = ("a size like 512MiB, 1.5GiB or 0 (units B, KiB, MiB, GiB, TiB; KB, MB, GB, TB "
+              "are the same powers of 2; a bare number is bytes)")
 _SIZE = re.compile(r"^\s*(\d+(?:_\d+)*(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str, option: str = "--reserve") -> int:
     """A byte count from ``"512MiB"``, ``"1.5GiB"``, ``"0"``, ``"300"`` (a bare number is
-    MiB) or ``"200MB"`` (decimal units: 10^6); the number may be written as the sizes are
-    (``1_024``, ``1e3``); exact, so the result must be whole bytes."""
+    bytes, as an ``int`` is) or ``"1GB"`` (the same as ``"1GiB"``: ``GB``); the number may be
+    written as the sizes are (``1_024``, ``1e3``); exact, so the result must be whole bytes."""
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
-        raise ValueError(f"{option}: {text!r} is not a size like 512MiB, 1.5GiB or 0 "
-                         f"(units B, KiB, MiB, GiB; KB, MB, GB are powers of 10; bare numbers MiB)")
+        raise ValueError(f"{option}: {text!r} is not {_SIZE_HELP}")
     value = Fraction(m.group(1).replace("_", "")) * _UNITS[unit]
     if value.denominator != 1:
         raise ValueError(f"{option}: {text!r} is not a whole number of bytes")
@@ -63,11 +66,12 @@ def parse_size(text: str, option: str = "--reserve") -> int:
 
 
 def size_note(text: str) -> str:
-    """How a size was read when it used decimal units: ``1GB = 10^9 B``; else ``""``."""
+    """How a size was read when its unit could be taken for a power of 10:
+    ``1GB = 1 GiB``; else ``""``."""
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else ""
-    if unit in ("kb", "mb", "gb"):
-        return f"{m.group(1)} {unit.upper()} = {m.group(1)} x 10^{'369'['kmg'.index(unit[0])]} B"
+    if unit in ("kb", "mb", "gb", "tb"):
+        return f"{m.group(1)} {unit.upper()} = {m.group(1)} {unit[0].upper()}iB"
     return ""
 
 
@@ -76,12 +80,17 @@ def parse_gb(text: str, option: str = "--gpu-gb") -> Fraction:
     try:
         value = Fraction(str(text).strip())
     except (ValueError, ZeroDivisionError):
-        raise ValueError(f"{option}: {text!r} is not a number of GB (2^30 B each)") from None
+        raise ValueError(f"{option}: {text!r} is not a number of GiB (2^30 B each)") from None
     if not finite_decimal(value):
-        raise ValueError(f"{option}: {text!r} is not a decimal number of GB (2^30 B each)")
+        raise ValueError(f"{option}: {text!r} is not a decimal number of GiB (2^30 B each)")
     if value * GB < 1:
         raise ValueError(f"{option}: the device memory must be at least one byte (got {text!r})")
     return value
+
+
+def _size(nbytes: int) -> str:
+    """``536,870,912 B (512.00 MiB)``: a size in a message, exact and readable."""
+    return f"{nbytes:,} B ({human(nbytes)})" if nbytes >= KiB else f"{nbytes:,} B"
 
 
 class Budget(BaseModel):
@@ -99,8 +108,9 @@ class Budget(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "Budget":
         if self.reserve_bytes >= self.memory_bytes:
-            raise ValueError(f"--reserve: the reserve ({self.reserve_bytes} B) leaves nothing of "
-                             f"the device's {self.memory_bytes} B")
+            raise ValueError(f"--reserve: a reserve of {_size(self.reserve_bytes)} leaves nothing "
+                             f"of the device's {_size(self.memory_bytes)}; allowed: less than "
+                             f"the device's memory")
         return self
 
     @computed_field
@@ -131,11 +141,16 @@ class Budget(BaseModel):
         if memory_gb is not None:
             exact = memory_gb * GB
             shown = decimal(memory_gb)  # exact: the decimal the user wrote, or its fraction's
+            memory = exact.numerator // exact.denominator
+            if reserve_bytes is None and memory <= reserve:
+                raise ValueError(f"--gpu-gb: {shown} GiB ({memory:,} B) is all taken by the "
+                                 f"default --reserve for the CUDA context, {_size(reserve)}; "
+                                 f"allowed: more than that, or a smaller --reserve")
             rounded = "" if exact.denominator == 1 else ", rounded down to a whole byte"
-            return cls(device=f"{shown} GB (GB = 2^30 B{rounded}; cuBLAS workspaces of "
+            return cls(device=f"{shown} GiB ({'--gpu-gb' + rounded}; cuBLAS workspaces of "
                               f"{spec.name}, compute capability {spec.compute_capability[0]}."
                               f"{spec.compute_capability[1]})",
-                       memory_bytes=exact.numerator // exact.denominator, reserve_bytes=reserve,
+                       memory_bytes=memory, reserve_bytes=reserve,
                        memory_source=f"--gpu-gb {shown}: {shown} x 2^30 B{rounded}",
                        reserve_source=reserve_source)
         return cls(device=spec.label, memory_bytes=spec.memory_bytes, reserve_bytes=reserve,

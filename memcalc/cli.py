@@ -149,13 +149,13 @@ def traced_options_given(args) -> str | None:
 def budget_options(p: argparse.ArgumentParser) -> None:
     """The device budget: ``--gpu``'s memory (or ``--gpu-gb``) less ``--reserve``."""
     p.add_argument("--gpu-gb", default=None, metavar="X",
-                   help="device memory in GB of 2^30 B, instead of the --gpu preset's "
-                        "(whose compute capability still sets the cuBLAS workspace); "
-                        "79.11 is rounded down to a whole byte")
+                   help="device memory in GiB (2^30 B, as GPUs are sold), instead of the "
+                        "--gpu preset's (whose compute capability still sets the cuBLAS "
+                        "workspace); 79.11 is rounded down to a whole byte")
     p.add_argument("--reserve", default=None, metavar="SIZE",
                    help="memory the allocator cannot have: CUDA context, other processes "
-                        "(default 512MiB; units B, KiB, MiB, GiB, powers of 2, or KB, MB, GB, "
-                        "powers of 10; bare numbers MiB)")
+                        "(default 512MiB; units B, KiB, MiB, GiB, TiB, and KB, MB, GB, TB "
+                        "the same powers of 2; a bare number is bytes)")
 
 
 def budget_from(args):

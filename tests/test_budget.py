@@ -21,12 +21,14 @@ GiB = 1024 * MiB
 @pytest.mark.parametrize("text, nbytes", [
     ("512MiB", 536_870_912),  # 512 x 2^20
     ("0", 0),
-    ("300", 314_572_800),  # a bare number is MiB: 300 x 2^20
+    ("300", 300),  # a bare number is bytes, as the API's int is
     ("1.5GiB", 1_610_612_736),  # 3 x 2^29
-    ("200MB", 200_000_000),  # decimal units are powers of 10
+    ("200MB", 209_715_200),  # MB is MiB: 200 x 2^20 (one meaning per unit, as --gpu-gb's GB)
+    ("1GB", 1_073_741_824),  # 2^30
     ("4096 B", 4096),
-    ("1_024", 1_073_741_824),  # written as sizes are: 1,024 x 2^20
-    ("1e3B", 1000),
+    ("1_024MiB", 1_073_741_824),  # written as sizes are: 1,024 x 2^20
+    ("1e3", 1000),
+    ("2TB", 2_199_023_255_552),  # 2 x 2^40
 ])
 def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
@@ -52,7 +54,7 @@ def test_gpu_gb_as_pytorch_prints_it_is_rounded_down_to_a_byte():
     b = Budget.given(Device(), 79.11, 0)
     # 79.11 x 2^30 = 7911 x 1,073,741,824 / 100 = 84,943,715,696.64 -> 84,943,715,696
     assert b.memory_bytes == 84_943_715_696
-    assert b.device.startswith("79.11 GB (GB = 2^30 B, rounded down to a whole byte;")
+    assert b.device.startswith("79.11 GiB (--gpu-gb, rounded down to a whole byte;")
     assert "rounded" not in Budget.given(Device(), "79.5").device
 
 
@@ -69,7 +71,7 @@ def test_default_budget_of_a_preset():
 def test_gpu_gb_budget_says_what_gb_means():
     b = Budget.of(Device(gpu="a100-80gb"), reserve_bytes=0, memory_gb=parse_gb("40"))
     assert b.budget_bytes == 42_949_672_960  # 40 x 2^30
-    assert "2^30" in b.describe() and "a100-80gb" in b.describe()
+    assert "40 GiB (--gpu-gb" in b.describe() and "a100-80gb" in b.describe()
 
 
 def test_gpu_gb_is_shown_as_given_exactly():
@@ -77,8 +79,29 @@ def test_gpu_gb_is_shown_as_given_exactly():
     float's six digits showed 2^-10 GB as 0.000976562)."""
     b = Budget.of(Device(), reserve_bytes=0, memory_gb=parse_gb("0.0009765625"))
     assert b.budget_bytes == 1_048_576  # 2^-10 x 2^30 = 2^20
-    assert b.device.startswith("0.0009765625 GB (GB = 2^30 B;")
-    assert Budget.of(Device(), memory_gb=parse_gb("79.5")).device.startswith("79.5 GB")
+    assert b.device.startswith("0.0009765625 GiB (--gpu-gb;")
+    assert Budget.of(Device(), memory_gb=parse_gb("79.5")).device.startswith("79.5 GiB")
+
+
+def test_a_size_has_one_meaning_in_the_api_and_the_cli(capsys):
+    """A bare number is bytes whether an int, a text or an option; GB is GiB in --reserve as
+    in --gpu-gb, and the budget line says how a GB was read."""
+    texts = [Budget.given(Device(), 80, r).reserve_bytes for r in (1024, "1024", "1KiB")]
+    assert texts == [1024, 1024, 1024]
+    assert Budget.given(Device(), 80, "1GB").reserve_bytes == Budget.given(
+        Device(), 80, "1GiB").reserve_bytes == 1_073_741_824  # 2^30
+    code, out, _ = run(capsys, "breakdown", "--seq", "1024", "--gpu-gb", "80", "--reserve", "1GB")
+    assert code == 0 and "1 GB = 1 GiB" in " ".join(out.split())
+    assert "80 GiB (--gpu-gb" in out and "GB (GB" not in out
+
+
+def test_a_gpu_gb_the_default_reserve_fills_names_gpu_gb():
+    """--gpu-gb 0.5 is all CUDA context: the option given is named, with formatted sizes."""
+    with pytest.raises(ValueError) as e:
+        Budget.given(Device(), "0.5")
+    assert str(e.value) == ("--gpu-gb: 0.5 GiB (536,870,912 B) is all taken by the default "
+                            "--reserve for the CUDA context, 536,870,912 B (512.00 MiB); "
+                            "allowed: more than that, or a smaller --reserve")  # 2^29 B both
 
 
 def test_reserve_must_leave_memory():
@@ -160,7 +183,7 @@ def test_the_api_breakdown_in_a_budget_shows_it_as_the_command_does(capsys):
     b = memcalc.breakdown(seq_len=1024, gpu_gb=40)
     code, out, _ = run(capsys, "breakdown", "--seq", "1024", "--gpu-gb", "40", "--json")
     assert code == 0 and b.to_dict() == json.loads(out)
-    assert "40 GB (GB = 2^30 B" in b._repr_html_() and "fits: reserved peak" in b._repr_html_()
+    assert "40 GiB (--gpu-gb" in b._repr_html_() and "fits: reserved peak" in b._repr_html_()
     # no budget given: the preset's, as the command's default (its JSON had no "fits")
     code, out, _ = run(capsys, "breakdown", "--seq", "1024", "--json")
     assert memcalc.breakdown(seq_len=1024).to_dict() == json.loads(out)

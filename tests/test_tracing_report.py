@@ -167,7 +167,7 @@ def test_trace_command_prints_notes_budget_and_fit_whole_at_every_width(
     flat = " ".join(out.split())
     lines = [FIRST, *(f"- {n}" for n in notes),
              # --gpu-gb 1: 1 x 2^30 B
-             "budget 1,073,741,824 B (1.00 GiB) = 1 GB (GB = 2^30 B; cuBLAS workspaces of "
+             "budget 1,073,741,824 B (1.00 GiB) = 1 GiB (--gpu-gb; cuBLAS workspaces of "
              "h100-80gb, compute capability 9.0) 1,073,741,824 B - reserve 0 B (0 B, CUDA "
              "context)",
              # every block of B=1 H=1 N=8 d=16 is under 1 MiB: one 2 MiB small-pool segment;
