@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Literal
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, computed_field,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, computed_field,
                       model_validator)
 
 from memcalc.config import Config
@@ -125,12 +125,10 @@ class Component(Result):
     op: str
     shape: tuple[int, ...]
     dtype: str
-    # named in JSON and CSV as in the tables: ``bytes`` the tensor asks for, ``allocated``
-    # the block the allocator gives it (every figure sums these)
-    nbytes: int = Field(serialization_alias="bytes",
-                        validation_alias=AliasChoices("nbytes", "bytes"))
-    block_bytes: int = Field(serialization_alias="allocated",
-                             validation_alias=AliasChoices("block_bytes", "allocated"))
+    # one name in Python, JSON, CSV and the tables' headings: ``bytes`` the tensor asks
+    # for, ``allocated`` the block the allocator gives it (every figure sums these)
+    bytes: int = Field(description="what the tensor asks for: its elements x element size")
+    allocated: int = Field(description="the block the caching allocator gives it")
     source: str = ""
 
     @computed_field
@@ -138,21 +136,24 @@ class Component(Result):
     def formula(self) -> str:
         """The raw size spelled out, ``8 x 16384 x 16384 x 4 B``."""
         if self.role is Role.workspace:
-            return f"{self.nbytes} B"
+            return f"{self.bytes:,} B"
         dims = " x ".join(str(n) for n in self.shape) or "1"
         if self.dtype not in ITEMSIZE:
-            return f"{dims} ({self.nbytes} B)"
+            return f"{dims} ({self.bytes:,} B)"
         return f"{dims} x {ITEMSIZE[self.dtype]} B"
 
     def headline(self) -> str:
-        return f"{self.name} ({self.role.value}, {self.op}): {self.formula}, {self.block_bytes:,} B"
+        """``q (input, randn): 8 x 1 x 1024 x 16 x 4 B = 524,288 B, allocated 524,288 B``."""
+        asked = "" if self.role is Role.workspace else f" = {self.bytes:,} B"
+        return (f"{self.name} ({self.role.value}, {self.op}): {self.formula}{asked}, "
+                f"allocated {self.allocated:,} B")
 
 
 _SUMS = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes")  # cached per instance
 
 
 def _total(components: tuple[Component, ...]) -> int:
-    return sum(c.block_bytes for c in components)
+    return sum(c.allocated for c in components)
 
 
 class Breakdown(Result):
@@ -200,7 +201,7 @@ class Breakdown(Result):
     @property
     def components(self) -> tuple[Component, ...]:
         """Everything alive at the peak, largest first."""
-        return tuple(sorted(self._peak_live, key=lambda c: -c.block_bytes))
+        return tuple(sorted(self._peak_live, key=lambda c: -c.allocated))
 
     @property
     def _peak_live(self) -> tuple[Component, ...]:
@@ -231,7 +232,7 @@ class Breakdown(Result):
 
         peak = self.peak_bytes
         return [{**c.to_dict(), "made_by": made_by(c),
-                 "share": ratio_number(c.block_bytes, peak)} for c in self.components]
+                 "share": ratio_number(c.allocated, peak)} for c in self.components]
 
     @property
     def fits(self) -> bool:

@@ -113,11 +113,11 @@ def live_polynomial(config: Config, field: str, breakdown=None,
     def raw(x: int) -> int | None:
         sizes = at_x0 if x == x0 else tensor_sizes(config.replace(**{field: x}))
         if len(sizes) != declared:  # a loop: more tensors at x, not larger ones; replay it
-            return sum(comp.nbytes for comp in predict(config.replace(**{field: x})).components)
+            return sum(comp.bytes for comp in predict(config.replace(**{field: x})).components)
         total = 0
         for comp in live:
             if comp.role is Role.workspace:
-                total += comp.nbytes
+                total += comp.bytes
             elif comp.name in sizes:
                 total += sizes[comp.name]
             else:

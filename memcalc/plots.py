@@ -103,10 +103,10 @@ def _mark_saved_and_peak(ax, events, result, scale: int, unit: str) -> None:
         ax.axhline(level / scale, color="#d62728", linestyle="--", linewidth=1,
                    label=f"after forward: inputs + saved + output ({level / scale:,.2f} {unit})")
     peak = max(range(len(events)), key=lambda i: events[i].allocated)
-    top = sorted(result.components, key=lambda c: -c.block_bytes)[:6]
-    rest = result.peak_bytes - sum(c.block_bytes for c in top)
+    top = sorted(result.components, key=lambda c: -c.allocated)[:6]
+    rest = result.peak_bytes - sum(c.allocated for c in top)
     label = f"total {human(result.peak_bytes)} ({result.peak_phase})\n" + "\n".join(
-        f"{c.name}: {human(c.block_bytes)}" for c in top)
+        f"{c.name}: {human(c.allocated)}" for c in top)
     if rest:
         label += f"\n{len(result.components) - len(top)} more: {human(rest)}"
     ax.plot([peak], [events[peak].allocated / scale], "o", color="#d62728")
@@ -129,7 +129,7 @@ def plot_components(results, path: str | None = None):
     ys = range(len(results))
     lefts = [0.0] * len(results)
     for role, colour in ROLE_COLOURS.items():
-        widths = [sum(c.block_bytes for c in r.components if c.role.value == role) / scale
+        widths = [sum(c.allocated for c in r.components if c.role.value == role) / scale
                   for r in results]
         if any(widths):
             ax.barh(ys, widths, left=lefts, color=colour, label=role, height=0.7)

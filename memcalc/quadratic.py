@@ -31,7 +31,7 @@ def _names(impl: Impl, d) -> frozenset[str]:
     small, large = _tensors(impl, d), _tensors(impl, d.replace(N=2 * d.N, M=2 * d.M))
     if [t.name for t in small] != [t.name for t in large]:
         return frozenset()
-    return frozenset(a.name for a, b in zip(small, large) if 0 < 3 * a.nbytes <= b.nbytes)
+    return frozenset(a.name for a, b in zip(small, large) if 0 < 3 * a.bytes <= b.bytes)
 
 
 def _tensors(impl: Impl, d) -> list[Tensor]:

@@ -41,7 +41,7 @@ class Group:
         each: dict[int, Any] = {}
         for t in (*step_inputs(program, d), *program.forward, *program.backward):
             if isinstance(t, Tensor):
-                nbytes = each[id(t)] = t.nbytes
+                nbytes = each[id(t)] = t.bytes
                 if isinstance(nbytes, Sym):
                     sizes.setdefault(nbytes.key, nbytes)
         return cls(d, program, symbolic, list(sizes.values()),
@@ -133,7 +133,7 @@ class Recorder(Ledger):
         self.phases: dict[str, list] = {}
 
     def alloc(self, key, item) -> None:
-        nbytes = self.nbytes.get(id(item), item.nbytes)
+        nbytes = self.nbytes.get(id(item), item.bytes)
         live = self.live[key] = Live(item, self.allocator.malloc(nbytes))
         self.rounded[key] = r = self.sizes.block(nbytes)
         self.floor = self.floor + r

@@ -59,10 +59,10 @@ def component_columns(peak: int, with_source: bool = False) -> list[Column]:
         Column("role", lambda c: c.role.value, drop=3),
         Column("dtype", lambda c: c.dtype, drop=7),
         Column("formula (shape x element)", lambda c: c.formula, drop=5),
-        Column("bytes", lambda c: c.nbytes, "right", drop=6),
-        Column("allocated", lambda c: c.block_bytes, "right"),
-        Column("MiB", lambda c: mib(c.block_bytes), "right", drop=1),
-        Column("share", lambda c: share(c.block_bytes, peak), "right", drop=2),
+        Column("bytes", lambda c: c.bytes, "right", drop=6),
+        Column("allocated", lambda c: c.allocated, "right"),
+        Column("MiB", lambda c: mib(c.allocated), "right", drop=1),
+        Column("share", lambda c: share(c.allocated, peak), "right", drop=2),
     ]
     return columns + [Column("source", lambda c: c.source, drop=8, wrap=True)] if with_source \
         else columns

@@ -32,12 +32,12 @@ class Repeated:
         return f"{n:,} x {first}" if first == last else f"{first}..{last} ({n:,})"
 
     @cached_property  # a table reads it per column: summed once
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.members)
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.members)
 
     @cached_property
-    def block_bytes(self) -> int:
-        return sum(c.block_bytes for c in self.members)
+    def allocated(self) -> int:
+        return sum(c.allocated for c in self.members)
 
     @property
     def formula(self) -> str:
@@ -55,7 +55,7 @@ def _kind(component) -> tuple:
     """What a tensor shares with the others of its kind: its name with the numbers
     blanked, its op, role, dtype, shape, bytes, block and source."""
     c = component
-    return _NUMBER.sub("#", c.name), c.op, c.role, c.dtype, c.shape, c.nbytes, c.block_bytes, \
+    return _NUMBER.sub("#", c.name), c.op, c.role, c.dtype, c.shape, c.bytes, c.allocated, \
         c.source
 
 

@@ -111,6 +111,22 @@ class Solved(BaseModel):
         value, in words; None when memory bounds the answer."""
         return self.accepted.limit() if self.next_value is None else None
 
+    def __getattr__(self, name: str):
+        """Each key of ``to_dict`` (the JSON's, the CSV's and the DataFrame's) is an
+        attribute too, so one name serves everywhere: ``max_seq_len`` (``max_value`` of a
+        search over ``seq_len``), ``next_seq_len``, ``needed_bytes_at_next``, ..."""
+        if not name.startswith("_") and "field" in self.__dict__:
+            record = self.to_dict()
+            if name in record:
+                return record[name]
+        return super().__getattr__(name)
+
+    def __str__(self) -> str:
+        """``flash2: max seq_len 20,516,864 (20,516,865 does not fit)``."""
+        after = (f"{self.next_value:,} does not fit" if self.next_value is not None
+                 else self.limit)
+        return f"{self.impl}: max {self.field} {self.max_value:,} ({after})"
+
     def to_dict(self) -> dict:
         at_max, at_next = self.at_max, self.at_next
         return {

@@ -48,7 +48,7 @@ class _TensorFields(NamedTuple):
     dtype: str
     role: Role
     op: str
-    nbytes: int  # the requested bytes, computed once: every replay reads them
+    bytes: int  # the requested bytes, computed once: every replay reads them (as Component's)
 
 
 def dense_bytes(shape: tuple[int, ...], dtype: str) -> int:

@@ -69,7 +69,7 @@ class Live:
 def _component(item, block_bytes: int) -> Component:
     """The reported form of a declaration with the block it got."""
     if isinstance(item, Component):
-        return item.model_copy(update={"block_bytes": block_bytes})
+        return item.model_copy(update={"allocated": block_bytes})
     return _declared(item, block_bytes)
 
 
@@ -80,7 +80,7 @@ def _declared(t: Tensor, block_bytes: int) -> Component:
     (``program`` keeps its declarations). A copy of its kind's component under its name:
     a long loop reports a hundred thousand tensors of a few kinds, and a copy is made in
     half the time of a new component."""
-    return _unnamed(t.role, t.op, t.shape, t.dtype, t.nbytes, block_bytes).model_copy(
+    return _unnamed(t.role, t.op, t.shape, t.dtype, t.bytes, block_bytes).model_copy(
         update={"name": t.name})
 
 
@@ -89,7 +89,7 @@ def _unnamed(role: Role, op: str, shape: tuple[int, ...], dtype: str, nbytes: in
              block_bytes: int) -> Component:
     """The component of every tensor of this kind, but for its name."""
     return Component.model_construct(name="", role=role, op=op, shape=shape, dtype=dtype,
-                                      nbytes=nbytes, block_bytes=block_bytes, source="")
+                                      bytes=nbytes, allocated=block_bytes, source="")
 
 
 class Ledger:
@@ -108,11 +108,11 @@ class Ledger:
         self._peak_at = 0  # how many of those changes the peak had seen
 
     def alloc(self, key: Hashable, item) -> None:
-        """Allocate ``item`` (a ``Tensor`` or ``Component``: anything with ``nbytes`` and
+        """Allocate ``item`` (a ``Tensor`` or ``Component``: anything with ``bytes`` and
         ``role``); note where the peak rises."""
         allocator, log = self.allocator, self._log
         before = allocator.peak_allocated
-        live = self.live[key] = Live(item, allocator.malloc(item.nbytes))
+        live = self.live[key] = Live(item, allocator.malloc(item.bytes))
         if log is not None:
             log.append((key, live))
             if allocator.peak_allocated != before:
@@ -145,7 +145,7 @@ class Ledger:
             name = f"cuBLAS workspace, {thread} thread"
             self.alloc(key, Component(name=name, role=Role.workspace, op="cublas",
                                       shape=(self.workspace_bytes,), dtype="uint8",
-                                      nbytes=self.workspace_bytes, block_bytes=0,
+                                      bytes=self.workspace_bytes, allocated=0,
                                       source=source))
 
     def reset_peak(self) -> None:
@@ -329,7 +329,7 @@ def tensor_sizes(config: Config) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for t in (*step_inputs(program, d), *program.forward, *program.backward):
         if isinstance(t, Tensor):
-            sizes.setdefault(t.name, t.nbytes)
+            sizes.setdefault(t.name, t.bytes)
     return sizes
 
 

@@ -482,8 +482,8 @@ class Evaluator:
 def scalar_figures(b, quadratic: frozenset[str]) -> dict[str, int]:
     """``Figures``' entries from one ``Breakdown``. Its floor is taken at the two phase
     peaks (the rounded sizes alive at any moment bound every replay from below)."""
-    floor = max(sum(round_size(c.nbytes) for c in live) for live in (b.forward_live, b.backward_live))
-    quad = sum(c.block_bytes for c in b.components if c.name in quadratic)
+    floor = max(sum(round_size(c.bytes) for c in live) for live in (b.forward_live, b.backward_live))
+    quad = sum(c.allocated for c in b.components if c.name in quadratic)
     return {**b.figures(), "floor_peak_bytes": floor, "quadratic_bytes": quad}
 
 

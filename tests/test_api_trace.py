@@ -51,7 +51,7 @@ def test_a_module_class_or_instance_is_traced_under_its_own_name():
     by_class = memcalc.trace(Projected, seq_len=64)
     assert by_class.config.impl == "trace:Projected"
     # proj.weight: 16 x 16 x 4 B = 1,024 B; proj.bias: 16 x 4 B = 64 B
-    assert [(c.name, c.nbytes) for c in by_class.forward_live if c.role == "parameter"] == [
+    assert [(c.name, c.bytes) for c in by_class.forward_live if c.role == "parameter"] == [
         ("proj.weight", 1024), ("proj.bias", 64)]
     model = Projected()
     weight = model.proj.weight.detach().clone()
@@ -111,7 +111,7 @@ def test_inputs_reach_any_signature():
     masked = memcalc.trace(Hidden, inputs={"x": ("B", "N", 16), "mask": ("B", "N", "bool")},
                            seq_len=64, batch=2)
     mask = next(c for c in masked.forward_live if c.name == "mask")
-    assert (mask.nbytes, mask.block_bytes) == (2 * 64, 512)  # 128 bools, one 512-B block
+    assert (mask.bytes, mask.allocated) == (2 * 64, 512)  # 128 bools, one 512-B block
 
 
 def test_inputs_are_refused_in_the_apis_words():
@@ -146,7 +146,7 @@ def test_param_dtype_is_model_to_dtype():
     = 96 B) in bf16."""
     b = memcalc.trace(Hidden, inputs={"x": ("B", "N", 16, "bf16")}, param_dtype="bf16",
                       seq_len=64, batch=2)
-    state = {c.name: (c.dtype, c.nbytes) for c in b.forward_live if c.role == "parameter"}
+    state = {c.name: (c.dtype, c.bytes) for c in b.forward_live if c.role == "parameter"}
     assert state == {"qkv.weight": ("bfloat16", 1536), "qkv.bias": ("bfloat16", 96)}
     with pytest.raises(ValueError, match="^param_dtype: unknown dtype 'bf17'"):
         memcalc.trace(Hidden, inputs={"x": ("B", "N", 16)}, param_dtype="bf17")

@@ -17,9 +17,9 @@ def _naive():
 
 def test_totals_are_the_sums_of_the_live_sets():
     b = _naive()
-    assert b.forward_peak_bytes == sum(c.block_bytes for c in b.forward_live)
-    assert b.backward_peak_bytes == sum(c.block_bytes for c in b.backward_live)
-    assert b.saved_bytes == sum(c.block_bytes for c in b.saved)
+    assert b.forward_peak_bytes == sum(c.allocated for c in b.forward_live)
+    assert b.backward_peak_bytes == sum(c.allocated for c in b.backward_live)
+    assert b.saved_bytes == sum(c.allocated for c in b.saved)
     assert b.peak_bytes == max(b.forward_peak_bytes, b.backward_peak_bytes)
 
 
@@ -46,10 +46,20 @@ def test_a_component_reads_back_under_its_json_names_and_refuses_the_old_ones():
     tables do); it reads back. The old names (``raw_bytes`` the request, ``bytes`` the
     block) are refused rather than read with the meanings swapped."""
     row_sum = Component(name="row_sum", role=Role.saved, op="sum", shape=(1, 1, 64, 1),
-                        dtype="float32", nbytes=256, block_bytes=512)  # 64 x 4 B; a 512 B block
+                        dtype="float32", bytes=256, allocated=512)  # 64 x 4 B; a 512 B block
     data = row_sum.to_dict()
     assert (data["bytes"], data["allocated"]) == (256, 512) and "raw_bytes" not in data
     assert Component.model_validate(data) == row_sum
     old = {k: v for k, v in data.items() if k not in ("bytes", "allocated", "formula")}
     with pytest.raises(ValidationError, match="raw_bytes"):
         Component.model_validate({**old, "raw_bytes": 256, "bytes": 512})
+
+
+def test_a_component_has_one_name_per_figure_and_prints_them_labelled():
+    """Python's attributes are the JSON's and CSV's keys and the tables' headings (they
+    were ``nbytes`` and ``block_bytes``); ``str`` labels the block it prints."""
+    c = Component(name="row_sum", role=Role.saved, op="sum", shape=(1, 1, 64, 1),
+                  dtype="float32", bytes=256, allocated=512)  # 64 x 4 B; a 512 B block
+    assert (c.bytes, c.allocated) == (c.to_dict()["bytes"], c.to_dict()["allocated"])
+    assert str(c) == "row_sum (saved, sum): 1 x 1 x 64 x 1 x 4 B = 256 B, allocated 512 B"
+    assert not hasattr(c, "nbytes") and not hasattr(c, "block_bytes")

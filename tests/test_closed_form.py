@@ -24,7 +24,7 @@ def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
     config = Config(impl="linear-causal-chunked", shape={"seq_len": 640})
     q = live_polynomial(config, "seq_len")
     at_1920 = predict(config.replace(seq_len=1920))
-    assert q.exact and q(1920) == sum(c.nbytes for c in at_1920.components)
+    assert q.exact and q(1920) == sum(c.bytes for c in at_1920.components)
     assert q.a == 0  # linear: each chunk adds the same tensors
 
 

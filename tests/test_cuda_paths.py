@@ -133,11 +133,11 @@ def test_cudnn_model_and_its_workspace_parameter():
     saved = {c.name.split(" (")[0]: c for c in b.saved}
     assert saved["cudnn lse"].shape == (B, H, N, 1) and saved["cudnn lse"].dtype == "float32"
     work = [c for c in b.backward_live if c.name.startswith("cudnn cudnn_workspace")]
-    assert work[0].nbytes == (B * H * N * d + B * H * N) * 4  # 2,129,920 B
+    assert work[0].bytes == (B * H * N * d + B * H * N) * 4  # 2,129,920 B
     given = trace(causal_sdpa, config, TraceOptions(workspace=__import__(
         "memcalc.tracing.cudnn", fromlist=["Workspace"]).Workspace(0, 1 << 20)))
     work = [c for c in given.backward_live if c.name.startswith("cudnn cudnn_workspace")]
-    assert work[0].nbytes == 1 << 20
+    assert work[0].bytes == 1 << 20
 
 
 # --- softmax, dropout, mask add ----------------------------------------------------------
@@ -191,7 +191,7 @@ def test_training_dropout_saves_a_bool_mask():
     config = make_config(impl="naive", seq_len=N, batch=B, heads=H, head_dim=64, dtype="fp16")
     saved = trace(attn, config).saved
     masks = [c for c in saved if c.op == "native_dropout" and c.dtype == "bool"]
-    assert [c.nbytes for c in masks] == [B * H * N * N]  # one byte per element
+    assert [c.bytes for c in masks] == [B * H * N * N]  # one byte per element
     meta_saved = trace(attn, config, META).saved
     assert not [c for c in meta_saved if c.dtype == "bool"]
     assert [c for c in meta_saved if c.op in ("bernoulli", "empty_like", "div")
@@ -252,9 +252,9 @@ def test_module_parameters_and_buffers_are_resident():
     config = make_config(impl="naive", seq_len=128, batch=1)
     b = trace(fn, config, calling=Calling(inputs_of(["x=B,N,768"])))
     state = {c.name: c for c in b.forward_live if c.role in (Role.parameter, Role.buffer)}
-    assert state["bias"].role is Role.buffer and state["bias"].nbytes == 16384 * 16384 * 4
+    assert state["bias"].role is Role.buffer and state["bias"].bytes == 16384 * 16384 * 4
     assert state["c_proj.weight"].role is Role.parameter
-    assert state["c_proj.weight"].nbytes == 768 * 768 * 4  # float32, as nn.Linear makes it
+    assert state["c_proj.weight"].bytes == 768 * 768 * 4  # float32, as nn.Linear makes it
 
 
 def test_a_functions_module_level_meta_tensors_are_resident(tmp_path):
@@ -267,7 +267,7 @@ def test_a_functions_module_level_meta_tensors_are_resident(tmp_path):
         "    return q + v\n")
     fn = load_function(f"{tmp_path}/glob.py:attn")
     b = trace(fn, make_config(impl="naive", seq_len=64, batch=1))
-    assert [(c.name, c.role, c.nbytes) for c in b.forward_live if c.role is Role.buffer] == [
+    assert [(c.name, c.role, c.bytes) for c in b.forward_live if c.role is Role.buffer] == [
         ("TABLE", Role.buffer, 1000 * 1000 * 4)]  # not UNUSED, which it never names
 
 

@@ -74,9 +74,9 @@ def steps(history) -> list[tuple[int, tuple[int, ...]]]:
     out, freed = [], []
     for e in history:
         if e.kind == "free":
-            freed.append(e.component.block_bytes)
+            freed.append(e.component.allocated)
         elif e.kind == "alloc":
-            out.append((e.component.block_bytes, tuple(sorted(freed))))
+            out.append((e.component.allocated, tuple(sorted(freed))))
             freed = []
     return out
 

@@ -90,7 +90,7 @@ def test_equals_trace(impl, chunk, dtype, loss, seq_len):
                     protocol={"loss": loss})
     model, trace = predict(config), measure(config)
     assert figures_of(model) == figures_of(trace)
-    assert sorted(c.block_bytes for c in model.saved) == sorted(c.block_bytes for c in trace.saved)
+    assert sorted(c.allocated for c in model.saved) == sorted(c.allocated for c in trace.saved)
 
 
 def test_a_wrong_state_shape_is_caught(monkeypatch):

@@ -72,7 +72,7 @@ def test_equals_trace(dtype, causal, seq_len, kv_len, heads, kv_heads):
                            "kv_len": kv_len, "head_dim": 16})
     model, trace = predict(config), measure(config)
     assert figures_of(model) == figures_of(trace)
-    assert sorted(c.block_bytes for c in model.saved) == sorted(c.block_bytes for c in trace.saved)
+    assert sorted(c.allocated for c in model.saved) == sorted(c.allocated for c in trace.saved)
 
 
 def test_a_missing_upcast_is_caught(monkeypatch):

@@ -75,7 +75,7 @@ def test_input_tensors_are_the_inputs_then_grad_out():
     assert [(t.name, t.shape, t.role) for t in tensors] == [
         ("q", (2, 12, 1024, 64), Role.input), ("k", (2, 4, 512, 64), Role.input),
         ("v", (2, 4, 512, 64), Role.input), ("grad_out", (2, 12, 1024, 64), Role.input)]
-    assert tensors[0].nbytes == 2 * 12 * 1024 * 64 * 2  # bf16: 3,145,728
+    assert tensors[0].bytes == 2 * 12 * 1024 * 64 * 2  # bf16: 3,145,728
     loss = input_tensors(D, inputs_of(["x=B,N,768"]), out_like=((), "float32"))
     assert [t.name for t in loss] == ["x"]  # a 0-d output (a loss) needs no grad_out
     assert [t.name for t in input_tensors(D.replace(loss="sum"), QKV)] == ["q", "k", "v"]

@@ -23,7 +23,7 @@ LEGEND = f"names: {SYMBOLS}; {GRADS}; {TERMS}"  # naive's table shows names of a
 
 def component(name: str, op: str, role: Role = Role.temporary) -> Component:
     return Component(name=name, role=role, op=op, shape=(1, 16, 16), dtype="float32",
-                     nbytes=1024, block_bytes=1024)  # 1 x 16 x 16 x 4 B
+                     bytes=1024, allocated=1024)  # 1 x 16 x 16 x 4 B
 
 
 def test_made_by_reads_the_node_from_the_name_and_its_op():

@@ -54,7 +54,7 @@ def test_saved_within_peak_and_allocated_within_reserved(config):
         return
     assert 0 <= b.saved_bytes <= b.forward_peak_bytes <= b.reserved_peak_bytes
     assert b.peak_bytes <= b.reserved_peak_bytes
-    assert sum(c.block_bytes for c in b.components) == b.peak_bytes
+    assert sum(c.allocated for c in b.components) == b.peak_bytes
     assert all(isinstance(getattr(b, f), int) for f in FIGURES)
 
 

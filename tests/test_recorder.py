@@ -242,6 +242,6 @@ def test_a_path_gives_predicts_figures_wherever_its_guards_hold():
         quad = path.backward_quad if b.peak_phase == "backward" else path.forward_quad
         moments = path.backward if b.peak_phase == "backward" else path.forward
         at_peak = int(np.argmax(moments @ v))
-        assert int(quad[at_peak] @ v) == sum(c.block_bytes for c in b.components
+        assert int(quad[at_peak] @ v) == sum(c.allocated for c in b.components
                                              if c.name in quadratic), n
     assert len(held) >= 10 and min(failed) < min(held) and max(failed) > max(held)

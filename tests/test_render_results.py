@@ -25,8 +25,8 @@ H100 = "NVIDIA H100 80GB HBM3 (SXM)"
 def component(name, role, op, shape, dtype="float32", nbytes=None, block=None, source=""):
     size = {"float32": 4, "uint8": 1}[dtype]
     nbytes = nbytes if nbytes is not None else size * shape[0] * shape[1] * shape[2] * shape[3]
-    return Component(name=name, role=role, op=op, shape=shape, dtype=dtype, nbytes=nbytes,
-                     block_bytes=block if block is not None else nbytes, source=source)
+    return Component(name=name, role=role, op=op, shape=shape, dtype=dtype, bytes=nbytes,
+                     allocated=block if block is not None else nbytes, source=source)
 
 
 # A breakdown made by hand (its figures are sums of these blocks), for naive at B=H=1 N=64 d=16:
@@ -101,7 +101,7 @@ def test_component_columns_cells_share_of_the_given_peak_and_drop_ranks():
         "0.00",  # 512 / 1,048,576 = 0.0005
         "0.8%"]  # 512 / 65,536 = 0.78125%
     assert [c.cell(WS) for c in columns][4:] == [
-        "33554432 B", 33_554_432, 33_554_432, "32.00", "51,200.0%"]  # 2^25 / 2^16 = 512 x
+        "33,554,432 B", 33_554_432, 33_554_432, "32.00", "51,200.0%"]  # 2^25 / 2^16 = 512 x
     with_source = component_columns(65_536, with_source=True)
     source = with_source[-1]
     assert (source.header, source.drop, source.wrap) == ("source", 8, True)

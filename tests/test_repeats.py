@@ -12,7 +12,7 @@ from memcalc.tensors import Role
 def tensor(name: str, shape=(8, 1, 64, 64), role=Role.saved, op="tril") -> Component:
     nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[3]
     return Component(name=name, role=role, op=op, shape=shape, dtype="float32",
-                     nbytes=nbytes, block_bytes=nbytes)
+                     bytes=nbytes, allocated=nbytes)
 
 
 def test_numbered_tensors_of_one_kind_become_one_row_where_the_first_was():
@@ -21,8 +21,8 @@ def test_numbered_tensors_of_one_kind_become_one_row_where_the_first_was():
     assert [r.name for r in rows] == ["q", "S0..S2 (3)", "o0", "o1"]  # two o's: fewer than FEW
     group = rows[1]
     assert isinstance(group, Repeated) and FEW == 3
-    assert group.block_bytes == 3 * 131072  # 3 x (8 x 1 x 64 x 64 x 4 B)
-    assert group.nbytes == 3 * 131072
+    assert group.allocated == 3 * 131072  # 3 x (8 x 1 x 64 x 64 x 4 B)
+    assert group.bytes == 3 * 131072
     assert group.formula == "3 x (8 x 1 x 64 x 64 x 4 B)"
     assert (group.role, group.op, group.dtype) == (Role.saved, "tril", "float32")
 
@@ -32,7 +32,7 @@ def test_tensors_of_one_name_are_counted_not_ranged():
     not ``mul (user.py:7)..mul (user.py:7) (4)``."""
     (row,) = collapse([tensor("mul (user.py:7)", op="mul") for _ in range(4)])
     assert row.name == "4 x mul (user.py:7)"
-    assert row.block_bytes == 4 * 131072  # 4 x (8 x 1 x 64 x 64 x 4 B)
+    assert row.allocated == 4 * 131072  # 4 x (8 x 1 x 64 x 64 x 4 B)
 
 
 def test_a_different_shape_or_role_is_another_kind():
@@ -48,7 +48,7 @@ def test_chunked_breakdown_table_shows_kinds_and_its_csv_every_tensor():
     cells = {row[0]: row for row in table.cells()}
     allocated = [c.header for c in table.columns].index("allocated")
     assert cells["S0..S9 (10)"][allocated] == str(10 * 131072)  # 10 x (8 x 1 x 64 x 64 x 4 B)
-    assert sum(r.block_bytes for r in table.rows) == b.peak_bytes
+    assert sum(r.allocated for r in table.rows) == b.peak_bytes
     rows = list(csv.reader(io.StringIO(b.to_csv())))
     assert len(rows) == 1 + len(b.components)  # a header, then one row per tensor
     assert {"S0", "S9"} <= {r[0] for r in rows}
@@ -63,8 +63,8 @@ def test_two_tensors_of_one_name_are_one_row():
 
     def c(name):
         return Component(name=name, role=Role.temporary, op="mul", shape=(4, 4),
-                         dtype="float32", nbytes=64, block_bytes=512)  # 4 x 4 x 4 B
+                         dtype="float32", bytes=64, allocated=512)  # 4 x 4 x 4 B
 
     rows = collapse([c("mul (MulBackward0)"), c("x1"), c("mul (MulBackward0)"), c("x2")])
     assert [r.name for r in rows] == ["2 x mul (MulBackward0)", "x1", "x2"]
-    assert rows[0].block_bytes == 1024  # 2 x 512
+    assert rows[0].allocated == 1024  # 2 x 512

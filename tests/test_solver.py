@@ -397,3 +397,14 @@ def test_aligned_values_above_a_threshold_are_tried():
     nothing from 41,569 to 42,500 fits (checked one by one), past the ceiling nothing can."""
     s = max_fitting(make_config(impl="linear", dtype="bf16", seq_len=4096), GIB80, "head_dim")
     assert s.max_value == 41568 and not s.at_next.fits
+
+
+def test_a_threshold_answers_to_its_json_keys_and_prints_a_sentence():
+    """``results[0].max_seq_len`` as the JSON and the CSV name it (``max_value`` alone
+    raised AttributeError under that name); ``str`` is a sentence, not pydantic's fields."""
+    s = max_fitting(Config(impl="naive"), GIB80)
+    assert (s.max_seq_len, s.next_seq_len) == (s.max_value, s.next_value) == (19511, 19512)
+    assert s.needed_bytes_at_next == s.to_dict()["needed_bytes_at_next"] == s.at_next.reserved_bytes
+    assert str(s) == "naive: max seq_len 19,511 (19,512 does not fit)"
+    with pytest.raises(AttributeError, match="max_batch"):
+        s.max_batch  # a search over seq_len has no max_batch

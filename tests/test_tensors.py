@@ -9,17 +9,17 @@ def test_new_declares_what_tensor_makes():
     declared = new("S0", [8, 1, 64, 64], "float32", Role.saved, "tril")
     made = Tensor("S0", (8, 1, 64, 64), "float32", Role.saved, "tril")
     assert declared == made and type(declared) is Tensor
-    assert declared.shape == (8, 1, 64, 64) and declared.nbytes == 131_072
+    assert declared.shape == (8, 1, 64, 64) and declared.bytes == 131_072
 
 
 def test_new_counts_the_element_size():
-    assert new("h", (3, 5), "float16", Role.temporary, "mm").nbytes == 30  # 15 x 2 B
-    assert new("i", (3, 5), "int64", Role.temporary, "argmax").nbytes == 120  # 15 x 8 B
+    assert new("h", (3, 5), "float16", Role.temporary, "mm").bytes == 30  # 15 x 2 B
+    assert new("i", (3, 5), "int64", Role.temporary, "argmax").bytes == 120  # 15 x 8 B
 
 
 def test_storage_bytes_override_the_dense_size():
     """A traced view's storage may be larger than its shape (``storage_bytes``)."""
-    assert Tensor("v", (4,), "float32", Role.activation, "view", storage_bytes=64).nbytes == 64
+    assert Tensor("v", (4,), "float32", Role.activation, "view", storage_bytes=64).bytes == 64
 
 
 def test_cublas_is_one_value():

@@ -33,7 +33,7 @@ def test_a100_workspace_default():
 
 def test_components_add_up_to_the_peak():
     b = predict(Config(impl="naive", causal=True, shape={"seq_len": 1050, "heads": 3}))
-    assert sum(c.block_bytes for c in b.components) == b.peak_bytes
+    assert sum(c.allocated for c in b.components) == b.peak_bytes
 
 
 def test_ledger_history_records_every_event():
@@ -112,7 +112,7 @@ def test_reported_components_keep_their_declarations():
     for c in (exp_x, p):
         assert (c.shape, c.dtype, c.role.value, c.source) == ((8, 1, 16384, 16384), "float32",
                                                               "saved", "")
-        assert c.nbytes == c.block_bytes == NN  # already a multiple of 512 B: its own block
+        assert c.bytes == c.allocated == NN  # already a multiple of 512 B: its own block
 
 
 def test_under_no_grad_nothing_is_reported_as_saved():
@@ -143,7 +143,7 @@ def _capped(config, capacity, mirror: bool, monkeypatch):
     except OutOfMemory as oom:
         return ("oom", oom.requested, oom.reserved)
     return (b.saved_bytes, b.forward_peak_bytes, b.backward_peak_bytes, b.reserved_peak_bytes,
-            [(c.name, c.block_bytes) for c in b.forward_live + b.backward_live])
+            [(c.name, c.allocated) for c in b.forward_live + b.backward_live])
 
 
 def test_a_capped_replay_mirrors_the_small_pool_and_replays_again_when_it_must_release(

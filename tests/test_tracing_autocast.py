@@ -41,7 +41,7 @@ def test_autocast_in_the_code_equals_autocast_around_it():
     assert {"autocast c_attn.weight as bfloat16 (cached)",
             "autocast c_proj.weight as bfloat16 (cached)"} <= names
     cast = next(c for c in around.breakdown.saved if c.name.startswith("autocast c_attn.weight"))
-    assert (cast.dtype, cast.nbytes) == ("bfloat16", 2304 * 768 * 2)  # 3,538,944
+    assert (cast.dtype, cast.bytes) == ("bfloat16", 2304 * 768 * 2)  # 3,538,944
 
 
 def _casts(fn, calling, **options):

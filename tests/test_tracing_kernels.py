@@ -44,7 +44,7 @@ def log(tracer: Tracer, start: int = 0) -> list[str]:
     for i, event in enumerate(tracer.events):
         if event[0] == "alloc":
             names[event[1]] = event[2].name.split(" (")[0]
-            lines.append((i, f"+{names[event[1]]} {event[2].nbytes}"))
+            lines.append((i, f"+{names[event[1]]} {event[2].bytes}"))
         elif event[0] == "free":
             lines.append((i, f"-{names[event[1]]}"))
     return [line for i, line in lines if i >= start]

@@ -91,8 +91,8 @@ def test_nanogpt_traces_from_its_hidden_states():
     b = trace(fn, make_config(seq_len=128, batch=2), calling=calling)
     named = {c.name: c for c in b.forward_live}
     assert named["x"].shape == (2, 128, 768) and named["grad_out"].shape == (2, 128, 768)
-    assert named["c_attn.weight"].nbytes == 2304 * 768 * 4  # 7,077,888
-    assert named["c_proj.bias"].nbytes == 768 * 4
+    assert named["c_attn.weight"].bytes == 2304 * 768 * 4  # 7,077,888
+    assert named["c_proj.bias"].bytes == 768 * 4
 
 
 def test_a_module_classs_error_names_the_users_line(tmp_path, capsys):

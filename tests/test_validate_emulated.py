@@ -25,9 +25,9 @@ def test_odd_lengths_kv_len_and_live_sets(impl, seq_len):
                     shape={"batch": 3, "heads": 2, "seq_len": seq_len, "kv_len": seq_len + 7})
     model, trace = predict(config), measure(config)
     assert figures_of(model) == figures_of(trace)
-    assert sorted(c.block_bytes for c in model.components) == sorted(
-        c.block_bytes for c in trace.components)
-    assert sorted(c.block_bytes for c in model.saved) == sorted(c.block_bytes for c in trace.saved)
+    assert sorted(c.allocated for c in model.components) == sorted(
+        c.allocated for c in trace.components)
+    assert sorted(c.allocated for c in model.saved) == sorted(c.allocated for c in trace.saved)
 
 
 def test_a_broken_formula_is_caught(monkeypatch):
@@ -121,7 +121,7 @@ def _traced_safe_softmax(composite) -> list[tuple[str, int]]:
     x = torch.empty(SOFTMAX_INPUT, device="meta")
     with tracer:
         composite(x, -1)
-    return [(e[2].op.lstrip("_"), e[2].nbytes) for e in tracer.events if e[0] == "alloc"]
+    return [(e[2].op.lstrip("_"), e[2].bytes) for e in tracer.events if e[0] == "alloc"]
 
 
 def test_the_traced_safe_softmax_runs_the_installed_torchs_ops():
@@ -142,7 +142,7 @@ def test_the_model_of_safe_softmax_runs_the_installed_torchs_ops():
 
     B, H, N, M = SOFTMAX_INPUT
     d = Dims(B=B, H=H, N=N, M=M, D=16, dtype="float32", causal=False, loss="grad", Hk=H, chunk=64)
-    declared = [(t.op.lstrip("_"), t.nbytes) for t in safe_softmax(d, "qk") if isinstance(t, Tensor)]
+    declared = [(t.op.lstrip("_"), t.bytes) for t in safe_softmax(d, "qk") if isinstance(t, Tensor)]
     assert declared == _profiled_safe_softmax()
 
 

@@ -101,14 +101,14 @@ def test_dropout_is_training_dropout_that_saves_a_bool_mask():
     saved = trace(usercode.dropout_attention, FP16).saved
     masks = [c for c in saved if c.op == "native_dropout" and c.dtype == "bool"]
     # one mask per score: B x H x N x N = 1 x 2 x 8 x 8 = 128 bools, one 512 B block
-    assert [(m.shape, m.block_bytes) for m in masks] == [((B, H, N, N), 512)]
+    assert [(m.shape, m.allocated) for m in masks] == [((B, H, N, N), 512)]
 
 
 def test_float_softmax_runs_in_float32_and_returns_the_input_dtype():
     result = traced(usercode.float_softmax, FP16)
     softmax = [c for c in result.breakdown.saved if c.op == "_softmax"]
     # the probabilities saved in float32: 1 x 2 x 8 x 8 x 4 B = 512 B
-    assert [(c.dtype, c.shape, c.block_bytes) for c in softmax] == [
+    assert [(c.dtype, c.shape, c.allocated) for c in softmax] == [
         ("float32", (B, H, N, N), 512)]
     assert any("half_to_float=True" in note for note in result.notes)
     assert usercode.float_softmax(*qkv(torch.float16)).dtype == torch.float16

@@ -35,8 +35,8 @@ print("model ", model.figures())
 print("traced", trace.figures())
 model_events = [e for e in model_ledger.history if e.kind != "phase"]
 for i, (x, y) in enumerate(itertools.zip_longest(model_events, traced_ledgers[0].history)):
-    fx = (x[0], x[1].nbytes) if x else None
-    fy = (y[0], y[1].nbytes) if y else None
+    fx = (x[0], x[1].bytes) if x else None
+    fy = (y[0], y[1].bytes) if y else None
     mark = "  " if fx == fy else "!!"
     left = f"{x[0]:5} {x[1].name:16} {str(x[1].shape):18}" if x else " " * 41
     right = f"{y[0]:5} {y[1].op:14} {str(y[1].shape):18} {y[1].source[:50]}" if y else ""

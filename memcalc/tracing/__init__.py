@@ -374,7 +374,7 @@ def _event(event, names: dict, role):
         c = event[2]
         name = _unique(c.name, names)
         names[event[1]] = (name, role)
-        return Tensor(name, c.shape, c.dtype, role, c.op, storage_bytes=c.nbytes)
+        return Tensor(name, c.shape, c.dtype, role, c.op, storage_bytes=c.bytes)
     if kind == "free" and event[1] in names:
         name, role = names.pop(event[1])
         return Release((name,)) if role is Role.saved else Free((name,))
@@ -446,7 +446,7 @@ def _fit_event(versions: list) -> Callable[[int], object]:
     if not isinstance(first, Tensor):
         return lambda n: first
     dims = [_fit_or_fail([v.shape[i] for v in versions], first) for i in range(len(first.shape))]
-    nbytes = _fit_or_fail([v.nbytes for v in versions], first)
+    nbytes = _fit_or_fail([v.bytes for v in versions], first)
     return lambda n: Tensor(first.name, tuple(p(n) for p in dims), first.dtype, first.role,
                             first.op, storage_bytes=nbytes(n))
 

@@ -77,7 +77,7 @@ class Kernel:
         from memcalc.validation.emulated import component
 
         return component(f"{self.backend} {event.name}", event.role, event.op, event.shape,
-                         event.dtype, event.nbytes)
+                         event.dtype, event.bytes)
 
     # forward ---------------------------------------------------------------------------
 

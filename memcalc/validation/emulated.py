@@ -222,7 +222,7 @@ class Tracer(TorchDispatchMode):
             return
         where, code = _where() if located else ("", "")
         name = f"{part.name} ({where})" if located else part.name
-        named = part.model_copy(update={"name": name, "source": code, "nbytes": storage.nbytes()})
+        named = part.model_copy(update={"name": name, "source": code, "bytes": storage.nbytes()})
         note = self.dead.append
         self.refs[key] = weakref.ref(storage, lambda _, key=key: note(key))
         self.order[key] = len(self.events)
@@ -252,7 +252,7 @@ class Tracer(TorchDispatchMode):
 def component(name: str, role: Role, op: str, shape: tuple, dtype: str, nbytes: int) -> Component:
     """A traced allocation (its block is set by the ledger)."""
     return Component(name=name, role=role, op=op, shape=tuple(shape), dtype=dtype,
-                     nbytes=nbytes, block_bytes=0)
+                     bytes=nbytes, allocated=0)
 
 
 def is_mask_add(func, args) -> bool:
