@@ -61,7 +61,15 @@ class Table:
     notes: Sequence[str] = field(default_factory=tuple)
 
     def cells(self, columns: Sequence[Column] | None = None) -> list[list[str]]:
-        return [[str(c.cell(r)) for c in (columns or self.columns)] for r in self.rows]
+        return [[shown(c.cell(r)) for c in (columns or self.columns)] for r in self.rows]
+
+
+def shown(value: Any) -> str:
+    """A cell as a person reads it: a count with thousands separators (``20,516,864``, as
+    the prose writes it); anything else as it is. CSV and JSON keep the bare number."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
 
 
 # --- plain formats ------------------------------------------------------------------------
@@ -77,7 +85,7 @@ def escaped(text: str) -> str:
 def markdown_table(columns: Sequence[Column], rows: Iterable[Any]) -> str:
     lines = ["| " + " | ".join(escaped(c.header) for c in columns) + " |",
              "| " + " | ".join("---:" if c.justify == "right" else "---" for c in columns) + " |"]
-    lines += ["| " + " | ".join(escaped(c.cell(r)) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(escaped(shown(c.cell(r))) for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -184,10 +192,10 @@ def _vertical(table: Table, width: int) -> Group:
     first, *rest = table.columns
     lines: list[Text] = []
     for row in table.rows:
-        lines.append(Text(str(first.cell(row)), style="bold"))
+        lines.append(Text(shown(first.cell(row)), style="bold"))
         line = " "
         for c in rest:
-            pair = f"{c.header} {c.cell(row)}"
+            pair = f"{c.header} {shown(c.cell(row))}"
             if len(line) > 1 and len(line) + 3 + len(pair) > width:
                 lines.append(Text(line))
                 line = " "

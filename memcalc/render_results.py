@@ -51,20 +51,20 @@ def breakdown_title(b) -> str:
 def component_columns(peak: int, with_source: bool = False) -> list[Column]:
     """Columns of the components table; ``peak`` gives the share column, ``with_source``
     adds the code line that allocated each component (traced results have it). ``drop``
-    ranks say what goes first on a narrow terminal (the raw bytes and formula before the
-    allocated block, which every figure sums)."""
+    ranks say what goes first on a narrow terminal: the exact bytes and the formula, then
+    the role; what made each tensor and its size (the allocated block, in its unit) stay."""
     columns = [
         Column("component", lambda c: c.name),
-        Column("made by", made_by, drop=4, wrap=True),
-        Column("role", lambda c: c.role.value, drop=3),
-        Column("dtype", lambda c: c.dtype, drop=7),
-        Column("formula (shape x element)", lambda c: c.formula, drop=5),
-        Column("bytes", lambda c: c.bytes, "right", drop=6),
-        Column("allocated", lambda c: c.allocated, "right"),
-        Column("MiB", lambda c: mib(c.allocated), "right", drop=1),
+        Column("made by", made_by, drop=3, wrap=True),
+        Column("role", lambda c: c.role.value, drop=4),
+        Column("dtype", lambda c: c.dtype, drop=8),
+        Column("formula (shape x element)", lambda c: c.formula, drop=6),
+        Column("bytes", lambda c: c.bytes, "right", drop=7),
+        Column("allocated", lambda c: c.allocated, "right", drop=5),
+        Column("size", lambda c: human(c.allocated), "right"),
         Column("share", lambda c: share(c.allocated, peak), "right", drop=2),
     ]
-    return columns + [Column("source", lambda c: c.source, drop=8, wrap=True)] if with_source \
+    return columns + [Column("source", lambda c: c.source, drop=9, wrap=True)] if with_source \
         else columns
 
 

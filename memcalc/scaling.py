@@ -27,7 +27,7 @@ from memcalc.budget import Budget, fit
 from memcalc.breakdown import Result
 from memcalc.config import Config, first_taken
 from memcalc.errors import refusal
-from memcalc.render import Column, Table, record_table
+from memcalc.render import Column, Table, record_table, shown
 from memcalc.units import fixed, human, mib, ratio_number, share
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -215,7 +215,7 @@ class Sweep(Result):
                 if r is None:
                     return "-"
                 value = self._cell(getattr(r, key))
-                return value if r.fits else f"{value} OOM"
+                return value if r.fits else f"{shown(value)} OOM"
             cols = [Column("seq_len \\ head_dim", lambda row: row[0], "right", phrase=True)]
             cols += [Column(str(d), (lambda d: lambda row: cell(row, d))(d), "right") for d in dims]
             config = self.base.replace(impl=impl, dtype=dtype, batch=batch, heads=heads)

@@ -50,13 +50,18 @@ def mib(nbytes: int) -> str:
     return fixed(nbytes, MiB, 2)
 
 
+_UNITS = tuple((unit, 1024 ** power) for power, unit in reversed(list(enumerate(
+    ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"), start=1))))
+"""The binary units, largest first: a step no GPU can hold (seq_len 10^12) reads in YiB."""
+
+
 def human(nbytes: int) -> str:
     """The largest binary unit that keeps the figure, as shown, at least 1: ``7.50 GiB``,
-    ``512 B``. A figure that rounds up to the next unit is shown in it (1,048,575 B is
+    ``3.00 TiB``, ``512 B``. A figure that rounds up to the next unit is shown in it (1,048,575 B is
     ``1.00 MiB``, not ``1,024.00 KiB``); bytes below 1 KiB stay exact. A negative figure
     (a difference) is shown as its magnitude, signed."""
     magnitude = abs(nbytes)
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    for unit, size in _UNITS:
         # ``fixed(magnitude, size, 2)`` is at least 1.00 from 199/200 of the unit on
         if 200 * magnitude >= 199 * size and (size > KiB or magnitude >= KiB):
             return f"{fixed(nbytes, size, 2)} {unit}"

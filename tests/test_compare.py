@@ -146,7 +146,7 @@ def test_the_table_fits_the_width_with_no_figure_cut(capsys, monkeypatch, width)
         full = [row["impl"], str(row["quadratic_saved"]), human(row["saved_bytes"]),
                 human(row["forward_peak_bytes"]), human(row["backward_peak_bytes"]),
                 human(row["peak_bytes"]), savings[row["impl"]], ratio(base, row["peak_bytes"]),
-                str(row["max_seq_len"])]
+                f"{row['max_seq_len']:,}"]
         (line,) = [line for line in out.splitlines() if line.split(" ")[0] == row["impl"]]
         cells = re.split(r" {2,}", line.strip())  # columns are 2 spaces apart at least
         kept = iter(full)

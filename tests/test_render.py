@@ -20,11 +20,12 @@ def test_breakdown_table_rows():
     lines = text.splitlines()
     assert lines[0].startswith("naive-softmax: B=8 H=1 N=16384 d=16 fp32 on NVIDIA H100")
     row = next(line for line in lines if line.strip().startswith("p "))
-    # p: 8 x 1 x 16384 x 16384 x 4 B = 8,589,934,592 = 8,192 MiB; share of the peak
+    # p: 8 x 1 x 16384 x 16384 x 4 B = 8,589,934,592 = 8.00 GiB; share of the peak
     # 8,589,934,592 / 34,477,178,880 = 24.91...% -> 24.9%
-    assert "8 x 1 x 16384 x 16384 x 4 B" in row and "8,192.00" in row and "24.9%" in row
+    assert "8 x 1 x 16384 x 16384 x 4 B" in row and "8.00 GiB" in row and "24.9%" in row
+    assert "8,589,934,592" in row  # a table's counts have separators, as prose's do
     saved = next(line for line in lines if "saved for backward" in line)
-    assert "8589934592" in saved and "8.00 GiB" in saved
+    assert "8,589,934,592" in saved and "8.00 GiB" in saved
 
 
 def test_html_for_jupyter():
@@ -83,19 +84,28 @@ def json_of(capsys, *argv) -> dict:
 
 
 def whole(text: str, figure) -> bool:
-    """``figure`` appears in ``text`` as a token of its own (not cut, not part of another)."""
-    return re.search(rf"(?<![\d,.]){re.escape(str(figure))}(?![\d,.])", text) is not None
+    """``figure`` appears in ``text`` as a token of its own (not cut, not part of another);
+    a count as the tables print it, with thousands separators."""
+    shown = f"{figure:,}" if isinstance(figure, int) else str(figure)
+    return re.search(rf"(?<![\d,.]){re.escape(shown)}(?![\d,.])", text) is not None
+
+
+def flat(text: str) -> str:
+    """``text`` with its lines joined: a name wrapped in a narrow column, whole again."""
+    return " ".join(text.split())
 
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_breakdown_at_every_width(capsys, monkeypatch, width):
     data = json_of(capsys, "breakdown", "--seq", "4096")
     out = run_at(capsys, monkeypatch, width, "breakdown", "--seq", "4096")
-    for c in data["components"]:  # every name and allocated block, whole
-        assert c["name"] in out and whole(out, c["bytes"]), (c["name"], width)
+    for c in data["components"]:  # every name and allocated block, whole, in its unit
+        assert c["name"] in flat(out) and human(c["allocated"]) in out, (c["name"], width)
+        if width is None or width >= 140:  # wide enough for the exact block as well
+            assert whole(out, c["allocated"]), (c["name"], width)
     for key in ("saved_bytes", "peak_bytes", "reserved_peak_bytes"):
         assert whole(out, data[key])
-    assert whole(out, f"{data['budget_bytes']:,}")
+    assert whole(out, data["budget_bytes"])
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -145,7 +155,7 @@ def test_lists_trace_and_validate_at_every_width(capsys, monkeypatch, width, tmp
     assert all(n in out for n in impl_choices())
     data = json_of(capsys, "trace", TRACE, "--seq", "256")
     out = run_at(capsys, monkeypatch, width, "trace", TRACE, "--seq", "256")
-    assert all(whole(out, c["bytes"]) for c in data["components"])
+    assert all(human(c["allocated"]) in out for c in data["components"])
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps({"name": "tiny", "products": [
         {"impl": ["naive-softmax"], "seq_len": [64, 100], "batch": [1]}]}))
@@ -163,8 +173,8 @@ def test_narrow_tables_fall_back_to_blocks_not_cuts():
             cols = [Column("name", lambda r: r[0]), Column("bytes", lambda r: r[1], "right")]
             return [Table("t", cols, [("a-rather-long-name", 12345678901234567890)])]
 
-    out = render(Wide(), width=30)
-    assert "a-rather-long-name" in out and "bytes 12345678901234567890" in out
+    out = render(Wide(), width=34)  # the pair is 32 characters, the row's two columns 36
+    assert "a-rather-long-name" in out and "bytes 12,345,678,901,234,567,890" in out
 
 
 def test_print_and_repr_are_short():
@@ -199,3 +209,12 @@ def test_prose_takes_the_width_the_other_columns_leave():
                        [("linear", summary)])
     lines = text(table, 80).splitlines()
     assert lines[-1] == f"linear  {summary}"  # 6 + 2 + 60 = 68 <= 80: one line
+
+
+def test_a_step_no_gpu_holds_reads_in_units_at_80_columns(capsys, monkeypatch):
+    """At --seq 1e12 the 80-column table kept only 26-digit byte counts: now each block
+    in its unit, with what made it. exp_x: 8 x 10^24 x 4 B = 3.2 x 10^25 B / 2^80 = 26.47 YiB."""
+    out = run_at(capsys, monkeypatch, 80, "breakdown", "--seq", "1e12")
+    row = next(line for line in out.splitlines() if line.startswith("exp_x "))
+    assert "26.47 YiB" in row and "exp: e = exp(s - m)" in row
+    assert not re.search(r"\d{16}", out)  # no bare run of digits; counts have separators

@@ -92,19 +92,19 @@ def test_headline_spells_out_the_peak_its_phase_and_the_verdict():
 def test_component_columns_cells_share_of_the_given_peak_and_drop_ranks():
     columns = component_columns(65_536)
     assert [(c.header, c.drop) for c in columns] == [
-        ("component", 0), ("made by", 4), ("role", 3), ("dtype", 7),
-        ("formula (shape x element)", 5), ("bytes", 6), ("allocated", 0), ("MiB", 1),
+        ("component", 0), ("made by", 3), ("role", 4), ("dtype", 8),
+        ("formula (shape x element)", 6), ("bytes", 7), ("allocated", 5), ("size", 0),
         ("share", 2)]
     assert [c.cell(ROW_SUM) for c in columns] == [
         "row_sum", "sum: r = e.sum(-1), kept by DivBackward0", "saved", "float32",
         "1 x 1 x 64 x 1 x 4 B", 256, 512,
-        "0.00",  # 512 / 1,048,576 = 0.0005
+        "512 B",  # the block, below 1 KiB: exact
         "0.8%"]  # 512 / 65,536 = 0.78125%
     assert [c.cell(WS) for c in columns][4:] == [
-        "33,554,432 B", 33_554_432, 33_554_432, "32.00", "51,200.0%"]  # 2^25 / 2^16 = 512 x
+        "33,554,432 B", 33_554_432, 33_554_432, "32.00 MiB", "51,200.0%"]  # 2^25 / 2^16 = 512 x
     with_source = component_columns(65_536, with_source=True)
     source = with_source[-1]
-    assert (source.header, source.drop, source.wrap) == ("source", 8, True)
+    assert (source.header, source.drop, source.wrap) == ("source", 9, True)
     assert [c.header for c in with_source[:-1]] == [c.header for c in columns]
 
 
@@ -123,12 +123,12 @@ def test_breakdown_tables_show_a_loops_tensors_by_kind_then_the_figures():
     assert "source" not in [c.header for c in components.columns]  # no component has one
     assert figures.title is None
     assert figures.cells() == [
-        ["saved for backward", "16896", "0.02", "16.50 KiB"],  # 16,896 / 2^20 = 0.016
-        ["forward peak", "33587200", "32.03", "32.03 MiB"],  # 32 MiB + 32,768 B
-        ["backward peak", "33636864", "32.08", "32.08 MiB"],  # 32 MiB + 82,432 B
-        ["peak (max_memory_allocated)", "33636864", "32.08", "32.08 MiB"],
-        ["reserved peak (max_memory_reserved)", "35651584", "34.00", "34.00 MiB"],
-        ["cuBLAS workspaces", "33554432", "32.00", "32.00 MiB"]]
+        ["saved for backward", "16,896", "0.02", "16.50 KiB"],  # 16,896 / 2^20 = 0.016
+        ["forward peak", "33,587,200", "32.03", "32.03 MiB"],  # 32 MiB + 32,768 B
+        ["backward peak", "33,636,864", "32.08", "32.08 MiB"],  # 32 MiB + 82,432 B
+        ["peak (max_memory_allocated)", "33,636,864", "32.08", "32.08 MiB"],
+        ["reserved peak (max_memory_reserved)", "35,651,584", "34.00", "34.00 MiB"],
+        ["cuBLAS workspaces", "33,554,432", "32.00", "32.00 MiB"]]
 
 
 def test_csv_keeps_one_row_per_tensor_and_a_source_column_when_one_has_a_source():
@@ -163,19 +163,22 @@ def test_csv_and_json_name_the_request_bytes_and_the_block_allocated():
 
 # Widths of the components table's columns (its longest cell, or header word; "made by"
 # wraps at 24): component 29 ("cuBLAS workspace, main thread"), made by 24, role 9
-# ("workspace"), dtype 7, formula 27 ("3 x (1 x 1 x 64 x 64 x 4 B)"), bytes 8, allocated 9,
-# MiB 5, share 5: 123, plus 2 between each of the 9 columns = 139. Narrower, by rank:
-# dtype (130 left), bytes (120), formula (91), made by (65), role (54), share (47), MiB (40).
-# q's row: 4,096 B = 0.0039 MiB, 4,096 / 33,636,864 = 0.012% of the peak.
+# ("workspace"), dtype 7, formula 27 ("3 x (1 x 1 x 64 x 64 x 4 B)"), bytes 10 and
+# allocated 10 ("33,554,432"), size 9 ("32.00 MiB"), share 5: 130, plus 2 between each of
+# the 9 columns = 146. Narrower, by rank: dtype (137 left), bytes (125), formula (96),
+# allocated (84), role (73), made by (47), share (40): component and size stay.
+# q's row: 4,096 B = 4.00 KiB, 4,096 / 33,636,864 = 0.012% of the peak.
 @pytest.mark.parametrize("width, q_row, chunk_row", [
-    (139, "q input (randn) input float32 1 x 1 x 64 x 16 x 4 B 4096 4096 0.00 0.0%",
-     "S0..S2 (3) tril saved float32 3 x (1 x 1 x 64 x 64 x 4 B) 49152 49152 0.05 0.1%"),
-    (138, "q input (randn) input 1 x 1 x 64 x 16 x 4 B 4096 4096 0.00 0.0%", None),
-    (120, "q input (randn) input 1 x 1 x 64 x 16 x 4 B 4096 0.00 0.0%", None),
-    (80, "q input 4096 0.00 0.0%", None),
-    # 3 x 16,384 = 49,152 B: 0.047 MiB; 49,152 / 33,636,864 = 0.146%
-    (60, "q 4096 0.00 0.0%", "S0..S2 (3) 49152 0.05 0.1%"),
-    (40, "q 4096", "S0..S2 (3) 49152"),
+    (146, "q input (randn) input float32 1 x 1 x 64 x 16 x 4 B 4,096 4,096 4.00 KiB 0.0%",
+     "S0..S2 (3) tril saved float32 3 x (1 x 1 x 64 x 64 x 4 B) 49,152 49,152 48.00 KiB 0.1%"),
+    (145, "q input (randn) input 1 x 1 x 64 x 16 x 4 B 4,096 4,096 4.00 KiB 0.0%", None),
+    (136, "q input (randn) input 1 x 1 x 64 x 16 x 4 B 4,096 4.00 KiB 0.0%", None),
+    (124, "q input (randn) input 4,096 4.00 KiB 0.0%", None),
+    (95, "q input (randn) input 4.00 KiB 0.0%", None),
+    (80, "q input (randn) 4.00 KiB 0.0%", None),  # 80 columns: what made it stays
+    # 3 x 16,384 = 49,152 B = 48.00 KiB; 49,152 / 33,636,864 = 0.146%
+    (60, "q 4.00 KiB 0.0%", "S0..S2 (3) 48.00 KiB 0.1%"),
+    (40, "q 4.00 KiB", "S0..S2 (3) 48.00 KiB"),
 ])
 def test_components_table_at_each_width_drops_columns_in_rank_order(width, q_row, chunk_row):
     console = Console(width=width, record=True, file=io.StringIO())
@@ -189,7 +192,7 @@ def test_components_table_at_each_width_drops_columns_in_rank_order(width, q_row
 
 
 def test_below_the_essential_width_each_row_is_a_block_and_piped_text_is_plain():
-    """At 39 columns even component and allocated (29 + 2 + 9 = 40) do not fit side by side."""
+    """At 39 columns even component and size (29 + 2 + 9 = 40) do not fit side by side."""
     console = Console(width=39, record=True, file=io.StringIO())
     console.print(made())
     words = [" ".join(line.split()) for line in console.export_text().splitlines()]
@@ -199,14 +202,14 @@ def test_below_the_essential_width_each_row_is_a_block_and_piped_text_is_plain()
     block = words[at:at + 7]
     assert block[:3] == ["q", "made by input (randn) · role input", "dtype float32"]
     assert " ".join(block[3:5]) == "formula (shape x element) 1 x 1 x 64 x 16 x 4 B"
-    assert block[5:] == ["bytes 4096 · allocated 4096", "MiB 0.00 · share 0.0%"]  # 29; 23
+    assert block[5:] == ["bytes 4,096 · allocated 4,096", "size 4.00 KiB · share 0.0%"]  # 31; 28
     piped = text(made(), width=200)  # print() and a pipe: plain, no terminal codes
     assert "\x1b" not in piped
     lines = [" ".join(line.split()) for line in piped.splitlines()]
     assert lines[:2] == [f"naive: B=1 H=1 N=64 d=16 fp32 on {H100}; peak in backward",
                          "alive at the peak"]
-    # every column fits in 200 (139)
-    assert "q input (randn) input float32 1 x 1 x 64 x 16 x 4 B 4096 4096 0.00 0.0%" in lines
+    # every column fits in 200 (146)
+    assert "q input (randn) input float32 1 x 1 x 64 x 16 x 4 B 4,096 4,096 4.00 KiB 0.0%" in lines
     assert lines[-1] == f"caveat: {ALLOCATOR}."  # naive is traced
 
 

@@ -47,7 +47,7 @@ def test_chunked_breakdown_table_shows_kinds_and_its_csv_every_tensor():
     table = b.tables()[0]
     cells = {row[0]: row for row in table.cells()}
     allocated = [c.header for c in table.columns].index("allocated")
-    assert cells["S0..S9 (10)"][allocated] == str(10 * 131072)  # 10 x (8 x 1 x 64 x 64 x 4 B)
+    assert cells["S0..S9 (10)"][allocated] == f"{10 * 131072:,}"  # 10 x (8 x 1 x 64 x 64 x 4 B)
     assert sum(r.allocated for r in table.rows) == b.peak_bytes
     rows = list(csv.reader(io.StringIO(b.to_csv())))
     assert len(rows) == 1 + len(b.components)  # a header, then one row per tensor

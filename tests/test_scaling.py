@@ -117,15 +117,16 @@ def test_long_columns_show_the_axes_that_vary_and_the_unit(toys):
 # word): seq_len 7, peak 5 ("(MiB)"), saved 5, reserved 8, x first 6 ("x13.14"), N^2 share
 # 5, OOM? 4: 40, plus 2 between each of the 7 columns = 52. Narrower, the secondary columns
 # go in rank order: N^2 share (45 left), x first (37), saved (30), reserved (20).
-FULL = ["1024", "4.31", "4.00", "22.00", "x13.14", "92.8%", "OOM"]
+# seq_len 1024 is printed as a count is, "1,024".
+FULL = ["1,024", "4.31", "4.00", "22.00", "x13.14", "92.8%", "OOM"]
 
 
 @pytest.mark.parametrize("width, shown", [
     (120, FULL), (80, FULL), (60, FULL), (52, FULL),
-    (51, ["1024", "4.31", "4.00", "22.00", "x13.14", "OOM"]),
-    (44, ["1024", "4.31", "4.00", "22.00", "OOM"]),
-    (36, ["1024", "4.31", "22.00", "OOM"]),
-    (29, ["1024", "4.31", "OOM"]),
+    (51, ["1,024", "4.31", "4.00", "22.00", "x13.14", "OOM"]),
+    (44, ["1,024", "4.31", "4.00", "22.00", "OOM"]),
+    (36, ["1,024", "4.31", "22.00", "OOM"]),
+    (29, ["1,024", "4.31", "OOM"]),
 ])
 def test_long_table_at_each_width_drops_secondary_columns_in_rank_order(toys, width, shown):
     s = sweep(base(), BUDGET, seq_len=(256, 512, 1024))
@@ -134,7 +135,7 @@ def test_long_table_at_each_width_drops_secondary_columns_in_rank_order(toys, wi
     out = console.export_text()
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= width
-    assert [line.split() for line in lines if line.split()[:1] == ["1024"]] == [shown]
+    assert [line.split() for line in lines if line.split()[:1] == ["1,024"]] == [shown]
     rows = [line.split()[0] for line in lines if line.split()[:1] in (["256"], ["512"])]
     assert rows == ["256", "512"]
 
@@ -146,7 +147,7 @@ def test_piped_text_is_plain_with_title_rows_and_notes(toys):
     lines = out.splitlines()
     assert lines[:2] == [f"memory scaling with sequence length: {TOY}: B=1 H=1 d=16 fp32",
                          BUDGET_LINE]
-    rows = [line.split() for line in lines if line.split()[:1] in (["256"], ["512"], ["1024"])]
+    rows = [line.split() for line in lines if line.split()[:1] in (["256"], ["512"], ["1,024"])]
     assert rows == [
         # 336 KiB = 0.328 MiB; 0.25; 2.00; s 256 / 336 = 76.19%
         ["256", "0.33", "0.25", "2.00", "x1.00", "76.2%", "fits"],
@@ -167,18 +168,18 @@ def test_pivot_tables_one_per_series_group_lengths_sorted_oom_marked(toys):
         f"Peak, max_memory_allocated (bytes): {TOY}: B=1 H=1 fp32",  # Config.label
         f"Peak, max_memory_allocated (bytes): {LINEAR}: B=1 H=1 fp32"]
     assert [c.header for c in tables[0].columns] == ["seq_len \\ head_dim", "32", "16"]
-    assert tables[0].cells() == [["256", "425984", "344064"],
-                                 ["512", "1376256", "1212416"],
-                                 ["1024", "4849664 OOM", "4521984 OOM"]]
+    assert tables[0].cells() == [["256", "425,984", "344,064"],
+                                 ["512", "1,376,256", "1,212,416"],
+                                 ["1,024", "4,849,664 OOM", "4,521,984 OOM"]]
     # LINEAR: q, k, v, grad_out, out = 20 N d B; all in one 2 MiB segment: every row fits
-    assert tables[1].cells() == [["256", "163840", "81920"],  # 20 x 256 x 32, 20 x 256 x 16
-                                 ["512", "327680", "163840"],
-                                 ["1024", "655360", "327680"]]
+    assert tables[1].cells() == [["256", "163,840", "81,920"],  # 20 x 256 x 32, 20 x 256 x 16
+                                 ["512", "327,680", "163,840"],
+                                 ["1,024", "655,360", "327,680"]]
     saved = s.model_copy(update={"pivot": "saved", "unit": "MiB"}).tables()[0]
     assert saved.title == f"Saved for backward (MiB): {TOY}: B=1 H=1 fp32"
     # s: 4 N^2 = 0.25, 1 and 4 MiB whatever d is
     assert saved.cells() == [["256", "0.25", "0.25"], ["512", "1.00", "1.00"],
-                             ["1024", "4.00 OOM", "4.00 OOM"]]
+                             ["1,024", "4.00 OOM", "4.00 OOM"]]
 
 
 def test_csv_json_and_records_keep_bytes_and_the_growth_as_a_number_whatever_the_layout(toys):

@@ -48,7 +48,7 @@ def test_long_table_markdown_layout(capsys):
     code, out, _ = run(capsys, "sweep", "--seq", "256,1024,4096,8192,16384", "--markdown")
     assert code == 0
     assert "| seq_len | peak (MiB) | saved (MiB) | reserved (MiB) | x first | N^2 share | OOM? |" in out
-    assert "| 16384 | 49,265.50 | 16,385.50 | 57,438.00 | " in out  # 51,658,620,928 B = 49,265.50 MiB
+    assert "| 16,384 | 49,265.50 | 16,385.50 | 57,438.00 | " in out  # 51,658,620,928 B = 49,265.50 MiB
 
 
 def test_pivot_is_the_seed_002_layout(capsys):
@@ -56,13 +56,13 @@ def test_pivot_is_the_seed_002_layout(capsys):
                        "--head-dim", "16,32,64,128", "--pivot", "saved", "--markdown")
     assert code == 0
     assert "| seq_len \\ head_dim | 16 | 32 | 64 | 128 |" in out
-    assert "| 16384 | 16,385.50 | 16,385.50 | 16,385.50 | 16,385.50 |" in out
+    assert "| 16,384 | 16,385.50 | 16,385.50 | 16,385.50 | 16,385.50 |" in out
 
 
 def test_pivot_marks_oom(capsys):
     code, out, _ = run(capsys, "sweep", "--seq", "8192,16384", "--pivot", "peak", "--gpu-gb",
                        "40", "--bytes", "--markdown")
-    assert "| 16384 | 51658620928 OOM |" in out
+    assert "| 16,384 | 51,658,620,928 OOM |" in out
 
 
 def test_csv_and_json_carry_bytes(capsys):

@@ -123,7 +123,7 @@ def test_a_solved_row_without_its_figures_shows_dashes_and_says_why():
                  accepted=every("seq_len"), approximation=q, evaluations=5)
     budget = Budget.of(Device(), memory_gb=80)
     report = OomReport(budget=budget, field="seq_len", base=Config(), results=(cut,))
-    assert report.tables()[0].cells() == [["naive", "19511", "-", "-", "-", "-"]]
+    assert report.tables()[0].cells() == [["naive", "19,511", "-", "-", "-", "-"]]
     assert "naive: exact (19,511 fits, 19,512 does not), but the time limit left no time to " \
         "replay every figure in full (-: not known)" in text(report, 200)
     (row,) = csv_as_json(report.to_csv())
@@ -256,7 +256,8 @@ def test_when_nothing_fits_the_report_says_what_the_smallest_needs():
     # 10^6; the two 32 MiB workspaces
     assert (q.a, q.b, q.c) == (0, 24_000_396_000_000, 67_108_864)
     needs = r.at_next.reserved_bytes
-    assert (f"naive: even batch = 1 does not fit: it needs {needs:,} B (3,725.53 GiB) against "
+    # 4,000,260,816,896 B / 2^40 = 3.638... TiB
+    assert (f"naive: even batch = 1 does not fit: it needs {needs:,} B (3.64 TiB) against "
             f"the budget of 84,401,979,392 B (78.61 GiB)") in text(report, 400)
 
 

@@ -175,5 +175,5 @@ def test_trace_command_prints_notes_budget_and_fit_whole_at_every_width(
              "fits: reserved peak 2,097,152 B <= budget 1,073,741,824 B (1.00 GiB to spare)",
              "caveat: scaled_dot_product_attention's cudnn backend modelled from PyTorch's "
              "CUDA kernel sources, not traced; " + CAVEAT.removeprefix("caveat: ")]
-    after_tables = flat.index("reserved peak (max_memory_reserved) 2097152")
+    after_tables = flat.index("reserved peak (max_memory_reserved) 2,097,152")
     assert flat[after_tables:].endswith(" ".join(" ".join(line.split()) for line in lines))

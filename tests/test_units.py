@@ -31,8 +31,12 @@ def test_human_picks_the_largest_unit_at_each_boundary():
     assert GiB == 1_073_741_824  # 1024 x 1024 x 1024
 
 
-def test_human_has_no_unit_above_gib():
-    assert human(2**40) == "1,024.00 GiB"  # 2^40 / 2^30 = 1,024: grouped, still GiB
+def test_human_goes_past_gib_for_steps_no_gpu_holds():
+    """seq_len 10^12 printed 26-digit GiB figures; the binary units go on to YiB."""
+    assert human(2**40 - 1) == "1.00 TiB"  # rounds up to the next unit, shown in it
+    assert human(3 * 2**50) == "3.00 PiB"
+    assert human(2**80) == "1.00 YiB" and human(2**90) == "1,024.00 YiB"  # the last unit
+    assert human(-5 * 2**60) == "-5.00 EiB"
 
 
 def test_share_rounds_half_up_to_one_decimal():

@@ -1,6 +1,6 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
-from memcalc.cli import (budget_from, budget_options, calling_from, check_chunk,
+from memcalc.cli import (INTERRUPTED, budget_from, budget_options, calling_from, check_chunk,
                          config_options, emit, format_options, input_options, shape_options,
                          traced_options_given)
 
@@ -41,9 +41,9 @@ def run(args) -> int:
     try:
         with status(f"solving {field}"):  # a chunked loop's search replays for a minute
             report = solve(base, budget_from(args), field, impls, args.time_limit)
-    except PartialReport as stop:  # Ctrl-C: what is known so far, then "interrupted"
+    except PartialReport as stop:  # Ctrl-C: what is known so far is the whole answer
         emit(stop.report, args.format)
-        raise
+        return INTERRUPTED
     emit(report, args.format)
     return 0
 
