@@ -18,13 +18,14 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-from typing import Callable
+from typing import Callable, Sequence
 
 # The submodule ``memcalc.breakdown`` shares its name with the function below. Importing
 # it first, then defining the function, leaves the name bound to the function (a later
 # import of a loaded submodule does not rebind it).
 import memcalc.breakdown  # noqa: E402,F401  (light: pydantic models only)
 import memcalc.budget  # noqa: E402,F401  (registers how a Breakdown judges its fit)
+from memcalc.work import memory_limit  # noqa: E402,F401  (with memcalc.memory_limit(None): ...)
 
 __version__ = "0.1.0"
 
@@ -160,9 +161,13 @@ def _dtypes(values) -> tuple[str, ...]:
     return tuple(dtype_name(v) for v in values)
 
 
-def _sizes(values, field: str) -> tuple[int, ...]:
+def _sizes(values, field: str) -> Sequence[int]:
     """A non-empty list of positive integers below 2^62 (numpy's integers are integers: a
-    ``np.arange`` is a list of lengths); a ValueError naming ``field``."""
+    ``np.arange`` is a list of lengths); a ValueError naming ``field``. A ``range`` stays
+    one, so that a sweep's size is judged before its lengths are made."""
+    if isinstance(values, range) and values.step > 0 and values and 0 < values[0] \
+            and values[-1] < 2**62:
+        return values
     sizes = [_integer(v) for v in values] if not isinstance(values, (str, int)) else []
     if not sizes or not all(s is not None and 0 < s < 2**62 for s in sizes):
         raise ValueError(f"{field}: a non-empty list of integers from 1 to 2^62 - 1 "
@@ -178,6 +183,16 @@ def _integer(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def _needs_torch(what: str) -> None:
+    """An ImportError that says how to get PyTorch, instead of a bare ``No module named
+    'torch'`` from deep inside ``what``."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ImportError(f"{what} needs PyTorch, which is not installed: pip install torch "
+                          f"(the CPU build is enough)", name="torch") from None
 
 
 def _impl_names() -> list[str]:
@@ -307,6 +322,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     """
     from memcalc.inputs import inputs_of
     from memcalc.names import autocast_dtype, torch_dtype
+
+    _needs_torch("memcalc.trace")
     from memcalc.tracing import (Calling, TraceError, check_causal, check_inputs, label_of,
                                  prepared, register_function, trace as run)
 
@@ -351,6 +368,7 @@ def validate(backend: str = "emulated", impls: list[str] | None = None, grid=Non
     >>> report.mismatches
     0
     """
+    _needs_torch("memcalc.validate")
     from memcalc.validation import validate as run
 
     if impls is not None:

@@ -70,7 +70,7 @@ def shape_options(p: argparse.ArgumentParser, impls: str = "one") -> None:
         p.add_argument("--impl", default="naive", action=_Once,
                        help="implementation (memcalc impls; default naive, the custom softmax "
                             "that keeps exp_x; naive-softmax is torch.softmax attention)")
-    step_options(p)
+    step_options(p, chunk=impls != "none")  # a traced target's own code has no --chunk
 
 
 def impl_option(p: argparse.ArgumentParser, default: str | None = None,
@@ -84,13 +84,15 @@ def impl_option(p: argparse.ArgumentParser, default: str | None = None,
                         f"(default: {every})")
 
 
-def step_options(p: argparse.ArgumentParser) -> None:
-    """The single-valued options besides the sizes (``memcalc sweep`` lists the sizes)."""
+def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
+    """The single-valued options besides the sizes (``memcalc sweep`` lists the sizes);
+    ``chunk``: ``--chunk``, for commands that run memcalc's chunked implementations."""
     p.add_argument("--kv-len", type=whole, default=None, help="key/value length (default: --seq)")
     p.add_argument("--kv-heads", type=whole, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--causal", action="store_true", help="causal mask")
-    p.add_argument("--chunk", type=whole, default=None,
-                   help="chunk length of chunked implementations (default 64)")
+    if chunk:
+        p.add_argument("--chunk", type=whole, default=None,
+                       help="chunk length of chunked implementations (default 64)")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset (memcalc gpus)")
     p.add_argument("--loss", default=None,
                    help="grad: out.backward(grad_out) (default); sum: out.sum().backward()")
@@ -171,6 +173,48 @@ FORMATS = {"json": "print the result as JSON (every figure; bytes as integers)",
            "markdown": "print the tables as Markdown"}
 
 
+def work_options(p: argparse.ArgumentParser, time_limit: bool = True) -> None:
+    """What a command may take: ``--memory-limit`` (``memcalc.work``) and, with
+    ``time_limit``, ``--time-limit`` for the whole command (``oom`` has its own, per
+    implementation)."""
+    p.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="refuse, before starting, what would take more of this machine's "
+                        "memory (default 8GiB; none: no limit): a chunked loop at 10^8 rows, "
+                        "a sweep of 10^8 lengths, take tens of GiB")
+    if time_limit:
+        p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                       help="stop with one line past this many seconds (default: none)")
+
+
+@contextmanager
+def limits(args) -> Iterator[None]:
+    """The command's ``--memory-limit`` and ``--time-limit`` (a deadline for its builds
+    and replays; oom's limits each implementation's search instead)."""
+    import time
+
+    from memcalc.deadline import deadline
+    from memcalc.work import DEFAULT_MEMORY_LIMIT, memory_limit
+
+    text = getattr(args, "memory_limit", None)
+    nbytes = DEFAULT_MEMORY_LIMIT if text is None else (
+        None if text.strip().lower() == "none" else parse_size_option(text, "--memory-limit"))
+    seconds = getattr(args, "time_limit", None) if args.command != "oom" else None
+    if seconds is not None and not 0 < seconds < float("inf"):
+        raise ValueError(f"--time-limit: a positive number of seconds (got {seconds:g})")
+    with memory_limit(nbytes), deadline(None if seconds is None else time.perf_counter() + seconds):
+        yield
+
+
+def parse_size_option(text: str, option: str) -> int:
+    """A positive size (``memcalc.budget.parse_size``'s units) for ``option``."""
+    from memcalc.budget import parse_size
+
+    nbytes = parse_size(text, option)
+    if nbytes < 1:
+        raise ValueError(f"{option}: a positive size such as 16GiB, or none (got {text!r})")
+    return nbytes
+
+
 def format_options(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     for fmt, help in FORMATS.items():
@@ -195,7 +239,7 @@ def config_options(args) -> dict:
                 causal=args.causal, gpu=args.gpu, loss=loss_of(args),
                 forward_only=args.forward_only,
                 cublas_workspace_config=args.cublas_workspace_config)
-    if args.chunk is not None:
+    if getattr(args, "chunk", None) is not None:
         flat["chunk"] = args.chunk
     return flat
 
@@ -275,6 +319,17 @@ def naming(option: str) -> Iterator[None]:
         raise ValueError(text if text.startswith(option) else f"{option}: {text}") from None
 
 
+@contextmanager
+def plotting(path: str, what: str) -> Iterator[None]:
+    """Draw ``--plot``'s file inside (a failure is one line naming the option), then say on
+    stderr which file was written and what it shows: matplotlib adds ``.png`` to a name
+    without an extension (``--plot step`` wrote ``step.png`` without a word)."""
+    with naming("--plot"):
+        yield
+    written = path if os.path.splitext(path)[1] else f"{path}.png"
+    print(f"memcalc: wrote {written}: {what}", file=sys.stderr)
+
+
 def commands() -> dict:
     """Every module of ``memcalc.commands`` by subcommand name."""
     import memcalc.commands as package
@@ -302,10 +357,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from memcalc.errors import FLAGS, one_line
 
+    from memcalc.deadline import TimeUp
+
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
-        return commands()[args.command].run(args)
+        with limits(args):
+            return commands()[args.command].run(args)
+    except TimeUp:
+        print(f"memcalc: error: --time-limit: {args.command} ran past {args.time_limit:g} s "
+              f"and stopped; raise the limit to let it finish", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("memcalc: interrupted", file=sys.stderr)
         return INTERRUPTED
@@ -318,9 +380,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as error:
         if (error.name or "").split(".")[0] != "torch":
             raise
-        print(f"memcalc: error: {argv[0] if argv else 'this command'} needs PyTorch, which is "
-              f"not installed: pip install torch (the CPU build is enough)", file=sys.stderr)
+        print(f"memcalc: error: {_needing_torch(argv)} needs PyTorch, which is not installed: "
+              f"pip install torch (the CPU build is enough)", file=sys.stderr)
         return 2
+
+
+def _needing_torch(argv: list[str]) -> str:
+    """What needs PyTorch: ``trace``, ``validate``, or the option that asked for a trace
+    (``oom --trace``: oom itself does not)."""
+    command = argv[0] if argv else "this command"
+    traced = [a.split("=")[0] for a in argv[1:] if a.split("=")[0] == "--trace"]
+    return f"{command} {traced[0]}" if traced else command
 
 
 def suggest_option(message: str, argv: list[str]) -> str:

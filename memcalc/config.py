@@ -47,6 +47,10 @@ class DType(str, Enum):
         return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[self.value]
 
 
+SIZE_LIMIT = 2**62
+"""Every size is below it (``Shape``; ``memcalc sweep``'s lists say the same)."""
+
+
 class Shape(BaseModel):
     """The attention problem: ``q`` is ``(batch, heads, seq_len, head_dim)``; ``k`` and
     ``v`` have ``kv_len`` rows (``seq_len`` unless given)."""
@@ -58,6 +62,15 @@ class Shape(BaseModel):
     head_dim: int = Field(16, ge=1, description="head dimension d")
     kv_len: int | None = Field(None, ge=1, description="key/value length (default: seq_len)")
     kv_heads: int | None = Field(None, ge=1, description="key/value heads (default: heads; GQA)")
+
+    @field_validator("batch", "heads", "seq_len", "head_dim", "kv_len", "kv_heads")
+    @classmethod
+    def _below_2_62(cls, value: int | None) -> int | None:
+        """Every size below 2^62, as a sweep's lists are: a product of sizes in bytes must
+        stay a number numpy's int64 holds where a sweep evaluates it."""
+        if value is not None and value >= SIZE_LIMIT:
+            raise ValueError(f"must be below 2^62 = {SIZE_LIMIT:,}")
+        return value
 
     @property
     def keys(self) -> int:

@@ -24,8 +24,9 @@ class TimeUp(Exception):
 @contextmanager
 def deadline(at: float | None):
     """Builds and replays inside stop with ``TimeUp`` once ``time.perf_counter()`` passes
-    ``at`` (None: no limit)."""
-    token = _DEADLINE.set(at)
+    ``at`` (None: no limit of its own), or an enclosing deadline, whichever comes first."""
+    outer = _DEADLINE.get()  # an enclosing deadline (a command's --time-limit) still holds
+    token = _DEADLINE.set(at if outer is None else outer if at is None else min(at, outer))
     try:
         yield
     finally:

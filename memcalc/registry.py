@@ -16,6 +16,7 @@ from memcalc.accepted import Accepted, every
 from memcalc.dims import Dims
 from memcalc.progress import detail
 from memcalc.tensors import Program
+from memcalc.work import check_program
 
 
 def no_rules(d: Dims) -> tuple[Accepted, ...]:
@@ -54,12 +55,28 @@ class Impl:
         if key in _PROGRAMS:
             return _PROGRAMS[key]
         detail("building the program")  # a loop at millions of rows: seconds
+        self._check_work(d)
         built = self.build(d)
         if len(built.forward) + len(built.backward) <= CACHED_EVENTS:
             if len(_PROGRAMS) >= CACHED_PROGRAMS:
                 del _PROGRAMS[next(iter(_PROGRAMS))]  # the oldest
             _PROGRAMS[key] = built
         return built
+
+
+    def _check_work(self, d: Dims) -> None:
+        """Refuse, before building it, a program whose events would take more memory than
+        ``memcalc.work``'s limit; estimated from this builder's programs at 2,048 and 4,096
+        rows (seq_len and kv_len scaled alike). Sizes it refuses there are left to it."""
+        if not (isinstance(d.N, int) and isinstance(d.M, int)):
+            return  # symbolic sizes: the grid path's one program for every length
+        length = max(d.N, d.M)
+
+        def events_at(n: int) -> int:
+            p = self.program(d.replace(N=max(1, d.N * n // length), M=max(1, d.M * n // length)))
+            return len(p.forward) + len(p.backward)
+
+        check_program(f"{self.name}: at seq_len {d.N:,}", length, events_at)
 
 
 IMPLS: dict[str, Impl] = {}

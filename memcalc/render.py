@@ -45,6 +45,8 @@ class Column:
     drop: int = 0
     wrap: bool = False
     phrase: bool = False
+    means: str = ""  # what the column means, in the legend under the table when it is shown
+    term: str = ""  # the legend's name for it (default: the header)
 
     def __post_init__(self):
         if not self.header:  # a CSV or Markdown reader needs every column named
@@ -104,6 +106,13 @@ def record_table(keys: Sequence[str], records: Sequence[dict]) -> Table:
     return Table(None, [Column(k, (lambda k: lambda r: r[k])(k)) for k in keys], records)
 
 
+def legend(columns: Sequence[Column]) -> str | None:
+    """``peak: max_memory_allocated ...; saved: ...``: what the columns shown mean (a
+    column a narrow terminal dropped is not explained); None when none says."""
+    said = [f"{c.term or c.header}: {c.means}" for c in columns if c.means]
+    return "; ".join(said) + "." if said else None
+
+
 def _bold_title(title: str) -> str:
     """Markdown: the title's first line in bold, the rest as a paragraph."""
     first, _, rest = title.partition("\n")
@@ -114,7 +123,7 @@ def markdown(result) -> str:
     """Every table of ``result`` (bold title, table, its notes), then the result's notes."""
     parts = []
     for t in result.tables():
-        notes = "".join(f"\n{escaped(n)}\n" for n in t.notes)
+        notes = "".join(f"\n{escaped(n)}\n" for n in [*t.notes, legend(t.columns)] if n)
         parts.append((_bold_title(t.title) if t.title else "")
                      + markdown_table(t.columns, t.rows) + notes)
     notes = "".join(f"\n{escaped(n)}\n" for n in result.footnotes())
@@ -222,8 +231,9 @@ class Fitted:
                 yield _vertical(t, width)
             else:
                 yield _rich_table(columns, t.cells(columns), width)
-            for note in t.notes:
-                yield Text(note)
+            for note in [*t.notes, legend(columns or t.columns)]:
+                if note:
+                    yield Text(note)
         for note in self.notes:
             yield Text(note)
 

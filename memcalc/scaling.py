@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from itertools import product
+from math import prod
 from typing import Iterable, Literal
 
 import numpy as np
@@ -27,10 +28,14 @@ from memcalc.budget import Budget, fit
 from memcalc.breakdown import Result
 from memcalc.config import Config, first_taken
 from memcalc.errors import refusal
+from memcalc.progress import say
 from memcalc.render import Column, Table, record_table, shown
 from memcalc.units import fixed, human, mib, ratio_number, share
+from memcalc.work import check_rows
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+TABLE_ROWS = 200
+"""The most rows a sweep's table shows (``Sweep.shown_lengths``)."""
 Figure = Literal["peak", "saved", "reserved", "forward", "backward"]
 FIGURE_KEY = {"peak": "peak_bytes", "saved": "saved_bytes", "reserved": "reserved_peak_bytes",
               "forward": "forward_peak_bytes", "backward": "backward_peak_bytes"}
@@ -144,9 +149,53 @@ class Sweep(Result):
     def rows(self) -> tuple[SweepRow, ...]:
         """One ``SweepRow`` per configuration, built from the columns when asked for (a
         grid of a million configurations is kept as columns)."""
-        names = tuple(self.columns)
-        return tuple(SweepRow.model_construct(**dict(zip(names, values)))
-                     for values in zip(*self.columns.values()))
+        return self._rows(range(len(self)))
+
+    def _rows(self, indices: Iterable[int]) -> tuple[SweepRow, ...]:
+        names, columns = tuple(self.columns), tuple(self.columns.values())
+        return tuple(SweepRow.model_construct(**dict(zip(names, (c[i] for c in columns))))
+                     for i in indices)
+
+    def shown_lengths(self) -> tuple[int, ...]:
+        """The lengths the tables show: all of them, unless the table would pass
+        ``TABLE_ROWS`` rows (nobody reads 100,000, and rendering them took ten times the
+        sweep): then evenly spaced ones, the first and the last, and both sides of every
+        change from fitting to not (each series' OOM threshold). CSV and JSON have all."""
+        lengths = self.axes["seq_len"]
+        series = len(self) // len(lengths) or 1
+        if len(self) <= TABLE_ROWS:
+            return lengths
+        step = -(-len(lengths) * series // TABLE_ROWS)  # ceil: at most TABLE_ROWS rows
+        chosen = set(lengths[::step]) | {lengths[-1]} | self._thresholds(step)
+        return tuple(n for n in lengths if n in chosen)
+
+    def _thresholds(self, step: int) -> set[int]:
+        """The lengths on either side of each change of ``fits`` within a series, up to as
+        many as the evenly spaced ones."""
+        seq, fits, found = self.columns["seq_len"], self.columns["fits"], set()
+        first = {self.axes["seq_len"][0]}
+        for i in range(1, len(seq)):
+            if fits[i] != fits[i - 1] and seq[i] not in first:
+                found |= {seq[i - 1], seq[i]}
+                if len(found) * step >= len(self.axes["seq_len"]):
+                    break
+        return found
+
+    def _table_rows(self) -> tuple[SweepRow, ...]:
+        shown = self.shown_lengths()
+        if len(shown) == len(self.axes["seq_len"]):
+            return self.rows
+        keep = set(shown)
+        return self._rows(i for i, n in enumerate(self.columns["seq_len"]) if n in keep)
+
+    def _thinned_note(self) -> list[str]:
+        """What a thinned table leaves out, and where every row is."""
+        shown, lengths = self.shown_lengths(), self.axes["seq_len"]
+        if len(shown) == len(lengths):
+            return []
+        return [f"{len(shown):,} of {len(lengths):,} lengths shown (evenly spaced, the first "
+                f"and last, each side of an OOM threshold): --csv or --json print all "
+                f"{len(self):,} rows"]
 
     def __len__(self) -> int:
         return len(self.columns["seq_len"])
@@ -165,14 +214,16 @@ class Sweep(Result):
         if "head_dim" in shown:
             cols += [Column("head_dim", lambda r: r.head_dim, "right")]
         return cols + [
-            Column(f"peak ({u})", lambda r: self._cell(r.peak_bytes), "right"),
-            Column(f"saved ({u})", lambda r: self._cell(r.saved_bytes), "right", drop=2),
+            Column(f"peak ({u})", lambda r: self._cell(r.peak_bytes), "right",
+                   means=MEANS["peak"], term="peak"),
+            Column(f"saved ({u})", lambda r: self._cell(r.saved_bytes), "right", drop=2,
+                   means=MEANS["saved"], term="saved"),
             Column(f"reserved ({u})", lambda r: self._cell(r.reserved_peak_bytes), "right",
-                   drop=1),
-            Column("x first", _growth, "right", drop=3),
+                   drop=1, means=MEANS["reserved"], term="reserved"),
+            Column("x first", _growth, "right", drop=3, means=MEANS["x first"]),
             Column("N^2 share", lambda r: share(r.quadratic_bytes, r.peak_bytes), "right",
-                   drop=4),
-            Column("OOM?", lambda r: "fits" if r.fits else "OOM"),
+                   drop=4, means=MEANS["N^2 share"]),
+            Column("OOM?", lambda r: "fits" if r.fits else "OOM", means=MEANS["OOM?"]),
         ]
 
     def fixed(self) -> str:
@@ -187,12 +238,10 @@ class Sweep(Result):
         return f"memory scaling with sequence length: {self.fixed()}\n{self.budget.describe()}"
 
     def footnotes(self) -> list[str]:
-        """What the columns mean (a pivot's one figure and its OOM mark only), the skips,
-        the caveats."""
-        said = ({self.pivot: MEANS[self.pivot], "OOM": MEANS["OOM?"]} if self.pivot
-                else {k: MEANS[k] for k in ("peak", "saved", "reserved", "x first",
-                                            "N^2 share", "OOM?")})
-        lines = ["; ".join(f"{k}: {v}" for k, v in said.items()) + "."]
+        """What a pivot's figure and its OOM mark mean (the long table's columns say it in
+        their legend, for those shown), the skips, the caveats."""
+        said = {self.pivot: MEANS[self.pivot], "OOM": MEANS["OOM?"]} if self.pivot else {}
+        lines = ["; ".join(f"{k}: {v}" for k, v in said.items()) + "."] if said else []
         from memcalc.render_results import caveats
 
         shown = list(dict.fromkeys(self.columns["impl"]))
@@ -204,12 +253,14 @@ class Sweep(Result):
         key = FIGURE_KEY[figure]
         u = "bytes" if self.unit == "bytes" else "MiB"
         groups: dict[tuple, dict[int, dict[int, SweepRow]]] = {}
-        for r in self.rows:
+        for r in self._table_rows():
             g = groups.setdefault((r.impl, r.dtype, r.batch, r.heads), {})
             g.setdefault(r.seq_len, {})[r.head_dim] = r
         out = []
         dims = [d for d in self.axes["head_dim"]]
+        kept = set(self.shown_lengths())
         for (impl, dtype, batch, heads), table in groups.items():
+            table = {n: row for n, row in table.items() if n in kept}
             def cell(row, d, key=key):
                 r = row[1].get(d)
                 if r is None:
@@ -226,9 +277,10 @@ class Sweep(Result):
 
     # rendering: the protocol of memcalc.render
     def tables(self) -> list[Table]:
+        note = self._thinned_note()
         if self.pivot:
-            return [Table(t, c, rows) for t, c, rows in self.pivot_tables(self.pivot)]
-        return [Table(self.title(), self.long_columns(), self.rows)]
+            return [Table(t, c, rows, note) for t, c, rows in self.pivot_tables(self.pivot)]
+        return [Table(self.title(), self.long_columns(), self._table_rows(), note)]
 
     def csv_table(self) -> Table:
         """Every row, every figure in bytes (the layout does not apply), then a row for
@@ -238,7 +290,7 @@ class Sweep(Result):
     def headline(self) -> str:
         fitting, n = sum(self.columns["fits"]), len(self)
         impls = ", ".join(self.axes["impl"])
-        return (f"{n} configuration{'s' * (n != 1)} ({impls}), {fitting} fit "
+        return (f"{n:,} configuration{'s' * (n != 1)} ({impls}), {fitting:,} fit "
                 f"{human(self.budget.budget_bytes)}")
 
     def records(self) -> list[dict]:
@@ -277,7 +329,11 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
     s = base.shape
     axes = {"impl": tuple(impls) or (base.impl,), "dtype": tuple(dtypes) or (base.dtype.value,),
             "batch": tuple(batch) or (s.batch,), "heads": tuple(heads) or (s.heads,),
-            "head_dim": tuple(head_dim) or (s.head_dim,), "seq_len": tuple(seq_len)}
+            "head_dim": tuple(head_dim) or (s.head_dim,)}
+    if hasattr(seq_len, "__len__"):  # a range of a hundred million: refused before it is made
+        check_rows(len(seq_len) * prod(map(len, axes.values())))
+    axes["seq_len"] = tuple(seq_len)
+    check_rows(prod(map(len, axes.values())))
     for k, values in axes.items():
         if not values:
             raise ValueError(f"{k}: no values")
@@ -288,6 +344,7 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
     if progress is not None and len(series) > 1:
         series = progress(series, len(series), "sweep")
     for impl, dtype in series:
+        say(f"{impl} {dtype}: the figures of each configuration")
         try:
             config = _series_base(base, impl, dtype, axes)
             runs = _evaluated(config, axes)
@@ -301,6 +358,7 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
                 continue
             arrays = tuple(np.array(v, dtype=np.int64) for v in zip(*points))
             lengths = sum(1 for p in points if p[:3] == points[0][:3])
+            say(f"{impl} {dtype}: which configurations fit")
             _add_series(columns, config, outcome, arrays, lengths, budget)
     if not columns["impl"]:  # an empty table: refused
         if len(errors) == 1:

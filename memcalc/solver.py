@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field
 from memcalc.accepted import Accepted
 from memcalc.budget import Fit, fit, replay_within
 from memcalc.closed_form import Quadratic, live_polynomial
-from memcalc.config import Config, Shape
+from memcalc.config import SIZE_LIMIT, Config, Shape
 from memcalc.deadline import TimeUp, deadline
 from memcalc.errors import one_line
 from memcalc.impls import get_impl
@@ -54,7 +54,7 @@ from memcalc.timeline import predict
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 SolveField = Literal["seq_len", "batch", "head_dim"]
-LIMIT = 1 << 62  # no answer above this: the sizes would not be addressable anyway
+LIMIT = SIZE_LIMIT  # no answer at or above it: no size is (memcalc.config.Shape)
 # a loop's replay is expected to end in time only from the pace of one at least 1/REACH as
 # long: its time per event grows with the length (linear-causal-chunked: 2.8 us at 16,384
 # rows, 4.3 us at 3 million, 5.7 us capped), and a 10-million-row replay judged from
@@ -385,7 +385,7 @@ def _guess(probe: _Probe, x: int, q: Quadratic | None) -> int | None:
         return None
     rho = Fraction(probe.size(x)) / raw
     root = q.root(Fraction(probe.budget) / rho)
-    return None if root is None or root < 1 else probe.snap(min(int(root), LIMIT))
+    return None if root is None or root < 1 else probe.snap(min(int(root), LIMIT - 1))
 
 
 def _gallop(probe: _Probe, x: int, step: int) -> tuple[int, int | None]:

@@ -142,19 +142,38 @@ def test_lists(capsys):
     assert code == 0 and "h100-80gb" in out
 
 
-@pytest.mark.parametrize("argv", [["validate", "--impl", "naive"],
-                                  ["trace", "examples/custom_softmax/variants.py:reciprocal"]])
-def test_without_torch_one_line_and_exit_2(capsys, monkeypatch, argv):
-    """``pip install .`` has no torch: the commands that need it say how to get it."""
+def without_torch(monkeypatch) -> None:
     import sys
 
     for name in [m for m in sys.modules if m.startswith(("memcalc.validation.", "memcalc.tracing",
                                                          "torch"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+
+
+@pytest.mark.parametrize("argv, needing", [
+    (["validate", "--impl", "naive"], "validate"),
+    (["trace", "examples/custom_softmax/variants.py:reciprocal"], "trace"),
+    # oom itself needs no torch: the option that asked for a trace is named
+    (["oom", "--trace", "examples/custom_softmax/variants.py:reciprocal"], "oom --trace"),
+])
+def test_without_torch_one_line_and_exit_2(capsys, monkeypatch, argv, needing):
+    """``pip install .`` has no torch: the commands that need it say how to get it."""
+    without_torch(monkeypatch)
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and "needs PyTorch" in err and "pip install torch" in err
+    assert err == (f"memcalc: error: {needing} needs PyTorch, which is not installed: pip "
+                   f"install torch (the CPU build is enough)\n")
+
+
+def test_without_torch_the_api_says_what_needs_it(monkeypatch):
+    """``memcalc.trace`` raised a bare ``No module named 'torch'`` from inside the tracer."""
+    import memcalc
+
+    without_torch(monkeypatch)
+    with pytest.raises(ImportError, match=r"^memcalc.trace needs PyTorch, which is not "
+                                          r"installed: pip install torch"):
+        memcalc.trace(lambda q, k, v: q, seq_len=8)
 
 
 @pytest.mark.parametrize("argv, option, says", [

@@ -216,7 +216,10 @@ def test_plot_draws_only_the_rows_with_figures(capsys, tmp_path):
     """sdpa-flash has no fp32 kernel: its row is a note, left out of the plot."""
     pytest.importorskip("matplotlib")
     path = tmp_path / "peaks.png"
-    out = compared(capsys, "--impl", "naive,sdpa-flash", "--plot", str(path))
+    code, out, err = run(capsys, "compare", *SMALL, "--impl", "naive,sdpa-flash", "--plot",
+                         str(path))
+    assert (code, err) == (0, f"memcalc: wrote {path}: what is alive at each implementation's "
+                              f"peak\n")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.search(r"^sdpa-flash .* n/a$", out, re.M) and "sdpa-flash:" in out
 

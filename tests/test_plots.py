@@ -88,16 +88,28 @@ def test_peaks_skips_implementations_too_slow_to_solve():
     assert labels[0] == "linear-causal-chunked (largest N not solved)"
 
 
-@pytest.mark.parametrize("argv", [
-    ["breakdown", "--seq", "2048"],
-    ["compare", "--seq", "2048", "--only", "naive", "--only", "flash2"],
-    ["sweep", "--seq", "1024,4096", "--impl", "naive,flash2"],
+@pytest.mark.parametrize("argv, what", [
+    (["breakdown", "--seq", "2048"], "the step's memory timeline"),
+    (["compare", "--seq", "2048", "--only", "naive", "--only", "flash2"],
+     "what is alive at each implementation's peak"),
+    (["sweep", "--seq", "1024,4096", "--impl", "naive,flash2"],
+     "the reserved peak against seq_len"),
 ])
-def test_cli_plot(tmp_path, capsys, argv):
+def test_cli_plot(tmp_path, capsys, argv, what):
     out = tmp_path / "out.png"
     assert main([*argv, "--plot", str(out)]) == 0
     assert is_png(out)
-    assert capsys.readouterr().out  # the table is still printed
+    printed = capsys.readouterr()
+    assert printed.out  # the table is still printed
+    assert printed.err == f"memcalc: wrote {out}: {what}\n"  # on stderr: stdout stays data
+
+
+def test_cli_plot_says_the_name_matplotlib_gave_it(tmp_path, capsys):
+    """``--plot step`` wrote ``step.png`` without a word."""
+    assert main(["breakdown", "--seq", "1024", "--plot", str(tmp_path / "step")]) == 0
+    assert is_png(tmp_path / "step.png")
+    assert capsys.readouterr().err == (f"memcalc: wrote {tmp_path / 'step.png'}: the step's "
+                                       f"memory timeline\n")
 
 
 def test_sweep_without_plot_imports_no_matplotlib():

@@ -222,7 +222,7 @@ def test_a_model_that_refuses_or_breaks_is_skipped_unless_it_is_the_only_one(toy
         (PICKY, "bf16", {}, "fp32 only"), (BROKEN, "fp32", {}, raised),
         (BROKEN, "bf16", {}, raised)]
     assert [(r.impl, r.dtype) for r in s.rows] == [(PICKY, "fp32")]
-    assert s.footnotes()[1:4] == [f"{PICKY} bf16: skipped, fp32 only",
+    assert s.footnotes()[0:3] == [f"{PICKY} bf16: skipped, fp32 only",
                                   f"{BROKEN} fp32: skipped, {raised}",
                                   f"{BROKEN} bf16: skipped, {raised}"]
     with pytest.raises(ValueError, match="fp32 only"):
@@ -311,3 +311,40 @@ def test_the_order_of_the_lists_does_not_decide_what_is_swept():
         assert sorted((r.impl, r.head_dim, r.seq_len) for r in s.rows if r.impl != "naive") == [
             ("sdpa-flash", 128, 64), ("sdpa-flash", 128, 128)]
         assert [(k.impl, k.sizes) for k in s.skipped] == [("sdpa-flash", {"head_dim": 512})]
+
+
+def test_a_long_sweep_table_shows_what_a_person_reads_and_says_where_the_rest_is():
+    """2,000 lengths: the table shows every 10th (ceil(2,000 / 200) = 10: 1, 11, ..., 1,991,
+    200 of them), the last, and both sides of the OOM threshold; CSV keeps every row.
+    Rendering 100,000 rows took ten times the sweep."""
+    import memcalc
+    from memcalc.render import text as plain
+
+    s = memcalc.sweep(seq_lens=range(1, 2001), gpu_gb=1)
+    fits = dict(zip(s.columns["seq_len"], s.columns["fits"]))
+    last_fit = max(n for n, ok in fits.items() if ok)
+    assert all(fits[n] for n in range(1, last_fit + 1)) and not fits[last_fit + 1]
+    shown = s.shown_lengths()
+    evenly = set(range(1, 2001, 10)) | {2000}
+    assert set(shown) == evenly | {last_fit, last_fit + 1}
+    (table,) = s.tables()
+    assert len(table.rows) == len(shown) and table.notes == [
+        f"{len(shown):,} of 2,000 lengths shown (evenly spaced, the first and last, each side "
+        f"of an OOM threshold): --csv or --json print all 2,000 rows"]
+    assert len(s.to_csv().splitlines()) == 2001  # the header and every row
+    out = " ".join(plain(s, 100).split())
+    assert f" {last_fit:,} " in out and "--csv or --json print all 2,000 rows" in out
+    short = memcalc.sweep(seq_lens=range(1, 201))  # 200 rows: all of them, no note
+    assert short.shown_lengths() == tuple(range(1, 201)) and short.tables()[0].notes == []
+
+
+def test_the_legend_explains_the_columns_shown_and_no_other(toys):
+    """At 60 columns the legend still explained x first and N^2 share, which were dropped;
+    narrow, it says what the table shows; Markdown, with every column, says all."""
+    s = sweep(base(), BUDGET, seq_len=(256, 512, 1024))
+    narrow = " ".join(text(s, width=36).split())  # FULL's widths: seq_len, peak, reserved, OOM?
+    assert "peak: max_memory_allocated" in narrow and "OOM?: replaying" in narrow
+    assert "x first:" not in narrow and "N^2 share:" not in narrow and "saved:" not in narrow
+    wide = " ".join(text(s, width=120).split())
+    assert all(f"{k}:" in wide for k in ("peak", "saved", "reserved", "x first", "N^2 share"))
+    assert "x first: peak over the peak at the first length" in s.to_markdown()

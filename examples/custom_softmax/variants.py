@@ -10,7 +10,7 @@ import torch
 
 
 def divide(q, k, v):
-    """The seeds' version: divide by the row sum; ``max`` saves int64 indices."""
+    """The hand counts' version: divide by the row sum; ``max`` saves int64 indices."""
     s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
     e = torch.exp(s - s.max(dim=-1, keepdim=True).values)
     return (e / e.sum(dim=-1, keepdim=True)) @ v

@@ -1,12 +1,11 @@
 """What is alive at each implementation's peak, by role (saved, temporary, ...), N=16384.
 
-    python examples/plots/components.py [OUT.png]   (default: components.png next to this file)
+    python examples/plots/components.py [OUT.png]   (default: components.png in the current directory)
 
 Same picture as ``memcalc compare --seq 16384 --plot OUT.png`` for these implementations.
 """
 
 import sys
-from pathlib import Path
 
 import memcalc
 from memcalc.plots import plot_components
@@ -18,8 +17,8 @@ IMPLS = ["naive", "naive-softmax", "naive-weights", "sdpa-math", "checkpoint-nai
 def main(out: str) -> None:
     """Draw the live set at each implementation's peak to ``out``."""
     plot_components([memcalc.breakdown(impl=name, seq_len=16384) for name in IMPLS], out)
-    print(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("components.png")))
+    main(sys.argv[1] if len(sys.argv) > 1 else "components.png")

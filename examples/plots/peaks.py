@@ -1,13 +1,12 @@
 """Peak memory against seq_len, log-log, on an 80 GB card, with each implementation's
 largest fitting seq_len marked.
 
-    python examples/plots/peaks.py [OUT.png]        (default: peaks.png next to this file)
+    python examples/plots/peaks.py [OUT.png]        (default: peaks.png in the current directory)
 
 Same picture as ``memcalc sweep --impl naive,naive-softmax,... --gpu-gb 80 --plot OUT.png``.
 """
 
 import sys
-from pathlib import Path
 
 import memcalc
 from memcalc.plots import plot_peaks
@@ -19,8 +18,8 @@ def main(out: str) -> None:
     """Sweep seq_len 256 to 16384, solve each threshold, draw both to ``out``."""
     table = memcalc.sweep(seq_lens=(256, 1024, 2048, 4096, 8192, 16384), impls=IMPLS, gpu_gb=80)
     plot_peaks(table, memcalc.oom(gpu_gb=80, impls=IMPLS), out)
-    print(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).with_name("peaks.png")))
+    main(sys.argv[1] if len(sys.argv) > 1 else "peaks.png")

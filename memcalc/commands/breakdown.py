@@ -1,7 +1,7 @@
 """``memcalc breakdown``: what one forward and backward step allocates."""
 
-from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from,
-                         emit, format_options, naming, shape_options)
+from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from, emit,
+                         format_options, plotting, shape_options, work_options)
 
 HELP = "what one forward+backward step allocates, by component"
 
@@ -9,6 +9,7 @@ HELP = "what one forward+backward step allocates, by component"
 def add_arguments(parser) -> None:
     shape_options(parser)
     budget_options(parser)
+    work_options(parser)
     format_options(parser)
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also draw the step's memory timeline (needs matplotlib)")
@@ -31,7 +32,7 @@ def run(args) -> int:
     if args.plot:
         from memcalc.plots import plot_timeline
 
-        with naming("--plot"):
+        with plotting(args.plot, "the step's memory timeline"):
             plot_timeline(config, args.plot)
     emit(result, args.format)
     return 0

@@ -1,7 +1,7 @@
 """``memcalc compare``: every implementation side by side."""
 
-from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from,
-                         emit, format_options, naming, shape_options)
+from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from, emit,
+                         format_options, plotting, shape_options, work_options)
 from memcalc.names import check_impl, impl_list
 
 HELP = "every implementation side by side: saved, peaks, savings, largest seq_len"
@@ -11,6 +11,7 @@ def add_arguments(parser) -> None:
     shape_options(parser, impls="many")
     parser.add_argument("--only", dest="impl", action="append", help=argparse_suppress())
     budget_options(parser)
+    work_options(parser)
     format_options(parser)
     parser.add_argument("--baseline", default=None,
                         help="compare against (default naive, the custom softmax keeping exp_x, "
@@ -64,7 +65,8 @@ def run(args) -> int:
     if args.plot:
         from memcalc.plots import plot_components
 
-        with naming("--plot"):  # the baseline's row at least has figures
+        # the baseline's row at least has figures
+        with plotting(args.plot, "what is alive at each implementation's peak"):
             plot_components([r.breakdown for r in result.rows if r.breakdown], args.plot)
     emit(result, args.format)
     return 0

@@ -2,7 +2,7 @@
 
 from memcalc.cli import (INTERRUPTED, budget_from, budget_options, calling_from, check_chunk,
                          config_options, emit, format_options, input_options, shape_options,
-                         traced_options_given)
+                         traced_options_given, work_options)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
 
@@ -24,6 +24,7 @@ def add_arguments(parser) -> None:
                         help="give up on an implementation after this long, saying what is "
                              "known so far (default: 60; a chunked program at millions of "
                              "rows replays for minutes)")
+    work_options(parser, time_limit=False)
     format_options(parser)
 
 

@@ -1,35 +1,38 @@
 """``memcalc sweep``: scaling tables, every figure over a grid of shapes."""
 
 from argparse import ArgumentTypeError
+from math import prod
 
 from memcalc.cli import (DTYPE_HELP, budget_options, check_output, format_options, impl_option,
-                         naming, step_options, whole)
+                         plotting, step_options, whole, work_options)
 
 HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
 
 
-def int_list(text: str, option: str) -> list[int]:
-    """``"256,1024"`` or ranges ``"256:4096:256"`` (start:stop:step, stop included)."""
-    values: list[int] = []
+def int_ranges(text: str, option: str) -> list[range]:
+    """``"256,1024"`` or ranges ``"256:4096:256"`` (start:stop:step, stop included), as
+    ranges not yet made: a sweep's size is known (and refused, ``memcalc.work``) before a
+    hundred million lengths are."""
+    ranges: list[range] = []
     for part in text.split(","):
         bits = part.strip().split(":")
         try:
             if len(bits) == 1:
-                values.append(whole(bits[0]))
+                ranges.append(range(whole(bits[0]), whole(bits[0]) + 1))
             elif len(bits) == 3:
                 start, stop, step = (whole(b) for b in bits)
                 if step < 1 or stop < start:
                     raise ValueError
-                values += range(start, stop + 1, step)
+                ranges.append(range(start, stop + 1, step))
             else:
                 raise ValueError
         except (ValueError, ArgumentTypeError):
             raise ValueError(f"{option}: {text!r} is not a comma-separated list of positive "
                              f"integers (or start:stop:step ranges)") from None
-    if not values or min(values) < 1 or max(values) >= 2**62:
+    if min(r[0] for r in ranges) < 1 or max(r[-1] for r in ranges) >= 2**62:
         raise ValueError(f"{option}: {text!r} is not a comma-separated list of positive integers "
                          "below 2^62")
-    return values
+    return ranges
 
 
 def name_list(text: str, option: str) -> list[str]:
@@ -57,24 +60,27 @@ def add_arguments(p) -> None:
                    help="also draw the reserved peak (what must fit) against seq_len, log-log, "
                         "with the budget and each line's largest fitting seq_len (needs "
                         "matplotlib)")
+    work_options(p)
     format_options(p)
 
 
 def run(args) -> int:
     from memcalc.cli import budget_from, check_chunk, config_options, emit
     from memcalc.config import make_config
-    from memcalc.progress import progress
+    from memcalc.progress import progress, status
     from memcalc.scaling import FIGURE_KEY, sweep
 
-    seq = int_list(args.seq, "--seq")
-    dims = int_list(args.head_dim, "--head-dim")
-    batch = int_list(args.batch, "--batch")
-    heads = int_list(args.heads, "--heads")
-    dtypes = name_list(args.dtype, "--dtype")
     from memcalc.names import impl_choices, impl_list, unknown
+    from memcalc.work import check_rows
 
+    lists = {option: int_ranges(getattr(args, key), option) for option, key in (
+        ("--seq", "seq"), ("--head-dim", "head_dim"), ("--batch", "batch"), ("--heads", "heads"))}
+    dtypes = name_list(args.dtype, "--dtype")
     impls = impl_list(args.impl or ["naive"])
     impls = impls if impls is not None else impl_choices()
+    rows = len(impls) * len(dtypes) * prod(sum(map(len, r)) for r in lists.values())
+    check_rows(rows)
+    seq, dims, batch, heads = ([n for r in ranges for n in r] for ranges in lists.values())
     check_chunk(args, impls)
     if args.pivot is not None and args.pivot not in FIGURE_KEY:
         raise unknown("--pivot", args.pivot, list(FIGURE_KEY), "figure")
@@ -83,12 +89,14 @@ def run(args) -> int:
     base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
                                   "seq_len": seq})
     check_output(args.plot, "--plot")
-    result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
-                   pivot=args.pivot, unit="bytes" if args.bytes else "MiB", progress=progress)
+    with status(f"sweeping {rows:,} configurations"):  # a million rows: seconds
+        result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
+                       pivot=args.pivot, unit="bytes" if args.bytes else "MiB",
+                       progress=progress)
     if args.plot:  # before printing, so that a failure to write it prints nothing else
         from memcalc.plots import plot_peaks
 
-        with naming("--plot"):
+        with plotting(args.plot, "the reserved peak against seq_len"):
             plot_peaks(result, path=args.plot)
     emit(result, args.format)
     return 0

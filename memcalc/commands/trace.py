@@ -1,9 +1,9 @@
 """``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code, traced as
 the configured GPU would run it, with its fit in the device's budget."""
 
-from memcalc.cli import (budget_from, budget_options, calling_from, check_chunk, check_output,
-                         config_from, emit, format_options, input_options, naming,
-                         shape_options)
+from memcalc.cli import (budget_from, budget_options, calling_from, check_output,
+                         config_from, emit, format_options, input_options, plotting, shape_options,
+                         work_options)
 
 HELP = ("breakdown of your own attention function or nn.Module, traced on the meta device "
         "along the GPU's code paths (imports and runs the named file or module as Python code)")
@@ -18,6 +18,7 @@ def add_arguments(parser) -> None:
     input_options(parser)
     shape_options(parser, impls="none")
     budget_options(parser)
+    work_options(parser)
     format_options(parser)
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also draw the step's memory timeline (needs matplotlib)")
@@ -44,7 +45,6 @@ def run(args) -> int:
         fn = load_function(args.target)
         calling = calling_from(args, fn)
         config = config_from(args, impl=register_function(fn, args.target, calling))
-        check_chunk(args, [config.impl])
         check_causal(fn, config)
         result = traced(fn, config, options, budget, history, calling)
     except TraceError as error:
@@ -53,7 +53,7 @@ def run(args) -> int:
     if args.plot:
         from memcalc.plots import plot_timeline
 
-        with naming("--plot"):
+        with plotting(args.plot, "the step's memory timeline"):
             plot_timeline(config, args.plot, (history, result.breakdown))
     emit(result, args.format)
     return 0

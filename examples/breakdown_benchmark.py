@@ -1,6 +1,6 @@
-"""The seeds' first question: what does one step of custom-softmax attention allocate at
+"""The hand counts' first question: what does one step of custom-softmax attention allocate at
 seq_len 16384 (batch 8, 1 head, head_dim 16, fp32, H100), and what does torch.softmax or a
-weights-only autograd Function change?  Run: ``python examples/breakdown_seeds.py``."""
+weights-only autograd Function change?  Run: ``python examples/breakdown_benchmark.py``."""
 
 from rich.console import Console
 
