@@ -5,8 +5,8 @@
 3. OOM solve: ``memcalc.solver.max_fitting`` against ``bisect_max`` (``bench_oom_sweep``).
 4. Emulated trace (``memcalc.validation.emulated.measure``, the reference code on the meta
    device) against the analytical model (``predict``), per configuration of the shipped grid.
-5. CLI start-up against ``python -c "import pydantic, rich"``, and ``memcalc trace`` of the
-   SDPA example against ``python -c "import torch"`` (``bench_startup``).
+5. CLI start-up against importing pydantic and rich and building one model, and ``memcalc
+   trace`` of the SDPA example against ``python -c "import torch"`` (``bench_startup``).
 6. The engine's long cases (``bench_engine``): chunked programs at N = 1e4..1e6, their OOM
    solve under a time limit, ``compare`` against ``breakdown``, a 1e6 grid and sweep to 16M.
 
@@ -168,7 +168,7 @@ def summary(latency: float, sweeps: list[float], oom: float | None, emulated: fl
         f"  OOM solve, bisect_max time / max_fitting time        "
         f"{f'{oom:.1f}x' if oom else 'see above'}",
         f"  emulated trace time / analytical model time          {emulated:,.0f}x (median)",
-        f"  CLI start-up / python -c 'import pydantic, rich'     {startup:.2f}x",
+        f"  CLI start-up / import pydantic, rich; one model      {startup:.2f}x",
         f"  memcalc trace (SDPA example) / python -c 'import torch' {trace:.2f}x",
     ])
 

@@ -338,12 +338,16 @@ def commands() -> dict:
             for m in pkgutil.iter_modules(package.__path__)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``memcalc`` parser with one subparser per module of ``memcalc.commands``."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``memcalc`` parser with one subparser per module of ``memcalc.commands``; with
+    ``only``, the options of that command alone (the others are listed, not built: building
+    every command's options was a tenth of a command's start-up)."""
     parser = _Parser(prog="memcalc", description="Byte-exact GPU memory of attention steps.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, module in commands().items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP))
+        subparser = sub.add_parser(name, help=module.HELP)
+        if only is None or name == only:
+            module.add_arguments(subparser)
     return parser
 
 
@@ -361,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv[0] if argv and argv[0] in commands() else None).parse_args(argv)
         with limits(args):
             return commands()[args.command].run(args)
     except TimeUp:

@@ -18,10 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from rich import box
-from rich.console import Group
-from rich.table import Table as RichTable
-from rich.text import Text
+# rich is imported where a table is drawn, not here: JSON and CSV, which a script reads,
+# need none of it (its console module is a sixth of a command's start-up)
 
 # separators of ``_rich_table``'s layout: one space of padding on each side of a column
 # boundary, none at the edges (measured: a two-column table of widths a and b is a + b + 2)
@@ -168,9 +166,12 @@ def _fit_columns(table: Table, width: int) -> list[Column] | None:
     return None
 
 
-def _rich_table(columns: list[Column], cells: list[list[str]], width: int) -> RichTable:
+def _rich_table(columns: list[Column], cells: list[list[str]], width: int):
     """A rich table whose columns have the widths they need: numbers never wrap or
     shorten; headers and prose wrap at spaces, prose over the width the others leave."""
+    from rich import box
+    from rich.table import Table as RichTable
+
     table = RichTable(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False,
                       collapse_padding=True, expand=False)
     for c, w in zip(columns, _widened(columns, cells, width)):
@@ -195,11 +196,14 @@ def _widened(columns: list[Column], cells: list[list[str]], width: int) -> list[
     return widths
 
 
-def _vertical(table: Table, width: int) -> Group:
+def _vertical(table: Table, width: int):
     """Each row as a block: its first cell, then ``header value`` pairs packed into lines
     of ``width`` (for widths where even the essential columns do not fit side by side)."""
+    from rich.console import Group
+    from rich.text import Text
+
     first, *rest = table.columns
-    lines: list[Text] = []
+    lines: list = []
     for row in table.rows:
         lines.append(Text(shown(first.cell(row)), style="bold"))
         line = " "
@@ -220,6 +224,8 @@ class Fitted:
         self.tables, self.notes = tables, notes
 
     def __rich_console__(self, console, options):
+        from rich.text import Text
+
         width = options.max_width
         for i, t in enumerate(self.tables):
             if i:
