@@ -15,11 +15,12 @@ import time
 
 import numpy as np
 
-from memcalc.budget import Budget
+from memcalc.analysis.budget import Budget
 from memcalc.config import Config, make_config
-from memcalc.solver import Unsolved, max_fitting
-from memcalc.timeline import predict
-from memcalc.vectorized import evaluate
+from memcalc.analysis.solved import Unsolved
+from memcalc.analysis.solver import max_fitting
+from memcalc.analysis.predict import predict
+from memcalc.analysis.vectorized import evaluate
 
 
 def seconds(fn, repeat: int = 1) -> float:

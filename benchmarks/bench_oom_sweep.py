@@ -1,9 +1,9 @@
 """Speed of the grid and OOM paths against the obvious alternatives (no assertions).
 
-1. Configurations per second: ``memcalc.vectorized.evaluate`` on large grids, cold (the
+1. Configurations per second: ``memcalc.analysis.vectorized.evaluate`` on large grids, cold (the
    first call records the allocator paths) and warm (paths cached), against ``predict`` in a
    loop (measured on a sample, extrapolated), and exactness on a random sample of the grid.
-2. OOM solve time: ``memcalc.solver.max_fitting`` (model-guided) against ``bisect_max`` (double
+2. OOM solve time: ``memcalc.analysis.solver.max_fitting`` (model-guided) against ``bisect_max`` (double
    from 1, then bisect, every step a full prediction), per implementation, at the default
    shape (B=8, H=1, d=16, fp32) and an 80 GiB budget less the default reserve.
 
@@ -17,13 +17,13 @@ import time
 
 import numpy as np
 
-from memcalc.budget import Budget
+from memcalc.analysis.budget import Budget
 from memcalc.config import Config, Device
 from memcalc.impls import impl_names
-from memcalc.solver import bisect_max, max_fitting
-from memcalc.thresholds import _too_big
-from memcalc.timeline import predict
-from memcalc.vectorized import evaluate, evaluator
+from memcalc.analysis.solver import bisect_max, max_fitting
+from memcalc.analysis.thresholds import _too_big
+from memcalc.analysis.predict import predict
+from memcalc.analysis.vectorized import evaluate, evaluator
 
 
 def at(config: Config, **shape) -> Config:

@@ -24,10 +24,10 @@ import re
 import sys
 from collections import Counter
 
-from memcalc.allocator import MiB
+from memcalc.engine.allocator import MiB
 from memcalc.config import make_config
 from memcalc.impls import get_impl
-from memcalc.timeline import Ledger, replay
+from memcalc.engine.replay import Ledger, replay
 
 NEAR = 4 * MiB  # an allocation this close to the chunk's scores is the chunk's own front
 SLICES = 8

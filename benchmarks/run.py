@@ -1,9 +1,9 @@
 """Every speed figure of memcalc in one run, as ratios measured side by side (no assertions).
 
-1. Breakdown latency: ``memcalc.timeline.predict`` per call, at the default shape.
-2. Sweeps: ``memcalc.vectorized.evaluate`` against a ``predict`` loop (``bench_oom_sweep``).
-3. OOM solve: ``memcalc.solver.max_fitting`` against ``bisect_max`` (``bench_oom_sweep``).
-4. Emulated trace (``memcalc.validation.emulated.measure``, the reference code on the meta
+1. Breakdown latency: ``memcalc.analysis.predict.predict`` per call, at the default shape.
+2. Sweeps: ``memcalc.analysis.vectorized.evaluate`` against a ``predict`` loop (``bench_oom_sweep``).
+3. OOM solve: ``memcalc.analysis.solver.max_fitting`` against ``bisect_max`` (``bench_oom_sweep``).
+4. Emulated trace (``memcalc.tracing.tracer.measure``, the reference code on the meta
    device) against the analytical model (``predict``), per configuration of the shipped grid.
 5. CLI start-up against importing pydantic and rich and building one model, and ``memcalc
    trace`` of the SDPA example against ``python -c "import torch"`` (``bench_startup``).
@@ -35,7 +35,7 @@ import bench_startup  # noqa: E402
 
 from memcalc.config import Config  # noqa: E402
 from memcalc.impls import impl_names  # noqa: E402
-from memcalc.timeline import predict  # noqa: E402
+from memcalc.analysis.predict import predict  # noqa: E402
 
 
 def machine() -> str:

@@ -5,8 +5,8 @@ weights-only autograd Function change?  Run: ``python examples/breakdown_benchma
 from rich.console import Console
 
 from memcalc.config import Config
-from memcalc.timeline import predict
-from memcalc.units import human
+from memcalc.analysis.predict import predict
+from memcalc.engine.units import human
 
 console = Console(width=150)
 console.print(predict(Config(impl="naive")))

@@ -20,12 +20,8 @@ import inspect
 import operator
 from typing import Callable, Sequence
 
-# The submodule ``memcalc.breakdown`` shares its name with the function below. Importing
-# it first, then defining the function, leaves the name bound to the function (a later
-# import of a loaded submodule does not rebind it).
-import memcalc.breakdown  # noqa: E402,F401  (light: pydantic models only)
-import memcalc.budget  # noqa: E402,F401  (registers how a Breakdown judges its fit)
-from memcalc.work import memory_limit  # noqa: E402,F401  (with memcalc.memory_limit(None): ...)
+import memcalc.analysis.budget  # noqa: F401  (registers how a Breakdown judges its fit)
+from memcalc.engine.work import memory_limit  # noqa: F401  (with memcalc.memory_limit(None): ...)
 
 __version__ = "0.1.0"
 
@@ -114,7 +110,7 @@ def breakdown(**options):
     >>> [c.name for c in b.components][:2]
     ['exp_x', 'dp']
     """
-    from memcalc.timeline import predict
+    from memcalc.analysis.predict import predict
 
     options = _options("breakdown", options, ("gpu_gb", "reserve"))
     gpu_gb, reserve = options.pop("gpu_gb", None), options.pop("reserve", None)
@@ -126,7 +122,7 @@ def breakdown(**options):
 def _budget(config, gpu_gb=None, reserve=None):
     """The device budget: the preset's memory (or ``gpu_gb`` x 2^30 B) less ``reserve``
     (bytes, or a size string such as ``"1GiB"``; default 512 MiB)."""
-    from memcalc.budget import Budget
+    from memcalc.analysis.budget import Budget
 
     return Budget.given(config.device, gpu_gb, reserve)
 
@@ -150,7 +146,7 @@ def _names(values, field: str, known: list[str]) -> list[str]:
 
 def _dtypes(values) -> tuple[str, ...]:
     """``dtypes``: each fp32/fp16/bf16 or an alias (``bfloat16``, ``half``, ...)."""
-    from memcalc.names import DTYPE_ALIASES, dtype_name
+    from memcalc.engine.program import DTYPE_ALIASES, dtype_name
 
     if isinstance(values, str) or not all(isinstance(v, str) for v in values):
         raise ValueError(f"dtypes (dtype): a list of names, e.g. ['bf16'] (got {values!r})")
@@ -220,7 +216,7 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_l
     """
     from memcalc.config import first_accepted
     from memcalc.names import solve_field
-    from memcalc.thresholds import solve as run
+    from memcalc.analysis.thresholds import solve as run
 
     solve = solve_field(solve, "solve")
     options = _options("oom", options)
@@ -257,7 +253,7 @@ def sweep(*, seq_lens=None, head_dims=(), batches=(),
     51658620928
     """
     from memcalc.config import first_accepted
-    from memcalc.scaling import sweep as run
+    from memcalc.analysis.scaling import sweep as run
 
     options = _options("sweep", options)
     if seq_lens is not None and "seq_len" in options:
@@ -288,7 +284,7 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
     (naive: ``exp_x`` and ``p``, plus the row sum 8 x 4096 x 4 B and the int64 argmax
     8 x 4096 x 8 B: 2 x 536,870,912 + 131,072 + 262,144.)
     """
-    from memcalc.comparison import compare as run
+    from memcalc.analysis.comparison import compare as run
     from memcalc.config import first_accepted
 
     options = _options("compare", options)
@@ -320,7 +316,7 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     >>> memcalc.trace(attn, seq_len=1024, batch=1).saved_bytes  # p: 1024 x 1024 x 4 B
     4194304
     """
-    from memcalc.inputs import inputs_of
+    from memcalc.engine.inputs import inputs_of
     from memcalc.names import autocast_dtype, torch_dtype
 
     _needs_torch("memcalc.trace")

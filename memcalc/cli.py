@@ -102,7 +102,7 @@ def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
 
 
 def input_options(p: argparse.ArgumentParser) -> None:
-    """What a traced target is called with (``memcalc.inputs``)."""
+    """What a traced target is called with (``memcalc.engine.inputs``)."""
     p.add_argument("--input", action="append", default=None, metavar="NAME=DIMS[:DTYPE]",
                    help="an argument of the traced target, repeated for each, in call order "
                         "or by parameter name: DIMS a comma list of whole numbers and the "
@@ -124,7 +124,7 @@ def input_options(p: argparse.ArgumentParser) -> None:
 def calling_from(args, fn):
     """``--input``, ``--no-grad``, ``--autocast`` and ``--param-dtype`` as the
     ``memcalc.tracing.Calling`` of ``fn`` (raises its TraceError when they do not fit it)."""
-    from memcalc.inputs import inputs_of
+    from memcalc.engine.inputs import inputs_of
     from memcalc.names import autocast_dtype, torch_dtype
     from memcalc.tracing import Calling, check_inputs
 
@@ -161,8 +161,8 @@ def budget_options(p: argparse.ArgumentParser) -> None:
 
 
 def budget_from(args):
-    """The ``Budget`` the options describe (``memcalc.budget``)."""
-    from memcalc.budget import Budget
+    """The ``Budget`` the options describe (``memcalc.analysis.budget``)."""
+    from memcalc.analysis.budget import Budget
     from memcalc.config import Device
 
     return Budget.given(Device(gpu=args.gpu), args.gpu_gb, args.reserve)
@@ -174,7 +174,7 @@ FORMATS = {"json": "print the result as JSON (every figure; bytes as integers)",
 
 
 def work_options(p: argparse.ArgumentParser, time_limit: bool = True) -> None:
-    """What a command may take: ``--memory-limit`` (``memcalc.work``) and, with
+    """What a command may take: ``--memory-limit`` (``memcalc.engine.work``) and, with
     ``time_limit``, ``--time-limit`` for the whole command (``oom`` has its own, per
     implementation)."""
     p.add_argument("--memory-limit", default=None, metavar="SIZE",
@@ -192,8 +192,8 @@ def limits(args) -> Iterator[None]:
     and replays; oom's limits each implementation's search instead)."""
     import time
 
-    from memcalc.deadline import deadline
-    from memcalc.work import DEFAULT_MEMORY_LIMIT, memory_limit
+    from memcalc.engine.deadline import deadline
+    from memcalc.engine.work import DEFAULT_MEMORY_LIMIT, memory_limit
 
     text = getattr(args, "memory_limit", None)
     nbytes = DEFAULT_MEMORY_LIMIT if text is None else (
@@ -206,8 +206,8 @@ def limits(args) -> Iterator[None]:
 
 
 def parse_size_option(text: str, option: str) -> int:
-    """A positive size (``memcalc.budget.parse_size``'s units) for ``option``."""
-    from memcalc.budget import parse_size
+    """A positive size (``memcalc.analysis.budget.parse_size``'s units) for ``option``."""
+    from memcalc.analysis.budget import parse_size
 
     nbytes = parse_size(text, option)
     if nbytes < 1:
@@ -269,7 +269,7 @@ def emit(result, fmt: str | None) -> None:
     if fmt is None:
         show(result)
         return
-    from memcalc.render import to_json
+    from memcalc.output.render import to_json
 
     text = {"json": to_json, "csv": lambda r: r.to_csv(), "markdown": lambda r: r.to_markdown()}
     sys.stdout.write(text[fmt](result))
@@ -285,7 +285,7 @@ def show(renderable) -> None:
     at ``COLUMNS`` (else ``PIPED_WIDTH``) columns with no trailing spaces."""
     from rich.console import Console
 
-    from memcalc.render import text
+    from memcalc.output.render import text
 
     out = Console()
     if out.is_terminal:
@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from memcalc.errors import FLAGS, one_line
 
-    from memcalc.deadline import TimeUp
+    from memcalc.engine.deadline import TimeUp
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

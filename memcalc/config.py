@@ -14,8 +14,8 @@ from typing import Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from memcalc.allocator import KiB
-from memcalc.dims import Dims
+from memcalc.engine.allocator import KiB
+from memcalc.engine.dims import Dims
 from memcalc.gpus import GPU, gpu_preset
 from memcalc.impls import canonical, get_impl
 
@@ -32,8 +32,8 @@ class DType(str, Enum):
     @classmethod
     def _missing_(cls, value):
         """Aliases: ``float32``, ``float``, ``half``, ``float16``, ``bfloat16``,
-        ``torch.bfloat16``, any case (``memcalc.names.DTYPE_ALIASES``)."""
-        from memcalc.names import dtype_name
+        ``torch.bfloat16``, any case (``memcalc.engine.program.DTYPE_ALIASES``)."""
+        from memcalc.engine.program import dtype_name
 
         name = dtype_name(value)
         return cls(name) if name else None

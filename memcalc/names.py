@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from memcalc.errors import did_you_mean  # noqa: F401  (the names' suggestions)
+from memcalc.engine.program import dtype_name
 
 ALL = "all"
 
@@ -74,22 +75,6 @@ def solve_field(word: str, field: str = "--solve") -> str:
 # the kinds of case of a live validation run, in the order it takes them
 # (``memcalc.validation.cases``); here, so that the CLI lists them without importing it
 CASE_KINDS = ("oom-threshold", "fused", "usercode", "modelcode", "grid")
-
-
-# dtype aliases: torch's names and the usual short ones (``memcalc.config.DType``)
-DTYPE_ALIASES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "f32": "fp32", "single": "fp32",
-    "torch.float32": "fp32", "torch.float": "fp32",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "f16": "fp16", "torch.float16": "fp16",
-    "torch.half": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-}
-
-
-def dtype_name(value) -> str | None:
-    """The canonical dtype (``fp32``, ``fp16``, ``bf16``) for an alias, a torch dtype or
-    its string; None when it is none of them."""
-    return DTYPE_ALIASES.get(str(value).strip().lower())
 
 
 def autocast_dtype(text: str | None, field: str = "--autocast") -> str | None:

@@ -12,8 +12,8 @@ memcalc never loads it. Axes are in MiB or GiB, chosen from the largest value, a
 from __future__ import annotations
 
 
-from memcalc.allocator import MiB
-from memcalc.units import GiB, human
+from memcalc.engine.allocator import MiB
+from memcalc.engine.units import GiB, human
 
 ROLE_COLOURS = {
     "input": "#9e9e9e", "saved": "#d62728", "activation": "#ff7f0e", "temporary": "#1f77b4",
@@ -50,7 +50,8 @@ def plot_timeline(config, path: str | None = None, recorded=None):
     ``config``: a ``Config``, or a result that has one (``memcalc.breakdown(...)``).
     ``recorded``: ``(history, breakdown)`` of a step already run (a trace's), instead of
     ``predict(config)``'s."""
-    from memcalc.timeline import Ledger, predict
+    from memcalc.engine.replay import Ledger
+    from memcalc.analysis.predict import predict
 
     config = _config_of(config)
     if recorded is None:
@@ -166,9 +167,9 @@ def _breakdowns(results) -> list:
 def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | None = 10.0):
     """Reserved memory (max_memory_reserved, the figure that decides fitting) against
     seq_len, log-log, one line per series of
-    ``sweep`` (a ``memcalc.scaling.Sweep``), with the budget as a horizontal line and each
+    ``sweep`` (a ``memcalc.analysis.scaling.Sweep``), with the budget as a horizontal line and each
     series' largest fitting seq_len (``report``, an ``OomReport``, or solved here with
-    ``memcalc.thresholds.solve``, at most ``time_limit`` seconds per series) marked and
+    ``memcalc.analysis.thresholds.solve``, at most ``time_limit`` seconds per series) marked and
     labelled with N: where each one runs out."""
     series = _series(sweep)
     solved = _solved_by_series(sweep, series, report, time_limit)
@@ -219,7 +220,7 @@ def _solved_by_series(sweep, series, report, time_limit) -> dict[tuple, object]:
     that ``memcalc oom`` would skip as too slow (events that grow with seq_len) get none:
     the solver's time limit is only checked between replays, and one replay near their
     threshold can take minutes."""
-    from memcalc.thresholds import _too_big, solve
+    from memcalc.analysis.thresholds import _too_big, solve
 
     given = {r.impl: r for r in report.results} if report is not None else {}
     if report is not None:

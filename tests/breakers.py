@@ -2,10 +2,10 @@
 
 import dataclasses
 
-import memcalc.solver
+import memcalc.analysis.probe
 
 from memcalc.impls import IMPLS
-from memcalc.tensors import Tensor
+from memcalc.engine.program import Tensor
 
 
 def row_sum_as_int64(monkeypatch) -> None:
@@ -36,6 +36,7 @@ def interrupt_after(monkeypatch, impl: str, replays: int) -> None:
             return real(config, *args, **kwargs)
         return replay
 
-    monkeypatch.setattr(memcalc.solver, "predict", counted(memcalc.solver.predict))
-    monkeypatch.setattr(memcalc.solver, "replay_within", counted(memcalc.solver.replay_within))
+    probe = memcalc.analysis.probe  # where the search replays
+    monkeypatch.setattr(probe, "predict", counted(probe.predict))
+    monkeypatch.setattr(probe, "replay_within", counted(probe.replay_within))
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from memcalc.allocator import OutOfMemory
+from memcalc.engine.allocator import OutOfMemory
 from memcalc.validation import cuda
-from memcalc.validation.emulated import Tracer, TracerProbe
+from memcalc.tracing.tracer import Tracer, TracerProbe
 
 GiB = 1 << 30
 
@@ -89,7 +89,7 @@ class FakeGpu(cuda.LiveGpu):
         return calibrate(self.cuda, allocate, used_before)
 
     def measure(self, config, fn, capacity=None, inputs=None):
-        from memcalc.inputs import QKV
+        from memcalc.engine.inputs import QKV
 
         self.runs.append(config)
         return super().measure(config, self._with_scratch(fn), capacity, inputs or QKV)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from memcalc.accepted import Accepted, every
+from memcalc.impls.accepted import Accepted, every
 from memcalc.config import Config
 from memcalc.impls import get_impl
 

@@ -4,9 +4,7 @@ import random
 
 import pytest
 
-from memcalc.allocator import (
-    INTEGERS, MiB, CachingAllocator, FreeBlocks, OutOfMemory, round_size, segment_size,
-)
+from memcalc.engine.allocator import (INTEGERS, MiB, CachingAllocator, FreeBlocks, OutOfMemory, round_size, segment_size)
 
 
 @pytest.mark.parametrize("request_bytes, block", [
@@ -186,7 +184,7 @@ def test_a_capped_allocator_mirrors_and_refuses_to_release_while_mirrored():
     """With a capacity the measured step mirrors too; a release it would need then raises
     ``MirrorBroken`` (the mirrored small pool's segments are not tracked), not a wrong
     count: 2 MiB of small segment cached, a capacity of 22 MiB, a 20 MiB segment asked."""
-    from memcalc.allocator import MirrorBroken
+    from memcalc.engine.allocator import MirrorBroken
 
     a = CachingAllocator(capacity=22 * MiB)
     a.mark_warm_up()

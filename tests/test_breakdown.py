@@ -3,10 +3,10 @@
 import pytest
 from pydantic import ValidationError
 
-from memcalc.breakdown import Component
+from memcalc.engine.component import Component
 from memcalc.config import Config
-from memcalc.tensors import Role
-from memcalc.timeline import predict
+from memcalc.engine.program import Role
+from memcalc.analysis.predict import predict
 
 ND = 8_388_608  # 8 x 16384 x 16 x 4 B: q, k, v, grad_out, out at the default shape
 

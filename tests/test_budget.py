@@ -7,12 +7,11 @@ import pytest
 from pydantic import ValidationError
 
 import memcalc
-from memcalc.allocator import MiB
-from memcalc.budget import (DEFAULT_RESERVE_BYTES, Budget, check, fit, fits, parse_gb,
-                            parse_size)
+from memcalc.engine.allocator import MiB
+from memcalc.analysis.budget import (DEFAULT_RESERVE_BYTES, Budget, check, fit, fits, parse_gb, parse_size)
 from memcalc.config import Config, Device
 from memcalc.gpus import gpu_presets
-from memcalc.timeline import predict
+from memcalc.analysis.predict import predict
 from cli_helpers import assert_refused, run
 
 GiB = 1024 * MiB

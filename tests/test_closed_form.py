@@ -3,8 +3,8 @@
 from fractions import Fraction
 
 from memcalc.config import Config
-from memcalc.closed_form import live_polynomial
-from memcalc.timeline import predict
+from memcalc.analysis.closed_form import live_polynomial
+from memcalc.analysis.predict import predict
 
 
 def test_closed_form_of_the_seeds_step():
@@ -31,7 +31,7 @@ def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
 def test_text_leaves_out_zero_terms_exact_or_rounded():
     """A zero coefficient is no term, and neither is one that rounds to 0.00 (the oom
     report's rounded form printed ``0*d^2``)."""
-    from memcalc.closed_form import Quadratic
+    from memcalc.analysis.closed_form import Quadratic
 
     def form(a, b, c, exact=True):
         return Quadratic(symbol="d", a=a, b=b, c=c, exact=exact, at=64, points=(16, 32, 64),

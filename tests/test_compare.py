@@ -9,10 +9,10 @@ import pytest
 import memcalc
 from cli_helpers import assert_refused, csv_as_json, run
 from memcalc.cli import PIPED_WIDTH, build_parser
-from memcalc.comparison import ratio
+from memcalc.analysis.comparison import ratio
 from memcalc.config import make_config
-from memcalc.timeline import predict
-from memcalc.units import human
+from memcalc.analysis.predict import predict
+from memcalc.engine.units import human
 
 SMALL = ["--seq", "256", "--batch", "1"]
 PAIR = ["--impl", "naive,naive-softmax"]
@@ -205,7 +205,7 @@ def test_bad_input_is_refused_in_one_line_before_any_work(capsys, monkeypatch, t
     def no_work(*args, **kwargs):
         raise AssertionError("compared before the options were checked")
 
-    monkeypatch.setattr("memcalc.comparison.compare", no_work)
+    monkeypatch.setattr("memcalc.analysis.comparison.compare", no_work)
     argv, line = refusals(tmp_path)[case]
     code, out, err = run(capsys, "compare", *SMALL, *argv)
     assert_refused(code, out, err, line.split(":")[0].split()[-1])

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from memcalc.budget import Budget
+from memcalc.analysis.budget import Budget
 from memcalc.cli import main
-from memcalc.comparison import compare, ratio
+from memcalc.analysis.comparison import compare, ratio
 from memcalc.config import Device, make_config
 
 NN = 8 * 16384 * 16384 * 4  # one N x N fp32 tensor of the seeds' benchmark: 8,589,934,592

@@ -11,8 +11,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from memcalc.cli import main  # noqa: E402
 from memcalc.config import make_config  # noqa: E402
-from memcalc.tensors import Role  # noqa: E402
-from memcalc.timeline import predict  # noqa: E402
+from memcalc.engine.program import Role  # noqa: E402
+from memcalc.analysis.predict import predict  # noqa: E402
 from memcalc.tracing import TraceOptions, load_function, trace, traced  # noqa: E402
 from memcalc.tracing.sdpa_select import Call, Flags, Release, select  # noqa: E402
 from memcalc.validation import figures_of  # noqa: E402
@@ -217,7 +217,7 @@ def test_math_backend_mask_add_is_in_place(monkeypatch):
     out of place under a dispatch mode when the tracer does not make it so."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from memcalc.validation import emulated
+    from memcalc.tracing import tracer as emulated
 
     def attn(q, k, v):
         with sdpa_kernel(SDPBackend.MATH):
@@ -245,7 +245,7 @@ def test_hf_layout_output_traces_with_grad_out_of_its_shape():
 
 def test_module_parameters_and_buffers_are_resident():
     """nanoGPT's causal bias (1, 1, 16384, 16384) float32 buffer and c_proj's weight."""
-    from memcalc.inputs import inputs_of
+    from memcalc.engine.inputs import inputs_of
     from memcalc.tracing import Calling
 
     fn = load_function(f"{ROOT}/examples/attention/nanogpt.py:SlowCausalSelfAttention")

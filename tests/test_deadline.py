@@ -5,9 +5,10 @@ import time
 import pytest
 
 from memcalc.config import Config
-from memcalc.deadline import CHECK_EVERY, TimeUp, deadline, tick
+from memcalc.engine.deadline import CHECK_EVERY, TimeUp, deadline, tick
 from memcalc.impls import get_impl
-from memcalc.timeline import Ledger, predict, replay
+from memcalc.engine.replay import Ledger, replay
+from memcalc.analysis.predict import predict
 
 # 4,096 chunks of 64 rows: tens of thousands of events, so the clock is read many times
 CHUNKED = Config(impl="linear-causal-chunked", shape={"seq_len": 64 * 4096, "batch": 1})

@@ -1,11 +1,11 @@
-"""memcalc.dims: the sizes read from a configuration, and their replacement."""
+"""memcalc.engine.dims: the sizes read from a configuration, and their replacement."""
 
 import dataclasses
 
 import pytest
 
 from memcalc.config import make_config
-from memcalc.dims import Dims
+from memcalc.engine.dims import Dims
 
 
 def test_of_reads_every_size_and_option_from_a_config():

@@ -24,7 +24,7 @@ def refusal(make, *args, **kwargs) -> ValueError:
 def test_flags_are_the_options_that_set_each_field():
     """Every field a user can get wrong on the command line (make_config's keywords, less
     the --forward-only switch; --causal is, for a traced function without the argument)
-    maps to an option the parser really has; so do the limits on the work (memcalc.work,
+    maps to an option the parser really has; so do the limits on the work (memcalc.engine.work,
     --time-limit), which every command that replays has."""
     (sub,) = build_parser()._subparsers._group_actions
     options = {name: set(parser._option_string_actions) for name, parser in sub.choices.items()}
@@ -143,7 +143,7 @@ def test_a_library_field_prefix_becomes_the_option():
     """``kv_len: ...`` raised by the library (the vectorized grid) names ``--kv-len`` when the
     flags are given; without them, for a prefix that is no field, or with no ``: `` after the
     word, the text is kept."""
-    from memcalc.vectorized import grid_axes
+    from memcalc.analysis.vectorized import grid_axes
 
     with pytest.raises(ValueError) as caught:
         grid_axes(Config(), kv_len=0)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from memcalc.allocator import round_segment
-from memcalc.forms import Form, _simplify, _size_classes, constant, size_class
+from memcalc.engine.allocator import round_segment
+from memcalc.engine.forms import Form, _simplify, _size_classes, constant, size_class
 
 MiB = 1_048_576  # 2^20
 

@@ -10,8 +10,9 @@ import pytest
 from memcalc.config import Config
 from memcalc.impls import IMPLS, impl_names
 from memcalc.impls.checkpoint import PREFIX, UNSUPPORTED
-from memcalc import registry
-from memcalc.timeline import Ledger, predict
+from memcalc.impls import registry
+from memcalc.engine.replay import Ledger
+from memcalc.analysis.predict import predict
 from memcalc.validation import figures_of
 
 NN, ND, WS = 8_589_934_592, 8_388_608, 33_554_432
@@ -62,7 +63,7 @@ def test_custom_function_recomputes_its_output():
 
 def backward_names(impl: str) -> list[str]:
     """The tensors the backward of ``impl`` allocates, by name."""
-    from memcalc.tensors import Dims, Tensor
+    from memcalc.engine.program import Dims, Tensor
 
     program = IMPLS[impl].build(Dims.of(Config(impl=impl, shape={"seq_len": 256})))
     return [e.name for e in program.backward if isinstance(e, Tensor)]
@@ -82,7 +83,7 @@ def steps(history) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def traced_steps(config):
-    from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
+    from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
     from memcalc.validation.reference import reference_fn
 
     tracer = Tracer(config.workspace_bytes)
@@ -125,7 +126,7 @@ def test_a_release_moves_before_the_frees_and_sums_that_end_its_node():
     """Each release moves before the frees and ``sum`` allocations right before it, and
     no further: not past an allocation of another op, nor past another release."""
     from memcalc.impls.checkpoint import early_releases
-    from memcalc.tensors import Role, free, new, release
+    from memcalc.engine.program import Role, free, new, release
 
     a, b = (new(n, (2,), "float32", Role.temporary, "mm") for n in "ab")
     s = new("s", (1,), "float32", Role.temporary, "sum")

@@ -16,8 +16,8 @@ import pytest
 
 from memcalc.config import Config, Protocol
 from memcalc.impls import IMPLS, get_impl
-from memcalc.tensors import Tensor
-from memcalc.timeline import predict
+from memcalc.engine.program import Tensor
+from memcalc.analysis.predict import predict
 
 ND, ROW = 1_024_000, 32_256
 SHAPE = {"batch": 2, "heads": 4, "seq_len": 1000, "head_dim": 64}

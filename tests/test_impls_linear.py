@@ -11,7 +11,7 @@ import pytest
 
 from memcalc.config import Config
 from memcalc.impls import IMPLS, get_impl
-from memcalc.timeline import predict
+from memcalc.analysis.predict import predict
 from memcalc.validation import figures_of
 
 ND, NDD, ROW, DD, KS = 4_194_304, 268_435_456, 65_536, 262_144, 4_096
@@ -98,7 +98,7 @@ def test_a_wrong_state_shape_is_caught(monkeypatch):
     trace must disagree."""
     import dataclasses
 
-    from memcalc.tensors import Tensor
+    from memcalc.engine.program import Tensor
     from memcalc.validation import validate
 
     original = get_impl("linear-causal-chunked").build

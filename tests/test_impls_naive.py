@@ -8,7 +8,7 @@ ROW = 8 x 16384 x 4 B = 524,288 (a row statistic); IDX = 8 x 16384 x 8 B = 1,048
 """
 
 from memcalc.config import Config
-from memcalc.timeline import predict
+from memcalc.analysis.predict import predict
 
 NN, ND, ROW, IDX, WS = 8_589_934_592, 8_388_608, 524_288, 1_048_576, 33_554_432
 

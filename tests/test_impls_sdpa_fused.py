@@ -14,13 +14,13 @@ import itertools
 
 import pytest
 
-from memcalc import registry
+from memcalc.impls import registry
 
 from memcalc.config import Config, Protocol
 from memcalc.impls import IMPLS, get_impl, sdpa_efficient, sdpa_flash
 from memcalc.impls.sdpa_flash import A100, H100_SXM
-from memcalc.tensors import Dims, Tensor
-from memcalc.timeline import predict
+from memcalc.engine.program import Dims, Tensor
+from memcalc.analysis.predict import predict
 
 MiB = 1024 * 1024
 

@@ -13,8 +13,8 @@ import pytest
 
 from memcalc.config import Config
 from memcalc.impls import IMPLS, get_impl
-from memcalc.tensors import Tensor
-from memcalc.timeline import predict
+from memcalc.engine.program import Tensor
+from memcalc.analysis.predict import predict
 from memcalc.validation import figures_of
 
 ND, NN, WS = 524_288, 33_554_432, 33_554_432

@@ -1,10 +1,10 @@
-"""What a step is called with (``memcalc/inputs.py``): ``--input NAME=DIMS[:DTYPE[:FILL]]``."""
+"""What a step is called with (``memcalc/engine/inputs.py``): ``--input NAME=DIMS[:DTYPE[:FILL]]``."""
 
 import pytest
 
-from memcalc.dims import Dims
-from memcalc.inputs import QKV, Input, input_tensors, inputs_of, parse_input, sizes_read
-from memcalc.tensors import Role
+from memcalc.engine.dims import Dims
+from memcalc.engine.inputs import QKV, Input, input_tensors, inputs_of, parse_input, sizes_read
+from memcalc.engine.program import Role
 
 D = Dims(B=2, H=12, N=1024, M=512, D=64, dtype="bfloat16", causal=False, loss="grad", Hk=4,
          chunk=64)

@@ -5,13 +5,13 @@ import io
 import pytest
 from rich.console import Console
 
-from memcalc.breakdown import Component
+from memcalc.engine.component import Component
 from memcalc.cli import PIPED_WIDTH
 from memcalc.config import make_config
-from memcalc.legend import legend, made_by
-from memcalc.render import markdown, text
-from memcalc.tensors import Role
-from memcalc.timeline import predict
+from memcalc.output.legend import legend, made_by
+from memcalc.output.render import markdown, text
+from memcalc.engine.program import Role
+from memcalc.analysis.predict import predict
 
 
 SYMBOLS = "s scores, m row max, e = exp_x = exp(s - m), r = row_sum, p = e / r"

@@ -3,8 +3,9 @@
 import pytest
 
 from memcalc.impls import impl_names
-from memcalc.names import check_impl, did_you_mean, dtype_name, impl_choices, impl_list, unknown
-from memcalc.tensors import Program
+from memcalc.names import check_impl, did_you_mean, impl_choices, impl_list, unknown
+from memcalc.engine.program import dtype_name
+from memcalc.engine.program import Program
 
 def test_did_you_mean_offers_up_to_three_names_starting_with_the_word():
     """Prefix matches in the given order, any case, spaces trimmed, spelt as known."""

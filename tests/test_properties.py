@@ -5,11 +5,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memcalc.allocator import MiB
-from memcalc.breakdown import Breakdown
+from memcalc.engine.allocator import MiB
+from memcalc.analysis.breakdown import Breakdown
 from memcalc.config import Config
 from memcalc.impls import impl_names
-from memcalc.timeline import predict
+from memcalc.analysis.predict import predict
 
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -1,12 +1,12 @@
-"""memcalc.quadratic: which tensors are N x M, read from how a program grows with length."""
+"""memcalc.analysis.quadratic: which tensors are N x M, read from how a program grows with length."""
 
 import pytest
 
 from memcalc.config import make_config
-from memcalc.quadratic import quadratic_names, quadratic_saved
-from memcalc.registry import Impl, add
-from memcalc.tensors import Program, Role, free, new
-from memcalc.timeline import predict
+from memcalc.analysis.quadratic import quadratic_names, quadratic_saved
+from memcalc.impls.registry import Impl, add
+from memcalc.engine.program import Program, Role, free, new
+from memcalc.analysis.predict import predict
 
 T = Role.temporary
 

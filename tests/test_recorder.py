@@ -1,17 +1,17 @@
-"""The recorded replay (``memcalc.recorder``): allocator decisions as guards, figures as forms."""
+"""The recorded replay (``memcalc.engine.recorder``): allocator decisions as guards, figures as forms."""
 
 import numpy as np
 import pytest
 
-from memcalc.allocator import round_segment, round_size
+from memcalc.engine.allocator import round_segment, round_size
 from memcalc.config import make_config
-from memcalc.forms import Form, size_class
+from memcalc.engine.forms import Form, size_class
 from memcalc.impls import get_impl
-from memcalc.quadratic import quadratic_names
-from memcalc.recorder import FormSizes, Group, Path, record
-from memcalc.symbolic import Sym, evaluate_sym
-from memcalc.tensors import Program, Role, free, new, release
-from memcalc.timeline import predict
+from memcalc.analysis.quadratic import quadratic_names
+from memcalc.engine.recorder import FormSizes, Group, Path, record
+from memcalc.engine.symbolic import Sym, evaluate_sym
+from memcalc.engine.program import Program, Role, free, new, release
+from memcalc.analysis.predict import predict
 
 MiB = 1 << 20
 

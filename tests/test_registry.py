@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from memcalc import registry
+from memcalc.impls import registry
 from memcalc.config import Config
 from memcalc.impls import get_impl
 

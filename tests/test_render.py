@@ -5,8 +5,8 @@ import io
 from rich.console import Console
 
 from memcalc.config import Config
-from memcalc.timeline import predict
-from memcalc.units import human, mib, share
+from memcalc.analysis.predict import predict
+from memcalc.engine.units import human, mib, share
 
 
 def render(obj, width=200) -> str:
@@ -45,7 +45,7 @@ def test_units_are_exact():
 def test_every_column_is_named():
     """A column without a header leaves a CSV or Markdown reader guessing (the figures'
     human-readable sizes and the GPU presets' had none)."""
-    from memcalc.render import Column
+    from memcalc.output.render import Column
 
     with pytest.raises(ValueError, match="header"):
         Column("", str)
@@ -110,7 +110,7 @@ def test_breakdown_at_every_width(capsys, monkeypatch, width):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_compare_at_every_width(capsys, monkeypatch, width):
-    from memcalc.units import human
+    from memcalc.engine.units import human
 
     argv = ["compare", "--seq", "1024", "--impl", "naive,naive-softmax,flash2,sdpa-efficient,"
             "checkpoint-linear-causal-chunked"]
@@ -126,7 +126,7 @@ def test_compare_at_every_width(capsys, monkeypatch, width):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_sweep_at_every_width(capsys, monkeypatch, width):
-    from memcalc.units import mib
+    from memcalc.engine.units import mib
 
     argv = ["sweep", "--seq", "256,4096", "--head-dim", "16,128", "--impl", "naive,flash2"]
     data = json_of(capsys, *argv)
@@ -165,8 +165,8 @@ def test_lists_trace_and_validate_at_every_width(capsys, monkeypatch, width, tmp
 
 def test_narrow_tables_fall_back_to_blocks_not_cuts():
     """Below the width of the essential columns, each row becomes a block of pairs."""
-    from memcalc.render import Column, Table
-    from memcalc.breakdown import Result
+    from memcalc.output.render import Column, Table
+    from memcalc.output.result import Result
 
     class Wide(Result):
         def tables(self):
@@ -189,7 +189,7 @@ def test_markdown_shows_stars_and_bars_as_written():
     """``192*N^2 + 3,168*N`` rendered half in italics, and a ``|`` in a cell would split it;
     both are escaped, in cells, notes and titles. ``exp_x`` needs no escape (CommonMark
     leaves an underscore inside a word alone)."""
-    from memcalc.render import Column, escaped, markdown_table
+    from memcalc.output.render import Column, escaped, markdown_table
 
     assert escaped("naive: 192*N^2 + 3,168*N") == "naive: 192\\*N^2 + 3,168\\*N"
     assert escaped("a | b") == "a \\| b" and escaped("exp_x") == "exp_x"
@@ -201,7 +201,7 @@ def test_markdown_shows_stars_and_bars_as_written():
 def test_prose_takes_the_width_the_other_columns_leave():
     """A 60-character summary beside a 10-character name fits one 80-column line (it was
     wrapped at the prose column's 24 characters, the rest of the line left empty)."""
-    from memcalc.render import Column, rich_table, text
+    from memcalc.output.render import Column, rich_table, text
 
     summary = "causal linear attention by cumsum: saves a (B, H, N, D, D) x"  # 60 characters
     table = rich_table(None, [Column("name", lambda r: r[0]),

@@ -4,9 +4,9 @@ import csv
 import io
 
 import memcalc
-from memcalc.breakdown import Component
-from memcalc.repeats import FEW, Repeated, collapse
-from memcalc.tensors import Role
+from memcalc.engine.component import Component
+from memcalc.output.repeats import FEW, Repeated, collapse
+from memcalc.engine.program import Role
 
 
 def tensor(name: str, shape=(8, 1, 64, 64), role=Role.saved, op="tril") -> Component:
@@ -57,9 +57,9 @@ def test_chunked_breakdown_table_shows_kinds_and_its_csv_every_tensor():
 def test_two_tensors_of_one_name_are_one_row():
     """A traced backward's two ``mul (MulBackward0)`` of the same size: two identical rows no
     reader could tell apart, now ``2 x mul (MulBackward0)``; two numbered names stay two."""
-    from memcalc.breakdown import Component
-    from memcalc.repeats import collapse
-    from memcalc.tensors import Role
+    from memcalc.engine.component import Component
+    from memcalc.output.repeats import collapse
+    from memcalc.engine.program import Role
 
     def c(name):
         return Component(name=name, role=Role.temporary, op="mul", shape=(4, 4),

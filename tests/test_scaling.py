@@ -1,4 +1,4 @@
-"""The ``Sweep`` of ``memcalc.scaling``: series, growth, layouts, widths, exports and skips."""
+"""The ``Sweep`` of ``memcalc.analysis.scaling``: series, growth, layouts, widths, exports and skips."""
 
 import io
 from fractions import Fraction
@@ -6,11 +6,11 @@ from fractions import Fraction
 import pytest
 from rich.console import Console
 
-from memcalc.budget import Budget
+from memcalc.analysis.budget import Budget
 from memcalc.config import make_config
-from memcalc.render import text
-from memcalc.scaling import sweep
-from memcalc.tensors import Program, Role, free, new, release
+from memcalc.output.render import text
+from memcalc.analysis.scaling import sweep
+from memcalc.engine.program import Program, Role, free, new, release
 
 MiB = 1 << 20
 TOY, LINEAR, PICKY, BROKEN = ("test-scaling-toy", "test-scaling-linear", "test-scaling-picky",
@@ -318,7 +318,7 @@ def test_a_long_sweep_table_shows_what_a_person_reads_and_says_where_the_rest_is
     200 of them), the last, and both sides of the OOM threshold; CSV keeps every row.
     Rendering 100,000 rows took ten times the sweep."""
     import memcalc
-    from memcalc.render import text as plain
+    from memcalc.output.render import text as plain
 
     s = memcalc.sweep(seq_lens=range(1, 2001), gpu_gb=1)
     fits = dict(zip(s.columns["seq_len"], s.columns["fits"]))

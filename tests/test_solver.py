@@ -4,13 +4,15 @@ import re
 
 import pytest
 
-from memcalc import closed_form, progress, solver
-from memcalc.budget import Budget, fits
-from memcalc.closed_form import live_polynomial
+from memcalc.analysis import closed_form, solver
+from memcalc.engine import status
+from memcalc.analysis.budget import Budget, fits
+from memcalc.analysis.closed_form import live_polynomial
 from memcalc.config import Config, Device, make_config
-from memcalc.solver import (REACH, Interrupted, Unsolved, _climb, _closed_form, _estimate_again,
-                            _guess, _Probe, _step_top, bisect_max, events_growth, max_fitting)
-from memcalc.timeline import predict
+from memcalc.analysis.probe import REACH, Probe, events_growth
+from memcalc.analysis.solved import Interrupted, Unsolved
+from memcalc.analysis.solver import (_climb, _closed_form, _estimate_again, _guess, _step_top, bisect_max, max_fitting)
+from memcalc.analysis.predict import predict
 from breakers import interrupt_after
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
@@ -84,17 +86,17 @@ def test_a_loop_is_timed_only_near_the_lengths_replayed():
     """A loop's time per event grows with its length, so its replay is expected to end in
     time only within ``REACH`` times the longest one timed, however much time is left;
     a program of constant length has no such bound."""
-    chunked = _Probe(Config(impl="linear-causal-chunked"), "seq_len", GIB80, time_limit=3600)
+    chunked = Probe(Config(impl="linear-causal-chunked"), "seq_len", GIB80, time_limit=3600)
     chunked.fit(1024)  # timed: 1,024 rows
     assert chunked.affordable(REACH * 1024) and not chunked.affordable(REACH * 1024 + 1)
     assert chunked.affordable(10 * 1024, single=False)  # a closed form's worth of events
-    naive = _Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=3600)
+    naive = Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=3600)
     naive.fit(1024)
     assert naive.affordable(1 << 20)
 
 
 def test_a_climb_steps_up_to_the_reach_and_not_past_the_estimate():
-    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    probe = Probe(Config(impl="naive"), "seq_len", GIB80)
     assert _step_top(probe, 1000, None) == REACH * 1000  # nothing known above
     probe.estimate = 2500
     assert _step_top(probe, 1000, None) == 2500  # the estimate first
@@ -108,7 +110,7 @@ def test_the_ceiling_is_where_the_bytes_alive_at_the_peak_exceed_the_budget():
     less the 512 MiB reserve: 268,435,456 B; its closed form 6,824*N + 67,110,912 gives
     (268,435,456 - 67,110,912) // 6,824 = 29,502; the answer is 28,672."""
     config, budget = Config(impl="linear-causal-chunked"), 268_435_456
-    probe = _Probe(config, "seq_len", budget)
+    probe = Probe(config, "seq_len", budget)
     probe.model = q = live_polynomial(config, "seq_len")  # fitted at 16,384, 32,768, 65,536
     assert q.text() == "6,824*N + 67,110,912"
     assert probe.ceiling() == 29502 and q(29502) <= budget < q(29503)
@@ -119,7 +121,7 @@ def test_a_search_says_what_it_replays_and_what_it_knows():
     """On a terminal, ``memcalc oom`` shows a status line: each replay, with the bounds
     found so far and the seconds spent of the limit."""
     heard: list[str] = []
-    with progress.listen(heard.append):
+    with status.listen(heard.append):
         s = max_fitting(Config(impl="naive"), GIB80, time_limit=60)
     # without a replay's phase (" - measured forward ..."), and the clock's seconds
     said = [re.sub(r"; \d+ of 60 s$", "; _ of 60 s", h.split(" - ")[0]) for h in heard]
@@ -135,7 +137,7 @@ def test_a_search_says_what_it_replays_and_what_it_knows():
 def test_climb_closes_in_on_a_threshold_with_time_left():
     """From a value that fits, ``_climb`` doubles, then halves the gap to the first value
     that does not, down to neighbours: a fitting value next to a failing one."""
-    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    probe = Probe(Config(impl="naive"), "seq_len", GIB80)
     assert probe(16384)  # the default step fits in 80 GiB
     error = _climb(probe)
     assert error.hi == error.lo + 1
@@ -149,7 +151,7 @@ def test_a_climb_estimates_again_from_the_largest_value_that_fits():
     tenth of the estimate or more (naive at 80 GiB: 20,951 from 1,024; 19,510 from 16,384,
     where 19,511 is the answer)."""
     q = live_polynomial(Config(impl="naive", shape={"seq_len": 1024}), "seq_len")
-    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    probe = Probe(Config(impl="naive"), "seq_len", GIB80)
     probe.model, probe.estimate = q, _guess(probe, 1024, q)
     assert probe(1024) and probe(2048)  # 2,048 is under a tenth of 20,951: no change
     _estimate_again(probe)
@@ -164,8 +166,8 @@ def test_closed_form_of_a_loop_at_the_answer_is_fitted_below_it(monkeypatch):
     replays of 1.5n rows, not 9n above it. The same line as fitted at 640, 1280, 2560."""
     config = Config(impl="linear-causal-chunked", shape={"seq_len": 640})
     up = live_polynomial(config, "seq_len")
-    probe = _Probe(config, "seq_len", GIB80)
-    assert probe.grows() and not _Probe(Config(impl="naive"), "seq_len", GIB80).grows()
+    probe = Probe(config, "seq_len", GIB80)
+    assert probe.grows() and not Probe(Config(impl="naive"), "seq_len", GIB80).grows()
     replayed = []
     monkeypatch.setattr(closed_form, "predict",
                         lambda c: replayed.append(c.shape.seq_len) or predict(c))
@@ -179,7 +181,7 @@ def test_a_closed_form_is_fitted_through_values_the_kernel_accepts():
     """sdpa-efficient in fp32 takes head dims in multiples of 4: at 17,880 the points below
     it, 4,470 and 13,410 (3/4), are not; each is moved down to one (4,468, 13,408), where
     the fit had given up (the kernel refused 4,470). The report names the points."""
-    probe = _Probe(Config(impl="sdpa-efficient"), "head_dim", GIB80)
+    probe = Probe(Config(impl="sdpa-efficient"), "head_dim", GIB80)
     q = _closed_form(probe, 17_880, "head_dim")  # 17,880 x 4 > 65,536: fitted below it
     assert q is not None and q.points == (4_468, 8_940, 17_880)  # 4,470 -> 4,468
     assert not q.exact  # rows padded by the kernel: a fit, not the sizes' own polynomial
@@ -188,14 +190,14 @@ def test_a_closed_form_is_fitted_through_values_the_kernel_accepts():
 def test_closed_form_is_left_out_when_no_time_is_left():
     """The answer stands without its closed form (a loop's is replayed at 2n, 3n and 4n);
     with time, the naive step's is the one above."""
-    late = _Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=1e-9)
+    late = Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=1e-9)
     assert _closed_form(late, 4096, "seq_len") is None
-    q = _closed_form(_Probe(Config(impl="naive"), "seq_len", GIB80), 4096, "seq_len")
+    q = _closed_form(Probe(Config(impl="naive"), "seq_len", GIB80), 4096, "seq_len")
     assert q.text() == "192*N^2 + 3,168*N + 67,108,864"
 
 
 def test_an_estimate_that_was_replayed_is_not_called_unreplayed():
-    probe = _Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=60)
+    probe = Probe(Config(impl="naive"), "seq_len", GIB80, time_limit=60)
     probe.estimate = 16384
     assert probe(16384)
     assert probe.unsolved().estimate is None and "estimate" not in str(probe.unsolved())
@@ -213,7 +215,7 @@ def test_an_unsolved_search_writes_its_bounds_as_the_other_figures():
 def test_the_size_of_a_judged_prediction_needs_no_second_replay():
     """A value judged by ``fit`` (an unbounded prediction, capped only above the budget)
     steers the search with the figure a capped replay would give: no replay more."""
-    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    probe = Probe(Config(impl="naive"), "seq_len", GIB80)
     fitted = probe.fit(16384)  # fits, reserved peak below the budget: no capped replay
     assert probe.evaluations == 1
     assert probe.size(16384) == fitted.reserved_peak_bytes == probe.full[16384].reserved_bytes
@@ -226,7 +228,7 @@ def test_a_climb_of_predictions_estimates_again_too():
     is taken again from the largest of those as well (naive at 80 GiB: 19,510 from
     16,384, as from a capped replay there)."""
     q = live_polynomial(Config(impl="naive", shape={"seq_len": 1024}), "seq_len")
-    probe = _Probe(Config(impl="naive"), "seq_len", GIB80)
+    probe = Probe(Config(impl="naive"), "seq_len", GIB80)
     probe.model, probe.estimate = q, 20951
     assert probe.fit(16384).fits and 16384 not in probe.known
     _estimate_again(probe)
@@ -255,14 +257,14 @@ def test_a_search_cut_short_keeps_the_figures_it_replayed_in_full(monkeypatch):
     """Stopped while looking for the first power of two that fails (fits(32,768) replayed,
     above it nothing), before the full replays at the answer: solved from its adjacent
     bounds, the figures not replayed, the power not known."""
-    real = solver._Probe.__call__
+    real = Probe.__call__
 
     def stopped(probe, x):
         if x == 32768:
             raise probe.unsolved()
         return real(probe, x)
 
-    monkeypatch.setattr(solver._Probe, "__call__", stopped)
+    monkeypatch.setattr(Probe, "__call__", stopped)
     s = max_fitting(Config(impl="naive"), GIB80, time_limit=600)
     assert s.max_value == 19511 and s.first_failing_power_of_two is None
     assert s.at_max is None and s.at_next is None and s.peak_bytes_at_max is None
@@ -302,7 +304,7 @@ def test_flash_head_dim_is_bounded_by_the_kernel_not_memory():
     640 MiB of segments, lse and softmax_d (512 KiB each) in one 2 MiB small segment:
     673,185,792 B; spare 85,362,475,008 - 673,185,792 = 84,689,289,216."""
     heard: list[str] = []
-    with progress.listen(heard.append):
+    with status.listen(heard.append):
         s = max_fitting(Config(impl="sdpa-flash", dtype="fp16"), GIB80, "head_dim",
                         time_limit=60)
     assert (s.max_value, s.next_value, s.at_next, s.first_failing_power_of_two) == (
@@ -321,7 +323,7 @@ def test_efficient_head_dim_is_the_largest_multiple_of_8_that_fits():
     2,952 the replay needs 88,302,682,112 B."""
     config = Config(impl="sdpa-efficient", dtype="fp16")
     heard: list[str] = []
-    with progress.listen(heard.append):
+    with status.listen(heard.append):
         s = max_fitting(config, GIB80, "head_dim", time_limit=60)
     assert (s.max_value, s.next_value) == (2944, 2952)
     assert s.approximation.text() == "28,836,096*d + 1,048,576"
@@ -336,8 +338,8 @@ def test_efficient_head_dim_is_the_largest_multiple_of_8_that_fits():
 def test_a_start_the_kernel_refuses_moves_to_one_it_accepts():
     """The value given is only where the search starts: --head-dim 20 starts the
     memory-efficient search at 16, 300 FlashAttention's at 256, 3 either at its smallest."""
-    efficient = _Probe(Config(impl="sdpa-efficient", dtype="fp16"), "head_dim", GIB80)
-    flash = _Probe(Config(impl="sdpa-flash", dtype="fp16"), "head_dim", GIB80)
+    efficient = Probe(Config(impl="sdpa-efficient", dtype="fp16"), "head_dim", GIB80)
+    flash = Probe(Config(impl="sdpa-flash", dtype="fp16"), "head_dim", GIB80)
     assert (efficient.snap(20), efficient.snap(3), flash.snap(300), flash.snap(3)) == (
         16, 8, 256, 3)
     s = max_fitting(Config(impl="sdpa-efficient", dtype="fp16", shape={"head_dim": 20}),
@@ -364,7 +366,7 @@ def test_a_loop_grows_at_every_doubling_a_split_heuristic_does_not():
     2,173, 4,349 events at 1,024, 2,048 and 4,096 rows (about 34 a chunk)."""
     flash = Config(impl="sdpa-flash", dtype="fp16")
     assert events_growth(flash, "seq_len") == (15, 15)  # the most of 15, 12, 12
-    assert not _Probe(flash, "seq_len", GIB80).grows()
+    assert not Probe(flash, "seq_len", GIB80).grows()
     chunked = Config(impl="linear-causal-chunked")
     assert events_growth(chunked, "seq_len") == (2173, 4349)
     s = max_fitting(flash, GIB80, time_limit=5)  # the default limit in a tenth of it

@@ -73,7 +73,65 @@ def test_no_import_circle():
 
 
 def test_a_name_registered_twice_is_refused():
-    from memcalc.registry import register
+    from memcalc.impls.registry import register
 
     with pytest.raises(ValueError, match="already registered"):
         register("naive", "a second naive")(lambda d: None)
+
+
+# The layers of the flow, lowest first: config -> program -> replay -> result -> render.
+# A module may import modules of its own layer and of the layers below, never above.
+LAYERS = (
+    ("memcalc.errors",),
+    ("memcalc.engine",),  # sizes, allocator, program, replay, recorder, deadline
+    ("memcalc.impls",),  # the registry and one module per implementation
+    ("memcalc.config", "memcalc.gpus", "memcalc.names"),  # what a user asks for
+    ("memcalc.output",),  # how a result shows itself
+    ("memcalc.analysis",),  # the questions: breakdown, budget, solver, sweep, compare
+    ("memcalc.tracing",),  # a user's code, traced into a program
+    ("memcalc.validation",),  # the model against a trace or a GPU
+    ("memcalc.plots",),
+    ("memcalc.cli", "memcalc.commands"),
+    ("memcalc",),  # the public face
+)
+TOP_LEVEL_MODULES = 8
+
+
+def layer(module: str) -> int:
+    """The index in ``LAYERS`` of the longest prefix of ``module``."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (
+                    best is None or len(name) > len(best[1])):
+                best = (i, name)
+    assert best is not None, f"{module} is in no layer of tests/test_structure.py"
+    return best[0]
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Every import of ``g`` that runs from a layer to a higher one."""
+    return sorted(f"{m} -> {d}" for m, deps in g.items() for d in deps
+                  if d in g and layer(d) > layer(m))
+
+
+def test_the_checker_finds_an_upward_import():
+    assert upward({"memcalc.engine.replay": {"memcalc.analysis.predict"},
+                   "memcalc.analysis.predict": {"memcalc.engine.replay"}}) == [
+        "memcalc.engine.replay -> memcalc.analysis.predict"]
+
+
+def test_imports_run_down_the_layers():
+    """Lazy imports inside functions count too: a dependency is one wherever it is written."""
+    assert upward(graph()) == []
+
+
+def test_the_top_level_keeps_the_public_face():
+    modules = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= TOP_LEVEL_MODULES, modules
+
+
+def test_each_package_says_what_it_may_import():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import" in doc, init

@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from memcalc.budget import Budget
+from memcalc.analysis.budget import Budget
 from memcalc.config import Config, Device
-from memcalc.scaling import sweep
+from memcalc.analysis.scaling import sweep
 from cli_helpers import assert_refused, run
 
 SEQ = (256, 1024, 4096, 8192, 16384)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from memcalc.symbolic import SizeDependent, Sym, evaluate_sym
+from memcalc.engine.symbolic import SizeDependent, Sym, evaluate_sym
 
 
 def test_products_are_canonical():

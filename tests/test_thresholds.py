@@ -6,13 +6,14 @@ import io
 
 import pytest
 
-from memcalc.accepted import every
-from memcalc.budget import Budget
+from memcalc.impls.accepted import every
+from memcalc.analysis.budget import Budget
 from memcalc.config import Config, Device
-from memcalc.closed_form import live_polynomial
-from memcalc.render import text
-from memcalc.solver import Solved, Unsolved, max_fitting
-from memcalc.thresholds import OomReport, PartialReport, Skipped, solve
+from memcalc.analysis.closed_form import live_polynomial
+from memcalc.output.render import text
+from memcalc.analysis.solved import Solved, Unsolved
+from memcalc.analysis.solver import max_fitting
+from memcalc.analysis.thresholds import OomReport, PartialReport, Skipped, solve
 from breakers import interrupt_after
 from cli_helpers import csv_as_json
 from toy_programs import one_event_pair_per_64_rows
@@ -179,7 +180,7 @@ def test_head_dims_over_every_implementation_answer_each_fused_kernel():
     """--solve head-dim without --impl (fp16, 80 GiB): FlashAttention's answer is its limit,
     the memory-efficient kernel's a multiple of 8, and neither is skipped for a value the
     search itself chose (before: "head_dim 512 > 256", from the event count at 512)."""
-    from memcalc.render import text
+    from memcalc.output.render import text
 
     budget = Budget.of(Device(), memory_gb=80)
     report = solve(Config(dtype="fp16"), budget, "head_dim")
@@ -274,7 +275,7 @@ def test_a_report_with_nothing_solved_says_what_is_known():
 def test_what_a_step_needs_over_the_budget_never_reads_as_the_budget():
     """sdpa-efficient at 80 GiB: 13,745,025 rows need 85,364,572,160 B against a budget
     of 85,362,475,008 B (79.50 GiB): 79.50195... GiB read 79.50, as if it fitted."""
-    from memcalc.thresholds import gib, gib_up
+    from memcalc.analysis.thresholds import gib, gib_up
 
     assert gib(85_364_572_160) == "79.50" and gib_up(85_364_572_160) == "79.51"
     assert gib_up(85_362_475_008) == "79.50"  # 79.5 x 2^30 exactly: no rounding

@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 
 from memcalc.cli import main
 from memcalc.config import Config, make_config
-from memcalc.timeline import predict
+from memcalc.analysis.predict import predict
 from memcalc.tracing import TraceError, fit, load_function, register_function, trace
 from memcalc.validation import figures_of
 
@@ -158,7 +158,7 @@ def test_oom_trace_agrees_with_direct_traces(capsys):
     row later, with the allocator model capped at the budget."""
     import json
 
-    from memcalc.allocator import OutOfMemory
+    from memcalc.engine.allocator import OutOfMemory
     from memcalc.config import make_config
     from memcalc.validation.emulated import measure
 

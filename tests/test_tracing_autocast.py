@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from memcalc.cli import main  # noqa: E402
 from memcalc.config import make_config  # noqa: E402
-from memcalc.inputs import inputs_of  # noqa: E402
+from memcalc.engine.inputs import inputs_of  # noqa: E402
 from memcalc.tracing import Calling, TraceError, TraceOptions, load_function, trace, traced  # noqa: E402
 from memcalc.tracing.autocast import policy_of  # noqa: E402
 from memcalc.validation import figures_of  # noqa: E402

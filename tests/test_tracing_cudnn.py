@@ -1,7 +1,7 @@
 """``memcalc.tracing.cudnn``: what PyTorch allocates around a cuDNN attention call."""
 
-from memcalc.dims import Dims
-from memcalc.tensors import Role, free, release
+from memcalc.engine.dims import Dims
+from memcalc.engine.program import Role, free, release
 from memcalc.tracing.cudnn import Workspace, backward, forward
 
 # B=2, H=4 query heads, Hk=2 key/value heads, N=8 query rows, M=24 key rows, d=16, bf16:

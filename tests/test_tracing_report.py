@@ -5,7 +5,7 @@ import json
 import pytest
 
 torch = pytest.importorskip("torch")
-from memcalc.budget import Budget  # noqa: E402
+from memcalc.analysis.budget import Budget  # noqa: E402
 from memcalc.cli import PIPED_WIDTH, main  # noqa: E402
 from memcalc.config import make_config  # noqa: E402
 from memcalc.tracing import register_function, trace, traced  # noqa: E402

@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from memcalc.tensors import Role  # noqa: E402
+from memcalc.engine.program import Role  # noqa: E402
 from memcalc.tracing import TraceError, load_function  # noqa: E402
 from memcalc.tracing.state import instantiate, on_meta, referenced  # noqa: E402
 

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from memcalc.cli import main  # noqa: E402
 from memcalc.config import make_config  # noqa: E402
-from memcalc.inputs import QKV, inputs_of  # noqa: E402
+from memcalc.engine.inputs import QKV, inputs_of  # noqa: E402
 from memcalc.tracing import TraceError, trace  # noqa: E402
 from memcalc.tracing.target import Bound, Calling, check_inputs, primary  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""memcalc.units: exact byte formatting (MiB, the largest binary unit, percentages)."""
+"""memcalc.engine.units: exact byte formatting (MiB, the largest binary unit, percentages)."""
 
 from fractions import Fraction
 
 import pytest
 
-from memcalc.units import GiB, KiB, MiB, decimal, fixed, human, mib, ratio_number, share
+from memcalc.engine.units import GiB, KiB, MiB, decimal, fixed, human, mib, ratio_number, share
 
 
 def test_mib_rounds_an_exact_half_up():

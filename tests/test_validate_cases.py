@@ -6,11 +6,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.allocator import OutOfMemory  # noqa: E402
-from memcalc.breakdown import FIGURES  # noqa: E402
+from memcalc.engine.allocator import OutOfMemory  # noqa: E402
+from memcalc.analysis.breakdown import FIGURES  # noqa: E402
 from memcalc.config import Config  # noqa: E402
 from memcalc.impls import IMPLS  # noqa: E402
-from memcalc.timeline import predict  # noqa: E402
+from memcalc.analysis.predict import predict  # noqa: E402
 from memcalc.tracing import trace  # noqa: E402
 from memcalc.validation import cases, emulated  # noqa: E402
 from memcalc.validation.cases import Case, run_case  # noqa: E402

@@ -2,7 +2,7 @@
 
 import pytest
 
-from memcalc.breakdown import FIGURES
+from memcalc.analysis.breakdown import FIGURES
 from memcalc.config import Config
 from memcalc.validation.compare import (ALLOCATOR, KERNEL, RECORD_KEYS, RELEASE, UNTRACED,
                                         WORKSPACE, Check, Report, _label, case_key)

@@ -7,7 +7,7 @@ from breakers import row_sum_as_int64
 pytest.importorskip("torch")
 
 from memcalc.config import Config, Protocol
-from memcalc.timeline import predict
+from memcalc.analysis.predict import predict
 from memcalc.validation import figures_of, validate
 from memcalc.validation.emulated import measure
 
@@ -79,7 +79,7 @@ def test_trace_frees_the_dead_in_the_order_they_were_tracked():
     """Several storages that die between two ops are freed in the order they were made."""
     import torch
 
-    from memcalc.validation.emulated import Tracer
+    from memcalc.tracing.tracer import Tracer
 
     tracer = Tracer(workspace_bytes=0)
     with tracer:
@@ -115,7 +115,7 @@ def _traced_safe_softmax(composite) -> list[tuple[str, int]]:
     """The allocations ``composite`` makes under the tracer, on the meta device."""
     import torch
 
-    from memcalc.validation.emulated import Tracer
+    from memcalc.tracing.tracer import Tracer
 
     tracer = Tracer(0)
     x = torch.empty(SOFTMAX_INPUT, device="meta")
@@ -128,7 +128,7 @@ def test_the_traced_safe_softmax_runs_the_installed_torchs_ops():
     """The composite the tracer runs for ``_safe_softmax`` allocates what the installed
     torch's own kernel does, op by op: torch 2.6 to 2.13 run softmax (840 B), isneginf (210 B),
     all (30 B), a 0-d zero (4 B) and a where into the softmax's storage (0 B)."""
-    from memcalc.validation.emulated import SAFE_SOFTMAX
+    from memcalc.tracing.tracer import SAFE_SOFTMAX
 
     assert _traced_safe_softmax(SAFE_SOFTMAX) == _profiled_safe_softmax()
 
@@ -136,9 +136,9 @@ def test_the_traced_safe_softmax_runs_the_installed_torchs_ops():
 def test_the_model_of_safe_softmax_runs_the_installed_torchs_ops():
     """memcalc/impls/sdpa_math.py declares the ops of the installed torch's kernel, in order,
     with their bytes: the model and the tracer cannot share a wrong composite unseen."""
-    from memcalc.dims import Dims
+    from memcalc.engine.dims import Dims
     from memcalc.impls.sdpa_math import safe_softmax
-    from memcalc.tensors import Tensor
+    from memcalc.engine.program import Tensor
 
     B, H, N, M = SOFTMAX_INPUT
     d = Dims(B=B, H=H, N=N, M=M, D=16, dtype="float32", causal=False, loss="grad", Hk=H, chunk=64)
@@ -148,6 +148,6 @@ def test_the_model_of_safe_softmax_runs_the_installed_torchs_ops():
 
 def test_the_older_safe_softmax_is_told_apart():
     """torch 2.5: a -inf scalar, eq, and an out-of-place where: the check sees it."""
-    from memcalc.validation.emulated import _safe_softmax_eq
+    from memcalc.tracing.tracer import _safe_softmax_eq
 
     assert _traced_safe_softmax(_safe_softmax_eq) != _profiled_safe_softmax()

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-import memcalc.vectorized as V
+import memcalc.analysis.vectorized as V
 from memcalc.config import Config
 from memcalc.impls import impl_names
-from memcalc.tensors import Program, Role, new
-from memcalc.timeline import predict
-from memcalc.vectorized import classify, evaluate
+from memcalc.engine.program import Program, Role, new
+from memcalc.analysis.predict import predict
+from memcalc.analysis.vectorized import classify, evaluate
 from toy_programs import one_event_pair_per_64_rows
 
 FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
@@ -70,7 +70,7 @@ def test_large_lengths_follow_few_paths(eager):
 
 def test_seeds_benchmark_figures():
     # B=8 H=1 N=16384 d=16 fp32: NN = 8 x 16384^2 x 4 = 8,589,934,592; ND = 8,388,608;
-    # workspaces 2 x 32 MiB (H100); the same arithmetic as tests/test_timeline.py
+    # workspaces 2 x 32 MiB (H100); the same arithmetic as tests/test_replay.py
     NN, ND, ROW, IDX, WS = 8_589_934_592, 8_388_608, 524_288, 1_048_576, 33_554_432
     figures = evaluate(Config(impl="naive"), seq_len=[1024, 16384], head_dim=16)
     row = figures.row(1)
@@ -126,7 +126,7 @@ def test_decision_on_head_dim_splits_the_grid(eager, toy_impls):
 # --- classification -----------------------------------------------------------------------
 
 def test_classify_decides_only_what_it_can(eager):
-    from memcalc.budget import fits
+    from memcalc.analysis.budget import fits
 
     base = Config(impl="naive", shape={"batch": 1})
     n = np.arange(3000, 3400, 7)

@@ -1,4 +1,4 @@
-"""The guard on the work a request implies (``memcalc.work``): refused before it is done."""
+"""The guard on the work a request implies (``memcalc.engine.work``): refused before it is done."""
 
 import subprocess
 import sys
@@ -8,9 +8,8 @@ import pytest
 
 import memcalc
 from memcalc.config import make_config
-from memcalc.solver import program_events
-from memcalc.work import (EVENT_BYTES, ROW_BYTES, TooMuchWork, check_rows, estimated_events,
-                          memory_limit)
+from memcalc.analysis.probe import program_events
+from memcalc.engine.work import (EVENT_BYTES, ROW_BYTES, TooMuchWork, check_rows, estimated_events, memory_limit)
 from cli_helpers import run
 
 GiB = 2**30

@@ -1,6 +1,6 @@
 """Programs made for tests: the shapes of real ones, small enough to reason about."""
 
-from memcalc.tensors import Program, Role, free, new
+from memcalc.engine.program import Program, Role, free, new
 
 
 def one_event_pair_per_64_rows(d) -> Program:

@@ -6,8 +6,10 @@ import itertools
 import sys
 
 from memcalc.config import Config, Protocol, Shape
-from memcalc.timeline import Ledger, predict
-from memcalc.validation.emulated import Tracer, TracerProbe, measure  # noqa: F401
+from memcalc.engine.replay import Ledger
+from memcalc.analysis.predict import predict
+from memcalc.tracing.tracer import Tracer, TracerProbe  # noqa: F401
+from memcalc.validation.emulated import measure
 
 impl = sys.argv[1]
 causal = len(sys.argv) > 2 and sys.argv[2] == "1"
@@ -18,7 +20,7 @@ cfg = Config(impl=impl, shape=Shape(batch=2, heads=3, seq_len=N, head_dim=16), d
              causal=causal, protocol=Protocol(loss=loss, forward_only=fo))
 model_ledger = Ledger(cfg.workspace_bytes, record=True)
 model = predict(cfg, ledger=model_ledger)
-import memcalc.validation.emulated as em  # noqa: E402
+import memcalc.tracing.tracer as em  # noqa: E402
 
 traced_ledgers = []
 orig = em.Tracer.__init__
@@ -34,7 +36,8 @@ trace = measure(cfg)
 print("model ", model.figures())
 print("traced", trace.figures())
 model_events = [e for e in model_ledger.history if e.kind != "phase"]
-for i, (x, y) in enumerate(itertools.zip_longest(model_events, traced_ledgers[0].history)):
+traced_events = [e for e in traced_ledgers[0].history if e.kind != "phase"]  # both: no marks
+for i, (x, y) in enumerate(itertools.zip_longest(model_events, traced_events)):
     fx = (x[0], x[1].bytes) if x else None
     fy = (y[0], y[1].bytes) if y else None
     mark = "  " if fx == fy else "!!"

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from memcalc.config import Config
 from memcalc.tracing import load_function, register_function, trace
-from memcalc.units import human
+from memcalc.engine.units import human
 
 HERE = Path(__file__).parent
 table = Table("variant", "saved", "forward peak", "backward peak", "reserved peak")

@@ -18,8 +18,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """Check the options, compute, draw the plot if asked (so that a failure to write it
     prints nothing else), then print."""
-    from memcalc.budget import check
-    from memcalc.progress import status
+    from memcalc.analysis.budget import check
+    from memcalc.output.progress import status
 
     check_output(args.plot, "--plot")
     if "," in args.impl or args.impl.strip() == "all":

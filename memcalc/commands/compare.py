@@ -52,8 +52,8 @@ def base_config(args, names: list[str] | None):
 
 def run(args) -> int:
     """Check the options, compare, draw the plot if asked, then print."""
-    from memcalc.comparison import compare
-    from memcalc.progress import status
+    from memcalc.analysis.comparison import compare
+    from memcalc.output.progress import status
 
     check_output(args.plot, "--plot")
     names = impl_list(args.impl)

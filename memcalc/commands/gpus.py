@@ -10,8 +10,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from memcalc.cli import show
     from memcalc.gpus import MEMORY_KINDS, gpu_presets
-    from memcalc.render import Column, rich_table
-    from memcalc.units import human
+    from memcalc.output.render import Column, rich_table
+    from memcalc.engine.units import human
 
     columns = [
         Column("name", lambda g: g.name),

@@ -11,7 +11,7 @@ def run(args) -> int:
     from memcalc.cli import show
     from memcalc.impls import get_impl
     from memcalc.names import impl_choices
-    from memcalc.render import Column, rich_table
+    from memcalc.output.render import Column, rich_table
 
     columns = [
         Column("implementation", lambda n: n),

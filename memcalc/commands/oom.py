@@ -30,8 +30,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from memcalc.config import first_accepted
-    from memcalc.progress import status
-    from memcalc.thresholds import PartialReport, solve
+    from memcalc.output.progress import status
+    from memcalc.analysis.thresholds import PartialReport, solve
 
     from memcalc.names import solve_field
 

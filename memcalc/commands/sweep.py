@@ -11,7 +11,7 @@ HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, imp
 
 def int_ranges(text: str, option: str) -> list[range]:
     """``"256,1024"`` or ranges ``"256:4096:256"`` (start:stop:step, stop included), as
-    ranges not yet made: a sweep's size is known (and refused, ``memcalc.work``) before a
+    ranges not yet made: a sweep's size is known (and refused, ``memcalc.engine.work``) before a
     hundred million lengths are."""
     ranges: list[range] = []
     for part in text.split(","):
@@ -67,11 +67,11 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from memcalc.cli import budget_from, check_chunk, config_options, emit
     from memcalc.config import make_config
-    from memcalc.progress import progress, status
-    from memcalc.scaling import FIGURE_KEY, sweep
+    from memcalc.output.progress import progress, status
+    from memcalc.analysis.scaling import FIGURE_KEY, sweep
 
     from memcalc.names import impl_choices, impl_list, unknown
-    from memcalc.work import check_rows
+    from memcalc.engine.work import check_rows
 
     lists = {option: int_ranges(getattr(args, key), option) for option, key in (
         ("--seq", "seq"), ("--head-dim", "head_dim"), ("--batch", "batch"), ("--heads", "heads"))}

@@ -65,7 +65,7 @@ def _workspace(text):
 
     if text is None:
         return Workspace()
-    from memcalc.budget import parse_size
+    from memcalc.analysis.budget import parse_size
 
     size = parse_size(text, "--cudnn-workspace")
     return Workspace(size, size)

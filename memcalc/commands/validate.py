@@ -79,7 +79,7 @@ def run(args) -> int:
     for option, value in (("--max-seconds", seconds), ("--cases", kinds)):
         if value is not None and not live:
             raise ValueError(f"{option}: only with --backend cuda")
-    from memcalc.progress import progress
+    from memcalc.output.progress import progress
 
     report = validate(backend=args.backend, impls=impls, grid=args.grid,
                       out=args.out if live else None, max_seconds=seconds, cases=kinds,

@@ -1,14 +1,16 @@
 """The implementations, one module each, loaded once in this order.
 
-Each module registers its builders in ``memcalc.registry``; ``checkpoint`` comes last
+Each module registers its builders in ``memcalc.impls.registry``; ``checkpoint`` comes last
 because it wraps the traced implementations registered before it.
+
+May import: ``memcalc.errors`` and ``engine``.
 """
 
 from __future__ import annotations
 
 from memcalc.impls import flash2, linear, naive, sdpa_efficient, sdpa_flash, sdpa_math  # noqa: F401
 from memcalc.impls import checkpoint  # noqa: F401,E402  (wraps the ones above)
-from memcalc.registry import IMPLS, Impl, register  # noqa: F401
+from memcalc.impls.registry import IMPLS, Impl, register  # noqa: F401
 
 
 def get_impl(name: str) -> Impl:

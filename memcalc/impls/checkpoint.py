@@ -28,20 +28,8 @@ later (``memcalc trace``) are not. Implementations without marks: the recomputat
 
 from __future__ import annotations
 
-from memcalc.registry import IMPLS, Impl, register
-from memcalc.tensors import (
-    FIRST_UNPACK,
-    LAST_SAVE,
-    Dims,
-    Event,
-    Free,
-    Mark,
-    Program,
-    Release,
-    Role,
-    Tensor,
-    free,
-)
+from memcalc.impls.registry import IMPLS, Impl, register
+from memcalc.engine.program import (FIRST_UNPACK, LAST_SAVE, Dims, Event, Free, Mark, Program, Release, Role, Tensor, free)
 
 # traced implementations this wrapper cannot describe, and why
 UNSUPPORTED = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memcalc.tensors import Dims, Role, free, new
+from memcalc.engine.program import Dims, Role, free, new
 
 
 def with_loss(d: Dims, backward: list) -> list:
@@ -26,7 +26,7 @@ def softmax_backward(name: str, shape: tuple, dtype: str) -> list:
     ``softmax_backward_cuda_out``): its structured output ``name``, then ``Tensor tmp = grad
     * output`` inside the kernel, freed as it returns, a second tensor of the scores' shape
     for the length of the op. The meta kernel makes the output only; the tracer adds the
-    same temporary (``memcalc.validation.emulated.CUDA_TEMPORARIES``). Read from the
+    same temporary (``memcalc.tracing.tracer.CUDA_TEMPORARIES``). Read from the
     source; not yet checked on a GPU."""
     return [
         new(name, shape, dtype, Role.temporary, "_softmax_backward_data"),  # grad_input

@@ -11,9 +11,9 @@ No op of the step calls cuBLAS: the step holds no cuBLAS workspace (DESIGN.md s.
 
 from __future__ import annotations
 
-from memcalc.registry import register
+from memcalc.impls.registry import register
 from memcalc.impls.common import with_loss
-from memcalc.tensors import Dims, Program, Role, free, new, release
+from memcalc.engine.program import Dims, Program, Role, free, new, release
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 

@@ -24,20 +24,10 @@ of place in every trace here).
 
 from __future__ import annotations
 
-from memcalc.deadline import tick
-from memcalc.registry import register
+from memcalc.engine.deadline import tick
+from memcalc.impls.registry import register
 from memcalc.impls.common import with_loss
-from memcalc.tensors import (
-    Dims,
-    Program,
-    Role,
-    cublas,
-    first_unpack,
-    free,
-    last_save,
-    new,
-    release,
-)
+from memcalc.engine.program import (Dims, Program, Role, cublas, first_unpack, free, last_save, new, release)
 
 A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
 

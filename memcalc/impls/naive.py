@@ -8,9 +8,9 @@ Reference code: ``memcalc/validation/reference.py`` (``naive``, ``naive-softmax`
 
 from __future__ import annotations
 
-from memcalc.registry import register
+from memcalc.impls.registry import register
 from memcalc.impls.common import softmax_backward, with_loss
-from memcalc.tensors import Dims, Program, Role, cublas, free, last_save, new, release
+from memcalc.engine.program import Dims, Program, Role, cublas, free, last_save, new, release
 
 A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
 

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from math import ceil
 
 
-from memcalc.accepted import Accepted
-from memcalc.registry import register
+from memcalc.impls.accepted import Accepted
+from memcalc.impls.registry import register
 from memcalc.impls.common import with_loss
-from memcalc.tensors import Dims, Program, Role, free, new, release
+from memcalc.engine.program import Dims, Program, Role, free, new, release
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 F32 = "float32"

@@ -19,24 +19,14 @@ CUDA with ``sdpa_kernel(SDPBackend.MATH)`` and which meta and CPU tensors always
   ``_softmax_backward_data``.
 
 The mask is added in place (``attn.add_``) and ``_safe_softmax`` runs its composite, as on
-a GPU; the emulated tracer makes both so as well (``memcalc/validation/emulated.py``).
+a GPU; the emulated tracer makes both so as well (``memcalc/tracing/tracer.py``).
 """
 
 from __future__ import annotations
 
-from memcalc.registry import register
+from memcalc.impls.registry import register
 from memcalc.impls.common import softmax_backward, with_loss
-from memcalc.tensors import (
-    Dims,
-    Program,
-    Role,
-    cublas,
-    first_unpack,
-    free,
-    last_save,
-    new,
-    release,
-)
+from memcalc.engine.program import (Dims, Program, Role, cublas, first_unpack, free, last_save, new, release)
 
 A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
 F32 = "float32"
@@ -97,7 +87,7 @@ def safe_softmax(d: Dims, scores: str) -> list:
     fully-masked rows' zeros into it, allocating nothing), the ``isneginf`` bool mask, the
     fully-masked-row mask and a 0-d zero, the three locals freed at its return (from torch
     2.6 on, pytorch/pytorch#139613; torch 2.5 compared with a ``-inf`` scalar and allocated
-    ``where``'s result apart: ``memcalc.validation.emulated.SAFE_SOFTMAX``, what the trace
+    ``where``'s result apart: ``memcalc.tracing.tracer.SAFE_SOFTMAX``, what the trace
     runs, by release)."""
     bhnm = (d.B, d.H, d.N, d.M)
     return [
@@ -146,7 +136,7 @@ def forward(d: Dims) -> list:
         cublas(),
         free("ks"),  # a temporary: only autograd keeps it
         # causal: attn.add_(*attn_mask), in place (the tracer makes it so too:
-        # memcalc.validation.emulated.Tracer.math_mask_add)
+        # memcalc.tracing.tracer.Tracer.math_mask_add)
         *weights(d),
         *output(d),
         free(*[n for n in ("q32", "k32", "v32", "k_rep", "v_rep", "mask", "p_cast", "o32")

@@ -21,6 +21,9 @@ verified on two more). Registered under a name (``register_function``), the trac
 then works everywhere a built-in does: ``predict``, OOM solving, sweeps.
 
 The user's file is imported, so it runs as code: only what the user names is imported.
+
+The tracer itself (``tracer.py``) runs the measurement protocol (``protocol.py``) on the
+meta device. May import: everything but ``validation``, ``plots``, ``cli`` and ``commands``.
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
-from memcalc.breakdown import Breakdown
+from memcalc.analysis.breakdown import Breakdown
 from memcalc.config import Config
 from memcalc.errors import one_line as _first_line
-from memcalc.inputs import QKV, Input, sizes_read
-from memcalc.tensors import Cublas, Dims, Free, Program, Release, Role, Tensor
+from memcalc.engine.inputs import QKV, Input, sizes_read
+from memcalc.engine.program import Cublas, Dims, Free, Program, Release, Role, Tensor
 from memcalc.tracing.cudnn import Workspace
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu, TraceError
 from memcalc.tracing.sdpa_select import Release as TorchRelease
@@ -65,19 +68,19 @@ def trace(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
           calling: Calling = Calling()) -> Breakdown:
     """The breakdown of ``fn``'s step under ``config``, traced on the meta device as it
     would run on ``config``'s GPU; ``fn`` is called as ``calling`` says (with ``q, k, v``
-    unless it gives other inputs: ``memcalc.inputs``)."""
+    unless it gives other inputs: ``memcalc.engine.inputs``)."""
     return traced(fn, config, options, calling=calling).breakdown
 
 
 def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
            budget=None, history: list | None = None, calling: Calling = Calling()):
     """``trace`` with its notes (SDPA backends and why, what is not modelled, which of
-    several returned values was the output) and, given a ``memcalc.budget.Budget``, whether
+    several returned values was the output) and, given a ``memcalc.analysis.budget.Budget``, whether
     the step fits in it (a capped direct trace). ``history``: a list to extend with the
     allocator ledger's history (for plots)."""
-    from memcalc.budget import fit
+    from memcalc.analysis.budget import fit
     from memcalc.tracing.report import Traced
-    from memcalc.validation.emulated import Tracer
+    from memcalc.tracing.tracer import Tracer
 
     if calling.autocast and not options.cuda:
         raise TraceError("--autocast: autocast is CUDA's; --meta-paths follows the meta "
@@ -122,7 +125,7 @@ def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[I
              capacity: int | None = None, paths=None, tracer=None) -> Breakdown:
     """One direct trace of the bound call's step (see ``trace``)."""
     from memcalc.tracing.state import kept, on_meta
-    from memcalc.validation.emulated import measure
+    from memcalc.tracing.tracer import measure
 
     paths = paths or _paths(config, options)
 
@@ -143,7 +146,7 @@ def output_like(call: Bound, config: Config, options: TraceOptions,
     causal mask buffer registered lazily) is undone after it (``state.kept``): on a GPU the
     protocol's warm-up is the first call, and builds it there."""
     from memcalc.tracing.state import kept
-    from memcalc.validation.emulated import Tracer, output_of
+    from memcalc.tracing.tracer import Tracer, output_of
 
     if config.protocol.forward_only or config.protocol.loss != "grad":
         return None
@@ -162,7 +165,7 @@ def _guarded(run: Callable, fn: Callable, called_with: str = ""):
     """Run a trace; a failure becomes a TraceError naming the user's line, what the target
     was ``called_with`` (``q (8, 1, 1024, 16) float32, ...``) where that explains it, and a
     hint where one applies."""
-    from memcalc.allocator import OutOfMemory
+    from memcalc.engine.allocator import OutOfMemory
 
     try:
         with warnings.catch_warnings():
@@ -224,7 +227,7 @@ def _library_line(frames, source: str) -> str:
     """`` (in masking_utils.py:761, find_packed_sequence_indices)``: the last frame of the
     failure in neither the user's file nor torch nor memcalc, when there is one after the
     user's last; else ``""``."""
-    from memcalc.validation.emulated import _is_user_code
+    from memcalc.tracing.tracer import _is_user_code
 
     last_mine = max((i for i, f in enumerate(frames) if f.filename == source), default=-1)
     library = [f for f in frames[last_mine + 1:] if f.filename != source
@@ -407,7 +410,7 @@ def traced_program(fn: Callable, config: Config,
 def _sample_events(call: Bound, config: Config, n: int,
                    inputs: tuple[Input, ...]) -> tuple[list, list, list]:
     from memcalc.tracing.state import kept, on_meta
-    from memcalc.validation.emulated import Tracer, TracerProbe, run_traced
+    from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
     sample = config.replace(seq_len=n)
     options = TraceOptions()
@@ -466,7 +469,7 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling()) ->
     return that name, for ``Config(impl=...)``. Its program is fitted on first use, once
     per combination of the sizes other than seq_len (batch, heads, head_dim, dtype,
     causal, loss, forward-only)."""
-    from memcalc.registry import Impl, add
+    from memcalc.impls.registry import Impl, add
 
     name = f"trace:{label}"
     programs: dict[Dims, Callable[[int], Program]] = {}

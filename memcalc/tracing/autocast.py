@@ -97,7 +97,7 @@ class Autocast(TorchFunctionMode):
         self.noted: set[str] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from memcalc.validation.emulated import call_within
+        from memcalc.tracing.tracer import call_within
 
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
@@ -114,7 +114,7 @@ class Autocast(TorchFunctionMode):
 
     def _note(self) -> None:
         """Say once per dtype that CUDA's policy was followed, where autocast was on."""
-        from memcalc.validation.emulated import _where
+        from memcalc.tracing.tracer import _where
 
         paths = self.tracer.paths
         dtype = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
@@ -168,7 +168,7 @@ class Autocast(TorchFunctionMode):
     def _cast(self, source, to, cached: bool):
         """``source.to(to)``, its block named after ``source`` (a parameter's name, or the
         op that made it) in the tracer's ledger: ``autocast c_attn.weight as bfloat16``."""
-        from memcalc.validation.emulated import located_name
+        from memcalc.tracing.tracer import located_name
 
         self._note()
         self.tracer.collect_frees()  # what died before this op, as at every op's start

@@ -7,7 +7,7 @@ Each rule is a small registered function citing the PyTorch source it follows:
   composite kernels split it, where CUDA and meta take different branches:
   ``scaled_dot_product_attention`` (backend choice), ``softmax``/``log_softmax`` with
   ``dtype=float32`` on fp16 (``half_to_float``), training ``dropout`` (fused);
-* aten ops are the tracer's (``memcalc/validation/emulated.py``): ``_safe_softmax``'s CUDA
+* aten ops are the tracer's (``memcalc/tracing/tracer.py``): ``_safe_softmax``'s CUDA
   composite and the math backend's in-place mask add, on every path (validation too).
 
 A fused SDPA kernel's allocations are not written here: they are the programs of
@@ -81,7 +81,7 @@ class CudaPaths:
         it casts before the rules see a call, as autocast runs before SDPA's backend
         choice on a GPU)."""
         from memcalc.tracing.autocast import Autocast, enabled_on_meta
-        from memcalc.validation.emulated import torch_release
+        from memcalc.tracing.tracer import torch_release
 
         autocast = Autocast(self.tracer, torch_release())
         with Mode(self), enabled_on_meta(autocast), autocast:
@@ -103,7 +103,7 @@ class Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from memcalc.validation.emulated import call_within
+        from memcalc.tracing.tracer import call_within
 
         handler = _FUNCTION_RULES.get(func)
         if handler is not None and self.paths.tracer is not None:
@@ -147,7 +147,7 @@ def flags() -> Flags:
 def sdpa(paths: CudaPaths, func, args, kwargs):
     """Select the backend as ``sdp_utils.cpp`` does, note it, run it."""
     from memcalc.tracing import kernels
-    from memcalc.validation.emulated import _where
+    from memcalc.tracing.tracer import _where
 
     q, k, v = args[:3]
     mask = _arg(args, kwargs, 3, "attn_mask")
@@ -231,7 +231,7 @@ def fused_dropout(paths: CudaPaths, func, args, kwargs):
 
 def _noted(paths: CudaPaths, what: str, how: str) -> None:
     """Say which rule ran where."""
-    from memcalc.validation.emulated import _where
+    from memcalc.tracing.tracer import _where
 
     paths.note(f"{what} at {_where()[0]}: {how}")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.tensors import Dims, Role, free, new, release
+from memcalc.engine.program import Dims, Role, free, new, release
 
 S, O, T = Role.saved, Role.output, Role.temporary
 F32 = "float32"

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from memcalc.impls import sdpa_efficient, sdpa_flash
-from memcalc.tensors import Dims, Free, Release, Role, Tensor
+from memcalc.engine.program import Dims, Free, Release, Role, Tensor
 from memcalc.tracing import cudnn
 from memcalc.tracing.errors import NotModelled
 from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
@@ -74,7 +74,7 @@ class Kernel:
             self.tracer.collect_frees()
 
     def _component(self, event: Tensor):
-        from memcalc.validation.emulated import component
+        from memcalc.tracing.tracer import component
 
         return component(f"{self.backend} {event.name}", event.role, event.op, event.shape,
                          event.dtype, event.bytes)

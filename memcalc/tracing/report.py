@@ -3,8 +3,9 @@ trace took (which SDPA backend each call took and why) or could not see."""
 
 from __future__ import annotations
 
-from memcalc.breakdown import Breakdown, Result
-from memcalc.budget import Budget, Fit
+from memcalc.analysis.breakdown import Breakdown
+from memcalc.output.result import Result
+from memcalc.analysis.budget import Budget, Fit
 
 
 class Traced(Result):
@@ -39,13 +40,13 @@ class Traced(Result):
             lines += [self.budget.describe(), self.fit.describe()]
         return "\n".join(lines)
 
-    # the rendering protocol (memcalc.render): the breakdown's tables, then what the trace
+    # the rendering protocol (memcalc.output.render): the breakdown's tables, then what the trace
     # learnt; every format is derived from these
     def tables(self) -> list:
         return self.breakdown.tables()
 
     def footnotes(self) -> list[str]:
-        from memcalc.render_results import caveats
+        from memcalc.output.results import caveats
 
         return [self.summary(), *caveats([self.breakdown.config.impl], self.kernels)]
 

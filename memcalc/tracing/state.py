@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from memcalc.errors import one_line
-from memcalc.tensors import Role
+from memcalc.engine.program import Role
 from memcalc.tracing.errors import TraceError
 
 Resident = tuple[str, object, Role]  # (name, tensor, role)

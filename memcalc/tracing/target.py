@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from memcalc.errors import one_line as _first_line
-from memcalc.inputs import QKV, Input, letters_help
+from memcalc.engine.inputs import QKV, Input, letters_help
 
 EXAMPLE_DIMS = "('B', 'N', 768)"
 from memcalc.tracing.errors import TraceError

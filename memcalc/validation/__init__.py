@@ -1,6 +1,8 @@
 """Validation: the model against the emulated trace (anywhere) or a live GPU run.
 
 Importing this package does not import torch; the backends do, when called.
+
+May import: everything but ``plots``, ``cli`` and ``commands``.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memcalc.config import Config
-from memcalc.timeline import predict
+from memcalc.analysis.predict import predict
 from memcalc.validation.compare import Check, Report, figures_of
 from memcalc.validation.grid import default_grid, load_grid
 
@@ -22,7 +24,7 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
     model, the emulated trace and the live run side by side, plus the cases beyond the grid
     named in ``cases``, default all of ``cases.KINDS``; written to ``out`` after each
     case, resumed from it, stopped after ``max_seconds``). ``progress(items, total,
-    description)`` wraps the emulated loop (``memcalc.progress``)."""
+    description)`` wraps the emulated loop (``memcalc.output.progress``)."""
     shipped = configs is None and grid is None and impls is None
     if configs is None:
         configs = (load_grid(grid) if grid else default_grid()).expand(impls)

@@ -19,8 +19,8 @@ from typing import Callable
 
 from pydantic import computed_field
 
-from memcalc.breakdown import Result
-from memcalc.units import human
+from memcalc.output.result import Result
+from memcalc.engine.units import human
 
 MiB = 1 << 20
 STEP = 2 * MiB  # kRoundLarge

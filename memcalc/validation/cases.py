@@ -72,8 +72,8 @@ class Case:
 
     @property
     def inputs(self) -> tuple:
-        """What ``code()`` is called with (``memcalc.inputs``)."""
-        from memcalc.inputs import QKV
+        """What ``code()`` is called with (``memcalc.engine.inputs``)."""
+        from memcalc.engine.inputs import QKV
 
         return QKV if self.calling is None else self.calling.inputs
 
@@ -86,7 +86,7 @@ class Case:
                 fn = prepared(self.fn, self.config.impl) if self.calling else self.fn
                 return (trace(fn, self.config, calling=self.calling or Calling()).figures(),
                         "memcalc trace")
-            from memcalc.timeline import predict
+            from memcalc.analysis.predict import predict
 
             return predict(self.config).figures(), ""
         except Exception as error:  # noqa: BLE001 - a model that cannot answer is a record
@@ -100,7 +100,7 @@ class Case:
             return None, "absent", "user code: the tracer is its model"
         if not get_impl(self.config.impl).traced:
             return None, "absent", "fused kernel: the meta device cannot run it"
-        from memcalc.allocator import OutOfMemory
+        from memcalc.engine.allocator import OutOfMemory
         from memcalc.validation import emulated
 
         try:
@@ -162,8 +162,8 @@ def modelcode_cases(env: dict[str, str]) -> list[Case]:
 def oom_cases(env: dict[str, str], capacity: int) -> list[Case]:
     """For each of ``OOM_IMPLS`` (the seeds' B=8 H=1 d=16 fp32 step) the threshold memcalc's
     solver finds for an allocator capped at ``capacity``: N (fits) and N + 1 (does not)."""
-    from memcalc.budget import fit
-    from memcalc.solver import max_fitting
+    from memcalc.analysis.budget import fit
+    from memcalc.analysis.solver import max_fitting
     from memcalc.validation.cuda import live_config
 
     cases = []
@@ -207,7 +207,7 @@ def run_case(case: Case, gpu) -> Check:
 
 
 def _live(case: Case, gpu) -> tuple[str, dict[str, int] | None, str]:
-    from memcalc.breakdown import FIGURES
+    from memcalc.analysis.breakdown import FIGURES
 
     try:
         m = gpu.measure(case.config, case.code(gpu.device), case.capacity, case.inputs)

@@ -13,9 +13,10 @@ from typing import Literal
 
 from pydantic import computed_field
 
-from memcalc.breakdown import FIGURES, Result
+from memcalc.analysis.breakdown import FIGURES
+from memcalc.output.result import Result
 from memcalc.config import Config
-from memcalc.render import Column, Table, record_table
+from memcalc.output.render import Column, Table, record_table
 from memcalc.validation.calibration import Calibration
 
 Outcome = Literal["measured", "oom", "error", "absent"]
@@ -234,7 +235,7 @@ class Report(Result):
         return record_table(RECORD_KEYS, self.records())
 
     def footnotes(self) -> list[str]:
-        from memcalc.render_results import caveats
+        from memcalc.output.results import caveats
 
         shown = len(self._shown())
         more = [f"{shown} of {len(self.checks)} configurations shown (mismatches first); "

@@ -20,8 +20,8 @@ from typing import Callable
 
 from memcalc.config import Config, Device
 from memcalc.validation.calibration import Calibration, calibrate
-from memcalc.inputs import QKV, Input
-from memcalc.validation.harness import Measured, make_inputs, run_protocol
+from memcalc.engine.inputs import QKV, Input
+from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
 
 
 class CudaUnavailable(ValueError):

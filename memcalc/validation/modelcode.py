@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memcalc.inputs import inputs_of
+from memcalc.engine.inputs import inputs_of
 from memcalc.tracing.target import Calling
 
 WIDTH, HEADS = 256, 4
@@ -168,7 +168,7 @@ def fitted_checks() -> tuple:
     the program fitted from its traces (what ``memcalc oom --trace`` solves) against a
     direct trace, on the GPU's code paths, at lengths it was not fitted on."""
     from memcalc.config import Config, Shape
-    from memcalc.timeline import predict
+    from memcalc.analysis.predict import predict
     from memcalc.tracing import prepared, trace
     from memcalc.validation.compare import Check, figures_of
 

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from memcalc.allocator import MiB
+from memcalc.engine.allocator import MiB
 from memcalc.config import Config, Device
-from memcalc.validation.emulated import Tracer, TracerProbe
+from memcalc.tracing.tracer import Tracer, TracerProbe
 
 B = 8
 SEQ = [256, 1024, 4096, 8192, 16384]

@@ -1,0 +1,149 @@
+"""The closed form of a step's memory: the raw bytes alive at the peak as ``a x^2 + b x + c``.
+
+The tensors alive at the peak have sizes that are polynomials in one shape field; the
+quadratic through three programs (checked at a fourth) is what the OOM report shows the
+user ("so the user sees why"), and what the solver's first guesses come from.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from memcalc.config import Config
+from memcalc.engine.deadline import TimeUp
+from memcalc.engine.program import Role
+from memcalc.analysis.predict import predict, tensor_sizes
+from memcalc.engine.units import fixed
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+SYMBOL = {"seq_len": "N", "batch": "B", "head_dim": "d"}
+
+
+def _coefficient(q: Fraction, places: int | None) -> str:
+    """A coefficient's magnitude: the integer; else its fraction, or with ``places``, its
+    decimal rounded to that many places (exactly, half up)."""
+    if q.denominator == 1:
+        return f"{q.numerator:,}"
+    if places is None:
+        return f"{q.numerator:,}/{q.denominator:,}"
+    return fixed(q.numerator, q.denominator, places)
+
+
+class Quadratic(BaseModel):
+    """``a x^2 + b x + c``: the raw bytes of the tensors alive at the peak (requested sizes,
+    before the allocator rounds them to blocks), as a function of the solved field. Exact
+    (``exact``) when the quadratic through ``x``, ``2x`` and ``4x`` (``x/4``, ``x/2`` and
+    ``x``: ``below``) also holds at ``3x`` (``3x/4``); else that quadratic is a fit (sizes
+    with ``ceil`` in them, such as rows padded to 32)."""
+
+    model_config = _FROZEN
+    symbol: str
+    a: Fraction
+    b: Fraction
+    c: Fraction
+    exact: bool
+    at: int = Field(description="where the live set was taken (x; fitted at x, 2x, 4x, or "
+                                "at x/4, x/2, x)")
+    points: tuple[int, int, int] = Field(description="the values it was fitted through")
+    components: tuple[str, ...]
+
+    def __call__(self, x: int) -> Fraction:
+        return self.a * x * x + self.b * x + self.c
+
+    def root(self, target: Fraction) -> Fraction | None:
+        """The positive ``x`` where the quadratic reaches ``target`` (None if it never does)."""
+        a, b, c = self.a, self.b, self.c - target
+        if a == 0:
+            return -c / b if b > 0 else None
+        disc = b * b - 4 * a * c
+        if disc < 0:
+            return None
+        return (-b + Fraction(math.isqrt(int(disc)))) / (2 * a) if a > 0 else None
+
+    def text(self, places: int | None = None) -> str:
+        """``a*x^2 + b*x + c`` without its zero terms: exact coefficients (integers or
+        fractions, `` (fit)`` after an inexact form), or each rounded to ``places`` decimals
+        (a term that rounds to zero left out)."""
+        x = self.symbol
+        terms = [(q, _coefficient(abs(q), places), s)
+                 for q, s in ((self.a, f"*{x}^2"), (self.b, f"*{x}"), (self.c, "")) if q]
+        terms = [(q, text, s) for q, text, s in terms if text.strip("0.,")]
+        if not terms:
+            return "0"
+        out = ""
+        for i, (q, text, s) in enumerate(terms):
+            sign = "-" if q < 0 else "+"
+            out += (("-" if sign == "-" else "") if i == 0 else f" {sign} ") + text + s
+        return out + ("" if self.exact or places is not None else " (fit)")
+
+    def coefficients(self) -> dict[str, int]:
+        """``a``, ``b``, ``c`` as integers over one ``denominator``, exactly: the bytes are
+        ``(a x^2 + b x + c) / denominator``. An exact closed form sums sizes that are
+        products of the dimensions, so its coefficients are integers (denominator 1); a
+        fit's (sizes with ``ceil`` in them) are fractions (``-212/46,875*N^2 + ...``)."""
+        d = math.lcm(*(q.denominator for q in (self.a, self.b, self.c)))
+        return {"a": int(self.a * d), "b": int(self.b * d), "c": int(self.c * d),
+                "denominator": d}
+
+    def to_dict(self) -> dict:
+        return {**self.coefficients(), "exact": self.exact, "at": self.at,
+                "points": list(self.points), "text": self.text(),
+                "components": list(self.components)}
+
+
+def live_polynomial(config: Config, field: str, breakdown=None,
+                    below: bool = False, snap=None) -> Quadratic | None:
+    """The raw bytes of what is alive at ``config``'s peak, as a quadratic in ``field``
+    (None when the program's tensors change names with the field). A program whose number
+    of tensors grows with the field (a loop over chunks) is replayed at each point: its
+    live set at ``x`` does not tell which of them are alive at ``2x``. ``below``: fitted
+    at ``x/4``, ``x/2`` and ``x`` (for a loop at a large ``x``: replays of 1.5x rows in
+    all, instead of 9x at 2x, 3x and 4x, each larger than the one at ``x``). ``snap``: moves
+    each point to a value the implementation accepts (the memory-efficient kernel's head
+    dims are multiples of 4 or 8; ``memcalc.impls.accepted``)."""
+    b = breakdown if breakdown is not None else predict(config)
+    x0 = getattr(config.shape, field)
+    live = b.components
+    at_x0 = tensor_sizes(config)
+    declared = len(at_x0)
+
+    def raw(x: int) -> int | None:
+        sizes = at_x0 if x == x0 else tensor_sizes(config.replace(**{field: x}))
+        if len(sizes) != declared:  # a loop: more tensors at x, not larger ones; replay it
+            return sum(comp.bytes for comp in predict(config.replace(**{field: x})).components)
+        total = 0
+        for comp in live:
+            if comp.role is Role.workspace:
+                total += comp.bytes
+            elif comp.name in sizes:
+                total += sizes[comp.name]
+            else:
+                return None
+        return total
+
+    xs, check_x = ((x0 // 4, x0 // 2, x0), 3 * x0 // 4) if below else ((x0, 2 * x0, 4 * x0), 3 * x0)
+    if snap is not None:
+        xs, check_x = tuple(snap(x) for x in xs), snap(check_x)
+    if len({*xs, check_x}) < 4 or xs[0] < 1:
+        return None
+    try:
+        points = [(x, raw(x)) for x in xs]
+        check = raw(check_x)
+    except TimeUp:
+        raise
+    except Exception:  # noqa: BLE001 - a size the builder rejects: no closed form
+        return None
+    if any(v is None for _, v in points):
+        return None
+    (x1, y1), (x2, y2), (x3, y3) = points
+    # Newton's divided differences, exact
+    d1, d2 = Fraction(y2 - y1, x2 - x1), Fraction(y3 - y2, x3 - x2)
+    a = (d2 - d1) / (x3 - x1)
+    bb = d1 - a * (x1 + x2)
+    c = y1 - a * x1 * x1 - bb * x1
+    q = Quadratic(symbol=SYMBOL.get(field, field), a=a, b=bb, c=c, exact=False, at=x0,
+                  points=xs, components=tuple(comp.name for comp in live))
+    return q.model_copy(update={"exact": check is not None and q(check_x) == check})

@@ -1,0 +1,103 @@
+"""One step's breakdown: a configuration's program, replayed (``memcalc.engine.replay``)
+and read as the figures ``torch.cuda`` would report.
+
+``predict`` is where a configuration meets the engine: it asks the registry for the
+program of ``config.impl`` at ``config.dims``, replays it through a ``Ledger`` (with the
+device's capacity, when asked) and builds the ``Breakdown`` from the live sets at the two
+peaks and what the forward saved.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from memcalc.analysis.breakdown import Breakdown
+from memcalc.config import Config
+from memcalc.engine.allocator import MirrorBroken
+from memcalc.engine.component import Component
+from memcalc.engine.program import Role, Tensor
+from memcalc.engine.replay import Ledger, collector_paused, replay, step_inputs
+from memcalc.impls import get_impl
+
+
+_SHARED: ContextVar[dict | None] = ContextVar("shared_predictions", default=None)
+
+
+@contextmanager
+def shared_predictions():
+    """Inside, ``predict(config)`` (unbounded, unrecorded) replays each configuration once:
+    a command that asks for the same step from several places (``compare``: its rows and
+    the threshold search's first probe) shares the result."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def predict(config: Config, capacity: int | None = None, ledger: Ledger | None = None) -> Breakdown:
+    """The breakdown of one step of ``config``, by replaying its program.
+
+    With ``capacity``, raises ``OutOfMemory`` where the device would; pass a recording
+    ``ledger`` to keep the event history."""
+    shared = _SHARED.get()
+    if shared is not None and capacity is None and ledger is None:
+        if config not in shared:
+            shared[config] = _predict(config, None, None)
+        return shared[config]
+    return _predict(config, capacity, ledger)
+
+
+def _predict(config: Config, capacity: int | None, ledger: Ledger | None) -> Breakdown:
+    with collector_paused():  # on again once the program and the replay's ledger are gone
+        return _replayed(config, capacity, ledger)
+
+
+def _replayed(config: Config, capacity: int | None, ledger: Ledger | None) -> Breakdown:
+    """The replay, its small pool mirrored in the measured step where that is exact; a
+    ledger of the caller's (its history is read afterwards) is never mirrored under a
+    capacity, since a release there would have to replay it again."""
+    if ledger is not None:
+        ledger.allocator.may_mirror = capacity is None
+        return _replayed_in(config, ledger)
+    try:
+        return _replayed_in(config, Ledger(config.workspace_bytes, capacity))
+    except MirrorBroken:  # the capped measured step released segments: every decision made
+        ledger = Ledger(config.workspace_bytes, capacity)
+        ledger.allocator.may_mirror = False
+        return _replayed_in(config, ledger)
+
+
+def _replayed_in(config: Config, ledger: Ledger) -> Breakdown:
+    d = config.dims
+    peaks: dict[str, tuple[Component, ...]] = {}
+    step = replay(ledger, d, get_impl(config.impl).program(d),
+                  lambda phase: peaks.update({phase: ledger.peak_live}))
+    forward = peaks["forward"]
+    if d.forward_only:  # under no_grad nothing is kept for a backward: the tracer's roles
+        forward = tuple(_unsaved(c) for c in forward)
+    return Breakdown(config=config, forward_live=forward,
+                     backward_live=peaks.get("backward", ()),
+                     saved=tuple(v.component for v in step.saved),
+                     reserved_peak_bytes=step.reserved_peak)
+
+
+def _unsaved(component: Component) -> Component:
+    """A tensor the program declares saved, reported as the activation it is when the step
+    runs under ``torch.no_grad()`` (it dies with its last reference)."""
+    if component.role is not Role.saved:
+        return component
+    return component.model_copy(update={"role": Role.activation})
+
+
+def tensor_sizes(config: Config) -> dict[str, int]:
+    """The requested bytes of every tensor the step declares, by name (inputs included;
+    the first declaration of a name wins)."""
+    d = config.dims
+    program = get_impl(config.impl).program(d)
+    sizes: dict[str, int] = {}
+    for t in (*step_inputs(program, d), *program.forward, *program.backward):
+        if isinstance(t, Tensor):
+            sizes.setdefault(t.name, t.bytes)
+    return sizes

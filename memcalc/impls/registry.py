@@ -1,0 +1,108 @@
+"""The registry of attention implementations: one name, one program builder, one source.
+
+Implementation modules (``memcalc/impls/``) register their builders with ``@register``; a
+builder is a small pure function from ``Dims`` to a ``Program`` (its tensors and their
+lifetimes), in the manner of ``torch/utils/flop_counter.py``'s registry of formulas.
+``memcalc.impls`` imports every module of the package once, explicitly, so the registry
+does not depend on who imports what first. A name registered twice is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from memcalc.impls.accepted import Accepted, every
+from memcalc.engine.dims import Dims
+from memcalc.engine.status import detail
+from memcalc.engine.program import Program
+from memcalc.engine.work import check_program
+
+
+def no_rules(d: Dims) -> tuple[Accepted, ...]:
+    """What an implementation that refuses no size declares."""
+    return ()
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A registered implementation: its name, a one-line summary and its program."""
+
+    name: str
+    summary: str
+    build: Callable[[Dims], Program]
+    gqa: bool = False  # supports fewer key/value heads than query heads
+    traced: bool = True  # validated against the emulated trace; False: source-derived only
+    # the sizes it accepts, for the other sizes of ``d``: what its check refuses, what a
+    # search probes (``memcalc.impls.accepted``)
+    accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules
+    chunked: bool = False  # reads Dims.chunk (--chunk): a loop over chunks of rows
+    # the shape fields its program reads (``Shape``'s names), None: all; titles leave the
+    # others out (a traced module called with x=(B, N, 768) reads no heads nor head dim)
+    reads: frozenset[str] | None = None
+
+    def rule(self, d: Dims, field: str) -> Accepted:
+        """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
+        return next((a for a in self.accepted(d) if a.field == field), every(field))
+
+    def program(self, d: Dims) -> Program:
+        """The program for ``d``. Builders are pure functions of their sizes, so small
+        programs are built once per implementation and sizes (a re-registered
+        implementation is another ``Impl``, another key); long ones (chunked loops at
+        large lengths) are not kept. Every caller goes through here: the replay, the
+        solver's event counts, the N x M test, a wrapper's inner program."""
+        key = (self, d)
+        if key in _PROGRAMS:
+            return _PROGRAMS[key]
+        detail("building the program")  # a loop at millions of rows: seconds
+        self._check_work(d)
+        built = self.build(d)
+        if len(built.forward) + len(built.backward) <= CACHED_EVENTS:
+            if len(_PROGRAMS) >= CACHED_PROGRAMS:
+                del _PROGRAMS[next(iter(_PROGRAMS))]  # the oldest
+            _PROGRAMS[key] = built
+        return built
+
+
+    def _check_work(self, d: Dims) -> None:
+        """Refuse, before building it, a program whose events would take more memory than
+        ``memcalc.engine.work``'s limit; estimated from this builder's programs at 2,048 and 4,096
+        rows (seq_len and kv_len scaled alike). Sizes it refuses there are left to it."""
+        if not (isinstance(d.N, int) and isinstance(d.M, int)):
+            return  # symbolic sizes: the grid path's one program for every length
+        length = max(d.N, d.M)
+
+        def events_at(n: int) -> int:
+            p = self.program(d.replace(N=max(1, d.N * n // length), M=max(1, d.M * n // length)))
+            return len(p.forward) + len(p.backward)
+
+        check_program(f"{self.name}: at seq_len {d.N:,}", length, events_at)
+
+
+IMPLS: dict[str, Impl] = {}
+_PROGRAMS: dict[tuple[Impl, Dims], Program] = {}
+CACHED_PROGRAMS, CACHED_EVENTS = 128, 20_000  # how many programs are kept, and how large
+
+
+def add(impl: Impl, replace: bool = False) -> Impl:
+    """Register ``impl``; a second implementation of the same name is an error unless
+    ``replace`` says the caller means it (a traced function traced again)."""
+    if impl.name in IMPLS and not replace:
+        raise ValueError(f"implementation {impl.name!r} is already registered")
+    IMPLS[impl.name] = impl
+    return impl
+
+
+def register(name: str, summary: str, gqa: bool = False, traced: bool = True,
+             accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules,
+             chunked: bool = False):
+    """Decorator: register ``build`` as implementation ``name``. ``traced=False`` marks a
+    model derived from kernel sources that the meta device cannot check (fused CUDA kernels);
+    ``accepted``: the sizes it accepts (``Impl.accepted``); ``chunked``: it reads
+    ``--chunk``."""
+
+    def wrap(build: Callable[[Dims], Program]):
+        add(Impl(name, summary, build, gqa, traced, accepted, chunked))
+        return build
+
+    return wrap

@@ -1,0 +1,475 @@
+"""The tracer: the protocol on PyTorch's meta device, memory from the model of the caching
+allocator (``memcalc trace``, and the emulated backend of ``memcalc validate``).
+
+A ``TorchDispatchMode`` sees every aten op below autograd. Each op's outputs that own a
+storage not seen before are handed to the ``Ledger`` (the same one the analytical model
+replays through); a weak reference to the storage's Python object, which torch keeps as
+long as the storage, tells when it dies (a Python ``del``, autograd releasing a saved
+tensor, a grad reset), and its block is freed before the next op runs. The cuBLAS workspace of a thread is allocated right after the outputs of that
+thread's first cuBLAS op (``getCurrentCUDABlasHandle`` runs inside the blas call, after
+the output exists: ``aten/src/ATen/cuda/CublasHandlePool.cpp``). On CUDA, backward ops run
+on the autograd engine's device thread (``torch/csrc/autograd/engine.cpp``), which gets its
+own handle and workspace; the tracer knows it is in backward from ``_current_graph_task_id``.
+
+Nothing is materialized: memory does not depend on seq_len, and time only through the ops
+a loop runs (linear in them: a chunked loop at 65,536 rows traces in about 20 s).
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+import sys
+import weakref
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memcalc.analysis.breakdown import Breakdown
+from memcalc.engine.component import Component
+from memcalc.config import Config
+from memcalc.engine.program import Role
+from memcalc.engine.replay import Ledger
+from memcalc.engine.inputs import QKV, Input
+from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
+from memcalc.tracing.shadows import Shadows
+
+# ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp)
+CUBLAS_OPS = frozenset(
+    {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
+)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MEMCALC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REFERENCE_DIR = os.path.join(_MEMCALC_DIR, "validation", "reference")
+_HARNESS = os.path.join(_MEMCALC_DIR, "tracing", "protocol.py")
+
+
+def _is_user_code(path: str) -> bool:
+    """Frames outside torch and memcalc are the user's; memcalc's reference code counts
+    as user code (it is what a user would write)."""
+    if path.startswith(_TORCH_DIR):
+        return False
+    return not path.startswith(_MEMCALC_DIR) or path.startswith(_REFERENCE_DIR)
+
+
+def torch_release() -> tuple[int, int]:
+    """The installed torch's ``(major, minor)``: ``2.13.0+cpu`` is ``(2, 13)``."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _safe_softmax_eq(x, dim, dtype=None):
+    """``_safe_softmax`` in torch 2.5 (``aten/src/ATen/native/transformers/attention.cpp``):
+    the softmax, a ``-inf`` scalar, the ``== -inf`` mask, the fully-masked-row mask, a zero
+    scalar and an out-of-place ``where``, the result."""
+    out = torch.softmax(x, dim, dtype=dtype)
+    neg_inf = torch.scalar_tensor(float("-inf"), dtype=out.dtype, device=out.device)
+    masked = x.eq(neg_inf)
+    masked_rows = torch.all(masked, dim, keepdim=True)
+    zero = torch.scalar_tensor(0.0, dtype=out.dtype, device=out.device)
+    return torch.where(masked_rows, zero, out)
+
+
+def _safe_softmax_where_out(x, dim, dtype=None):
+    """``_safe_softmax`` from torch 2.6 on (pytorch/pytorch#139613): ``isneginf`` instead of
+    the scalar and ``eq``, and ``where_out`` writing into the softmax's own storage (no
+    second N x M result)."""
+    out = torch.softmax(x, dim, dtype=dtype)
+    masked = x.isneginf()
+    masked_rows = torch.all(masked, dim, keepdim=True)
+    zero = torch.scalar_tensor(0.0, dtype=out.dtype, device=out.device)
+    return torch.where(masked_rows, zero, out, out=out)
+
+
+# ``_safe_softmax`` is a CompositeExplicitAutograd kernel with no CUDA kernel, so on a GPU its
+# inner ops allocate, while its meta kernel allocates only the result: the tracer runs the
+# composite of the installed release (it exists from torch 2.5 on; torch 2.4's sdpa has no
+# such op). ``memcalc/impls/sdpa_math.py`` models the newest; tests/test_validate_emulated.py
+# checks both against the ops the installed torch's own kernel runs (torch.profiler).
+SAFE_SOFTMAX_WHERE_OUT = (2, 6)
+SAFE_SOFTMAX = (_safe_softmax_where_out if torch_release() >= SAFE_SOFTMAX_WHERE_OUT
+                else _safe_softmax_eq)
+CUDA_COMPOSITES = {op.default: SAFE_SOFTMAX for op in
+                   [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
+
+
+# temporaries a CUDA kernel allocates and frees inside itself, after its outputs, which the
+# meta kernel does not: ``softmax_backward_cuda_out`` (aten/src/ATen/native/cuda/SoftMax.cu)
+# computes ``Tensor tmp = grad * output`` (memcalc.impls.common.softmax_backward models it)
+CUDA_TEMPORARIES = {torch.ops.aten._softmax_backward_data.default:
+                    lambda grad, output, *rest: grad * output}
+
+
+class Tracer(TorchDispatchMode):
+    """Dispatch mode that replays a meta-device run through the allocator model."""
+
+    def __init__(self, workspace_bytes: int, capacity: int | None = None, paths=None):
+        super().__init__()
+        self.ledger = Ledger(workspace_bytes, capacity, record=True)
+        # each tracked storage (by its StorageImpl's address): a weak reference to its
+        # Python object, which torch keeps while anything holds the storage (a view, a
+        # tensor autograd saved) and frees with it; the reference's callback notes the
+        # death, in ``dead``, and its tracking order in ``order``, the order frees are taken
+        self.refs: dict[int, weakref.ref] = {}
+        self.order: dict[int, int] = {}
+        self.dead: list[int] = []
+        # ``memcalc.tracing.cuda_paths.CudaPaths`` for ``memcalc trace`` (the GPU's code
+        # paths); None for validation, which checks the models of what meta runs
+        self.paths = paths
+        self._quiet = 0
+        # math SDPA calls with a mask whose in-place add is still to come (``math_mask_add``)
+        self.mask_adds = 0
+        # values of the small integer and bool tensors, for code that reads them
+        self.shadows = Shadows()
+        # ("alloc", key, component) | ("free", key) | ("cublas",) | ("mark", what):
+        # the run as a program, for memcalc/trace.py
+        self.events: list[tuple] = []
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """torch wraps a dispatch mode's ``__torch_dispatch__`` in ``torch._dynamo.disable``
+        unless this says no (``torch/utils/_python_dispatch.py``, torch 2.13), importing
+        ``torch._dynamo`` (0.8 s, a third of a trace) at the first op; a trace compiles
+        nothing."""
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._quiet:
+            return func(*args, **(kwargs or {}))
+        self.collect_frees()
+        if func in CUDA_COMPOSITES:
+            with self:
+                return CUDA_COMPOSITES[func](*args, **(kwargs or {}))
+        if self.mask_adds and is_mask_add(func, args):
+            return self.math_mask_add(args[0])
+        if self.paths is not None:
+            self.paths.observe(func, args, kwargs)
+        answer = self.shadows.read(func, args, kwargs or {})
+        if answer is not NotImplemented:
+            return answer
+        out = func(*args, **(kwargs or {}))
+        self.shadows.follow(func, args, kwargs or {}, out)
+        op = func.overloadpacket.__name__
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self._track(t, op)
+        if op in CUBLAS_OPS:
+            self.ledger.ensure_workspace(_thread(), _where()[0])
+            self.events.append(("cublas",))
+        if func in CUDA_TEMPORARIES:
+            with self:
+                CUDA_TEMPORARIES[func](*args, **(kwargs or {}))  # made, then dropped
+            self.collect_frees()
+        return out
+
+    def math_mask_add(self, scores: torch.Tensor) -> torch.Tensor:
+        """The math SDPA backend's ``attn.add_(*attn_mask)`` (``attention.cpp``,
+        ``_scaled_dot_product_attention_math``), in place as without a dispatch mode: it adds
+        out of place when ``areAnyTensorSubclassLike`` holds, which any active dispatch mode
+        makes true (``c10::impl::dispatch_mode_enabled``, ``TensorSubclassLikeUtils.h``), so
+        the tracer itself would add an N x M block no GPU run has. The result is the scores'
+        own storage."""
+        self.mask_adds -= 1
+        if self.paths is not None:
+            self.paths.note("math backend mask add: in place, as on a GPU (attention.cpp "
+                            "attn.add_)")
+        return scores.view(scores.shape)
+
+    def __exit__(self, *exc):
+        self.collect_frees()
+        return super().__exit__(*exc)
+
+    def collect_frees(self) -> None:
+        """Free the blocks of every storage that died since the last op, in the order they
+        were tracked. Told by the storages' deaths, not found by checking every live one
+        at every op (quadratic in a loop's saved tensors: a chunked loop at 65,536 rows
+        traced in 565 s)."""
+        if not self.dead:
+            return
+        dead = sorted(self.dead, key=self.order.__getitem__)
+        self.dead.clear()  # the list the callbacks append to
+        for key in dead:
+            del self.refs[key], self.order[key]
+            self.ledger.free(key)
+            self.events.append(("free", key))
+
+    def _track(self, t: torch.Tensor, op: str) -> None:
+        self.track(t, op, op)
+
+    def track(self, t: torch.Tensor, op: str, name: str) -> None:
+        """Track ``t``'s storage, made by ``op``, as ``name`` at the calling line: an input,
+        a temporary in backward, an activation in forward (roles the end of the step may
+        change)."""
+        role = Role.input if op == "randn" else (
+            Role.temporary if _thread() == "autograd" else Role.activation)
+        self.adopt(t, component(name, role, op, tuple(t.shape),
+                                str(t.dtype).removeprefix("torch."), t.untyped_storage().nbytes()))
+
+    def adopt(self, t: torch.Tensor, part: Component, located: bool = True) -> None:
+        """Track ``t``'s storage as ``part`` (named after the calling line unless not
+        ``located``) until it dies; a storage already tracked, or of 0 bytes, is left alone."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.dead:  # its last storage died in this op, and this one took its place
+            self.collect_frees()
+        if key in self.refs or storage.nbytes() == 0:
+            return
+        where, code = _where() if located else ("", "")
+        name = f"{part.name} ({where})" if located else part.name
+        named = part.model_copy(update={"name": name, "source": code, "bytes": storage.nbytes()})
+        note = self.dead.append
+        self.refs[key] = weakref.ref(storage, lambda _, key=key: note(key))
+        self.order[key] = len(self.events)
+        self.ledger.alloc(key, named)
+        self.events.append(("alloc", key, self.ledger.live[key].component))
+
+    def role_of(self, t: torch.Tensor) -> Role:
+        """The role ``t``'s storage was tracked with."""
+        return self.ledger.live[t.untyped_storage()._cdata].component.role
+
+    @contextmanager
+    def quiet(self):
+        """Ops run here allocate nothing the tracer sees (stand-ins for kernel tensors
+        that ``adopt`` then tracks under the model's names)."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    def mark(self, what: str) -> None:
+        """Note a protocol point (a counter read) in the event log, after pending frees."""
+        self.collect_frees()
+        self.events.append(("mark", what))
+
+
+def component(name: str, role: Role, op: str, shape: tuple, dtype: str, nbytes: int) -> Component:
+    """A traced allocation (its block is set by the ledger)."""
+    return Component(name=name, role=role, op=op, shape=tuple(shape), dtype=dtype,
+                     bytes=nbytes, allocated=0)
+
+
+def is_mask_add(func, args) -> bool:
+    """``add.Tensor(scores, mask)`` whose result has the scores' shape and dtype: what the
+    first add of a math SDPA call with a mask is."""
+    return (func is torch.ops.aten.add.Tensor and isinstance(args[0], torch.Tensor)
+            and isinstance(args[1], torch.Tensor)
+            and torch.broadcast_shapes(args[0].shape, args[1].shape) == args[0].shape
+            and torch.result_type(args[0], args[1]) == args[0].dtype)
+
+
+class MathSdpa(TorchFunctionMode):
+    """Counts the math SDPA calls with a mask (every SDPA call takes the math backend on the
+    meta device), whose add the tracer makes in place. With a GPU's code paths the SDPA rule
+    of ``memcalc.tracing.cuda_paths`` counts them instead, as it picks the backend."""
+
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            masked = len(args) > 3 and args[3] is not None or kwargs.get("attn_mask") is not None
+            causal = len(args) > 5 and args[5] or kwargs.get("is_causal", False)
+            self.tracer.mask_adds += bool(masked or causal)
+        return call_within(self, func, types, args, kwargs)
+
+
+def call_within(mode: TorchFunctionMode, func, types, args, kwargs):
+    """``func`` run with ``mode`` active for the calls it makes. A torch-function mode is
+    popped while its handler runs, so a torch function written in Python
+    (``F.multi_head_attention_forward``, ``Tensor.backward``: the whole backward pass,
+    activation checkpointing's recomputation included) would run every inner call unseen;
+    ``torch.overrides.redispatch_function`` (torch 2.13) skips only the call at hand. Older
+    releases lack it: there the inner calls of such functions stay unseen. A builtin's inner
+    calls are C++, below every torch-function mode, and it is called as it is (some, such
+    as ``torch._C._set_grad_enabled``, do not take the skip)."""
+    redispatch = getattr(torch.overrides, "redispatch_function", None)
+    if redispatch is None or not inspect.isfunction(func):
+        return func(*args, **(kwargs or {}))
+    with mode:
+        return redispatch(func, types, args, kwargs or {})
+
+
+class TracerProbe:
+    """The counters of ``harness.Probe``, read from a tracer's allocator model. It also
+    keeps what a live GPU cannot tell: the live set behind each counter it reads."""
+
+    def __init__(self, tracer: Tracer):
+        self.tracer = tracer
+        self.allocator = tracer.ledger.allocator
+        self.marks: list[set] = []  # live keys at each ``allocated()`` read
+        self.peaks: list[tuple[Component, ...]] = []  # live set at each ``max_allocated()``
+        self.output_key = None
+        self.resets = 0
+
+    def allocated(self) -> int:
+        self.tracer.mark("allocated")
+        self.marks.append(set(self.tracer.ledger.live))
+        return self.allocator.allocated
+
+    def max_allocated(self) -> int:
+        self.tracer.mark("max_allocated")
+        self.peaks.append(self.tracer.ledger.peak_live)
+        return self.allocator.peak_allocated
+
+    def max_reserved(self) -> int:
+        return self.allocator.peak_reserved
+
+    def reset_peak(self) -> None:
+        """Reset the peak; the protocol resets it where the measured forward and the
+        backward start, which the ledger's history marks as phases (for plots)."""
+        self.tracer.mark("reset_peak")
+        self.tracer.ledger.phase(("forward", "backward")[min(self.resets, 1)])
+        self.resets += 1
+        self.tracer.ledger.reset_peak()
+
+    def block_bytes(self, tensor) -> int:
+        """Block of ``out``, read right after the forward: the moment to note what the
+        forward left alive besides it (``saved_bytes`` counts exactly these)."""
+        key = self.output_key = tensor.untyped_storage()._cdata
+        live = self.tracer.ledger.live
+        self.output = live[key].component
+        self.saved = tuple(v.component for k, v in live.items()
+                           if k not in self.marks[0] and k != key)
+        return self.tracer.ledger.block_bytes(key)
+
+
+def located_name(name: str) -> tuple[str, str]:
+    """``("addmm", "gpt.py:27")`` of a tracked component's ``"addmm (gpt.py:27)"``; a
+    resident tensor's name (``c_attn.weight``) has no place: ``(name, "")``."""
+    what, sep, where = name.partition(" (")
+    return (what, where.removesuffix(")")) if sep else (name, "")
+
+
+def _thread() -> str:
+    """``autograd`` inside a backward pass (the engine's device thread on CUDA), else ``main``."""
+    return "autograd" if torch._C._current_graph_task_id() != -1 else "main"
+
+
+def _where() -> tuple[str, str]:
+    """Where an op was called from: ``(file:line, code)`` of the innermost frame outside
+    torch and this harness, or ``(autograd node, "")`` in backward, which has no user frame."""
+    if _thread() == "autograd":
+        node = torch._C._current_autograd_node()
+        return (node.name() if node is not None else "autograd"), ""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path == _HARNESS:  # the protocol's own call (the backward's seed, --loss sum)
+            return "protocol", ""
+        if _is_user_code(path):
+            code = linecache.getline(path, frame.f_lineno).strip()
+            return f"{os.path.basename(path)}:{frame.f_lineno}", code
+        frame = frame.f_back
+    return "?", ""
+
+
+def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe,
+               state: tuple = (), out_like: tuple | None = None,
+               inputs: tuple[Input, ...] = QKV) -> Measured:
+    """The protocol for ``fn`` on the meta device, under ``tracer`` (and, when the tracer
+    has CUDA paths, their torch-function rules). ``state``: ``(name, tensor, role)`` the
+    function keeps resident (a module's parameters and buffers), counted from the start;
+    ``out_like``: ``grad_out``'s ``(shape, dtype)`` when not q's; ``inputs``: what ``fn``
+    is called with, in order (``q, k, v`` by default)."""
+    proto = config.protocol
+    with tracer, function_modes(tracer):
+        for name, t, role in state:
+            tracer.adopt(t, component(name, role, "resident", tuple(t.shape),
+                                      str(t.dtype).removeprefix("torch."), 0), located=False)
+        made = make_inputs(torch, config.dims, "meta", inputs, out_like)
+        _name_inputs(tracer, made, inputs, config.dims)
+        tracer.mark("inputs")  # the warm-up step starts here
+        parameters = tuple(t for _, t, role in state if role is Role.parameter and t.requires_grad)
+        measured = run_protocol(torch, fn, probe, made, proto.forward_only, parameters)
+        del made
+    return measured
+
+
+def function_modes(tracer: Tracer):
+    """The torch-function layer a trace runs under: the GPU's code paths (``tracer.paths``,
+    CUDA's autocast included) or, on the meta device's own paths, the math SDPA calls'
+    count (``MathSdpa``)."""
+    if tracer.paths is None:
+        return MathSdpa(tracer)
+    tracer.paths.tracer = tracer
+    return tracer.paths.mode()
+
+
+def output_of(config: Config, fn: Callable, tracer: Tracer,
+              inputs: tuple[Input, ...] = QKV) -> tuple[tuple[int, ...], str]:
+    """``(shape, dtype name)`` of what ``fn`` returns for ``inputs``, from one forward under
+    ``no_grad`` on the meta device, along ``tracer``'s code paths (a scratch tracer: what
+    it records is not read)."""
+    with tracer, function_modes(tracer):
+        made = make_inputs(torch, config.dims.replace(forward_only=True), "meta", inputs)
+        with torch.no_grad():
+            out = fn(*made.leaves)
+        return tuple(out.shape), str(out.dtype).removeprefix("torch.")
+
+
+def _name_inputs(tracer: Tracer, made, inputs: tuple[Input, ...], d) -> None:
+    """Call the protocol's inputs by their names, in the role ``input``, made by their fill
+    (``randn``: the meta device makes them with ``empty``), not by the line that made them."""
+    names = [(i.name, i.filled(d)) for i in inputs] + [("grad_out", "randn")]
+    for (name, fill), t in zip(names, (*made.leaves, made.grad_out)):
+        key = t.untyped_storage()._cdata if t is not None else None
+        if key in tracer.ledger.live:
+            live = tracer.ledger.live[key]
+            live.role = Role.input
+            live.component = live.component.model_copy(
+                update={"name": name, "source": "", "role": Role.input, "op": fill})
+
+
+def measure(config: Config, fn: Callable, capacity: int | None = None,
+            paths=None, state: tuple = (), out_like: tuple | None = None,
+            tracer: Tracer | None = None, inputs: tuple[Input, ...] = QKV) -> Breakdown:
+    """Run the protocol for ``config`` on the meta device and read the breakdown off the
+    trace of ``fn`` (``fn(q, k, v)`` unless ``inputs`` says otherwise). With
+    ``capacity``, the allocator model raises ``OutOfMemory`` where the device would.
+    ``paths`` (``memcalc.tracing.cuda_paths.CudaPaths``): follow a GPU's code paths;
+    ``state``, ``out_like``, ``inputs``: see ``run_traced``; ``tracer``: a tracer to run
+    under (to read its history afterwards)."""
+    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths)
+    probe = TracerProbe(tracer)
+    measured = run_traced(config, fn, tracer, probe, state, out_like,
+                          inputs)
+    relabel = _roles(tracer, probe)
+    backward_live = probe.peaks[1] if len(probe.peaks) > 1 else ()
+    result = Breakdown(config=config, forward_live=relabel(probe.peaks[0]),
+                       backward_live=relabel(backward_live), saved=relabel(probe.saved),
+                       reserved_peak_bytes=measured.reserved_peak_bytes)
+    _check_consistent(result, measured)
+    return result
+
+
+def _roles(tracer: Tracer, probe: TracerProbe) -> Callable:
+    """Roles the trace only knows at the end: what the forward left alive is saved, the
+    output is the output, and what the backward left alive are the leaf grads."""
+    roles = {id(c): Role.saved for c in probe.saved}
+    roles[id(probe.output)] = Role.output
+    roles.update({id(c): Role.gradient for c in tracer.ledger.components()
+                  if c.role is Role.temporary})
+
+    def relabel(components):
+        return tuple(c.model_copy(update={"role": roles[id(c)]}) if id(c) in roles else c
+                     for c in components)
+
+    return relabel
+
+
+def _check_consistent(result: Breakdown, measured: Measured) -> None:
+    """The live sets must add up to the counters the protocol read."""
+    for name in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes"):
+        if getattr(result, name) != getattr(measured, name):
+            raise AssertionError(f"trace bookkeeping: {name} {getattr(result, name)} "
+                                 f"!= counter {getattr(measured, name)}")
+
+
