@@ -97,6 +97,8 @@ def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
     p.add_argument("--loss", default=None,
                    help="grad: out.backward(grad_out) (default); sum: out.sum().backward()")
     p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the kernels' deterministic backward (flash-attn, flash-attn3)")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
                    help='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"')
 
@@ -237,7 +239,7 @@ def config_options(args) -> dict:
     flat = dict(seq_len=args.seq, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                 kv_len=args.kv_len, kv_heads=args.kv_heads, dtype=args.dtype,
                 causal=args.causal, gpu=args.gpu, loss=loss_of(args),
-                forward_only=args.forward_only,
+                forward_only=args.forward_only, deterministic=args.deterministic,
                 cublas_workspace_config=args.cublas_workspace_config)
     if getattr(args, "chunk", None) is not None:
         flat["chunk"] = args.chunk

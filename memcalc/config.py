@@ -100,6 +100,8 @@ class Protocol(BaseModel):
         "grad", description="grad: out.backward(grad_out); sum: out.sum().backward()"
     )
     forward_only: bool = Field(False, description="inference under torch.no_grad()")
+    deterministic: bool = Field(False, description="the kernels' deterministic backward "
+                                "(flash_attn_func(deterministic=True)), where one has it")
     cublas_workspace_config: str | None = Field(
         None, description='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8" (SIZE_KiB:COUNT pairs)'
     )
@@ -196,6 +198,7 @@ class Config(BaseModel):
         options = ["" if "dtype" in left else self.dtype.value, "causal" if self.causal else "",
                    "forward-only" if p.forward_only else "",
                    f"loss={p.loss}" if p.loss != "grad" else "",
+                   "deterministic" if p.deterministic else "",
                    f"chunk={self.chunk}" if self.chunk != Config.model_fields["chunk"].default
                    else "",
                    f"CUBLAS_WORKSPACE_CONFIG={p.cublas_workspace_config}"
@@ -237,7 +240,7 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
                 head_dim: int = 16, kv_len: int | None = None, kv_heads: int | None = None,
                 dtype: str = "fp32", causal: bool = False, chunk: int = 64,
                 gpu: str | None = "h100-80gb", loss: str = "grad", forward_only: bool = False,
-                cublas_workspace_config: str | None = None) -> Config:
+                cublas_workspace_config: str | None = None, deterministic: bool = False) -> Config:
     """A ``Config`` from the flat options the CLI and the Python API share (the CLI's
     ``--seq`` is ``seq_len``); a bad value is a one-line ValueError that starts with the
     field (``kv_heads: 3 must divide heads (4)``), which the CLI names by its option."""
@@ -257,7 +260,8 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
                         kv_len=kv_len, kv_heads=kv_heads),
             device=Device(gpu=gpu),
             protocol=Protocol(loss=loss, forward_only=forward_only,
-                              cublas_workspace_config=cublas_workspace_config),
+                              cublas_workspace_config=cublas_workspace_config,
+                              deterministic=deterministic),
         )
     except ValidationError as error:
         raise ValueError(one_line(error)) from None

@@ -13,7 +13,7 @@ FLAGS = {
     "kv_len": "--kv-len", "kv_heads": "--kv-heads", "chunk": "--chunk", "dtype": "--dtype",
     "impl": "--impl", "gpu": "--gpu", "loss": "--loss", "causal": "--causal",
     "cublas_workspace_config": "--cublas-workspace-config", "time_limit": "--time-limit",
-    "memory_limit": "--memory-limit",
+    "memory_limit": "--memory-limit", "deterministic": "--deterministic",
 }
 
 

@@ -189,3 +189,25 @@ def test_a_case_and_its_check_share_the_key_a_rerun_skips():
     assert (check.capacity_bytes, check.expected, check.case) == (128 * MiB, "fits",
                                                                   "oom-threshold")
     assert set(check.measured) == set(FIGURES)
+
+
+def test_the_flash_attn_packages_live_cases_run_only_where_the_package_is_installed(monkeypatch):
+    """live.json lists flash-attn and flash-attn3; without the packages (here) their cases
+    are left out, with them each is called with (B, N, H, d) tensors."""
+    import importlib.util
+
+    from memcalc.impls.flash_attn import BNHD
+
+    env = {"device": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
+           "sm_count": "132", "total_memory": str(84_938_850_304), "CUBLAS_WORKSPACE_CONFIG": ""}
+    impls = {c.config.impl for c in cases.fused_cases(env)}
+    assert impls == {"sdpa-flash", "sdpa-efficient"}
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("flash_attn", "flash_attn_interface")
+                        else real(name, *a))
+    with_packages = cases.fused_cases(env)
+    fa = [c for c in with_packages if c.config.impl == "flash-attn"]
+    assert {c.config.impl for c in with_packages} >= {"flash-attn", "flash-attn3"}
+    assert fa[0].inputs is BNHD and any(c.config.protocol.deterministic for c in fa)
+    assert any(c.config.shape.kv_heads == 2 for c in fa)

@@ -32,6 +32,7 @@ class Dims:
     forward_only: bool = False
     sm_count: int | None = None  # the device's, for fused kernels' split heuristics
     compute_capability: tuple[int, int] = (9, 0)
+    deterministic: bool = False  # the kernels' deterministic backward, where one has it
 
     @classmethod
     def of(cls, config) -> "Dims":
@@ -40,7 +41,7 @@ class Dims:
         s, p, gpu = config.shape, config.protocol, config.device.spec
         return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim, config.dtype.torch_name,
                    config.causal, p.loss, s.key_heads, config.chunk, p.forward_only,
-                   gpu.sm_count, gpu.compute_capability)
+                   gpu.sm_count, gpu.compute_capability, p.deterministic)
 
     def replace(self, **sizes) -> "Dims":
         """These sizes with some changed (``N``, ``M``, ...), for programs built at other

@@ -14,6 +14,7 @@ from typing import Callable
 
 from memcalc.impls.accepted import Accepted, every
 from memcalc.engine.dims import Dims
+from memcalc.engine.inputs import QKV, Input
 from memcalc.engine.status import detail
 from memcalc.engine.program import Program
 from memcalc.engine.work import check_program
@@ -40,6 +41,8 @@ class Impl:
     # the shape fields its program reads (``Shape``'s names), None: all; titles leave the
     # others out (a traced module called with x=(B, N, 768) reads no heads nor head dim)
     reads: frozenset[str] | None = None
+    source: str = "PyTorch's CUDA kernel sources"  # where a source-derived one is read from
+    inputs: tuple[Input, ...] = QKV  # what its step is called with (the live runs' too)
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
@@ -95,14 +98,17 @@ def add(impl: Impl, replace: bool = False) -> Impl:
 
 def register(name: str, summary: str, gqa: bool = False, traced: bool = True,
              accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules,
-             chunked: bool = False):
+             chunked: bool = False, source: str = Impl.source,
+             inputs: tuple[Input, ...] = QKV):
     """Decorator: register ``build`` as implementation ``name``. ``traced=False`` marks a
-    model derived from kernel sources that the meta device cannot check (fused CUDA kernels);
-    ``accepted``: the sizes it accepts (``Impl.accepted``); ``chunked``: it reads
-    ``--chunk``."""
+    model derived from kernel sources that the meta device cannot check (fused CUDA kernels),
+    ``source`` says whose; ``accepted``: the sizes it accepts (``Impl.accepted``);
+    ``chunked``: it reads ``--chunk``; ``inputs``: its step's arguments, ``(B, H, N, d)``
+    q, k, v by default."""
 
     def wrap(build: Callable[[Dims], Program]):
-        add(Impl(name, summary, build, gqa, traced, accepted, chunked))
+        add(Impl(name, summary, build, gqa, traced, accepted, chunked, source=source,
+                 inputs=inputs))
         return build
 
     return wrap

@@ -75,6 +75,14 @@ _KERNEL = {
     ("delta", "contiguous"): "backward: rowsum(dO * O)",
     ("do*o", "mul"): "backward: dO * O", ("rowsum", "sum"): "backward: rowsum(dO * O)",
     ("dq_accum", "empty"): "backward: float32 accumulator of dq",
+    ("dq_accum", "zeros"): "backward: float32 accumulators of dq, one per split (deterministic)",
+    ("dk_accum", "zeros"): "backward: float32 accumulator of dk over the query heads",
+    ("dv_accum", "zeros"): "backward: float32 accumulator of dv over the query heads",
+    ("softmax_lse_log2", "empty"): "backward: logsumexp in base 2",
+    ("dq_semaphore", "empty"): "backward: int32 semaphores of the dq tiles",
+    ("dk_semaphore", "zeros"): "backward: int32 semaphores of the dk tiles (deterministic)",
+    ("dv_semaphore", "zeros"): "backward: int32 semaphores of the dv tiles (deterministic)",
+    ("tile_count_semaphore", "zeros"): "the tile scheduler's int32 counters",
     ("dk_expanded", "empty"): "backward: dk per query head, summed to the key heads",
     ("dv_expanded", "empty"): "backward: dv per query head, summed to the key heads",
     ("dq", "empty_like"): "backward: dq", ("dk", "empty_like"): "backward: dk",
@@ -86,7 +94,8 @@ _KERNEL = {
     ("workspace", "empty"): "backward kernel's workspace",
     ("cudnn_workspace", "allocate"): "cuDNN's workspace",
 }
-_KERNELS = ("flash", "efficient", "cudnn")
+_KERNELS = ("flash", "efficient", "cudnn", "flash-attn", "flash-attn3")
+_ALLOCATING = ("empty", "empty_like", "zeros")  # a kernel's own buffers, not a copy of ours
 
 
 def made_by(component) -> str:
@@ -109,7 +118,7 @@ def _kernel_tensor(component) -> str:
     words = component.name.split(" (")[0].split(" ")
     kernel = words[0] if len(words) == 2 and words[0] in _KERNELS else ""
     what = _KERNEL.get((words[-1], component.op)) if len(words) <= 2 else None
-    if what is None or (not kernel and component.op not in ("empty", "empty_like")):
+    if what is None or (not kernel and component.op not in _ALLOCATING):
         return ""
     return f"{kernel or 'fused'} kernel: {what}"
 

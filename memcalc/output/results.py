@@ -22,18 +22,26 @@ def caveats(impls, kernels=()) -> list[str]:
     """One line on the figures that rest on models not checked against a GPU: kernels read
     from PyTorch's CUDA sources (``Impl.traced`` False, or the fused SDPA ``kernels`` a
     trace ran) and the allocator model."""
-    from memcalc.impls import get_impl
+    from memcalc.impls import IMPLS, get_impl
 
-    derived = [n for n in dict.fromkeys(impls) if not _traced(get_impl, n)]
-    derived += [f"scaled_dot_product_attention's {k} backend" for k in kernels]
-    parts = []
-    if derived:
-        parts.append(f"{', '.join(derived)} modelled from PyTorch's CUDA kernel sources, "
-                     "not traced")
+    derived: dict[str, list[str]] = {}  # by the sources each model is read from
+    for name in dict.fromkeys(impls):
+        if not _traced(get_impl, name):
+            derived.setdefault(get_impl(name).source, []).append(name)
+    for k in kernels:  # a fused SDPA backend, or a package's kernel memcalc models
+        if k in IMPLS:
+            derived.setdefault(IMPLS[k].source, []).append(f"{k}'s flash_attn_func")
+        else:
+            derived.setdefault(PYTORCH, []).append(f"scaled_dot_product_attention's {k} backend")
+    parts = [f"{', '.join(names)} modelled from {source}, not traced"
+             for source, names in derived.items()]
     if not ALLOCATOR_CHECKED_ON_GPU:
         parts.append("the allocator model follows PyTorch's source and is not yet checked "
                      "on a GPU")
     return [f"caveat: {'; '.join(parts)}."] if parts else []
+
+
+PYTORCH = "PyTorch's CUDA kernel sources"  # the fused SDPA backends a trace runs
 
 
 def _traced(get_impl, name: str) -> bool:

@@ -95,6 +95,15 @@ def _is_module_class(obj) -> bool:
 
 
 def _import(target: str, spec: str):
+    """The user's module, imported as Python would, with the flash-attn packages' stand-ins
+    (``memcalc.tracing.flash_attn``: their CUDA extensions cannot run on meta)."""
+    from memcalc.tracing.flash_attn import stand_ins
+
+    with stand_ins():
+        return _imported(target, spec)
+
+
+def _imported(target: str, spec: str):
     try:
         if target.endswith(".py"):
             path = Path(target)

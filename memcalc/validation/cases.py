@@ -72,10 +72,11 @@ class Case:
 
     @property
     def inputs(self) -> tuple:
-        """What ``code()`` is called with (``memcalc.engine.inputs``)."""
-        from memcalc.engine.inputs import QKV
+        """What ``code()`` is called with (``memcalc.engine.inputs``): the implementation's
+        arguments (``(B, N, H, d)`` for the flash-attn packages), or model code's."""
+        from memcalc.impls import get_impl
 
-        return QKV if self.calling is None else self.calling.inputs
+        return get_impl(self.config.impl).inputs if self.calling is None else self.calling.inputs
 
     def model(self) -> tuple[dict[str, int] | None, str]:
         """The model's figures (the tracer's for user code), or None and why."""
@@ -122,9 +123,22 @@ def grid_cases(configs: list[Config], env: dict[str, str]) -> list[Case]:
 
 
 def fused_cases(env: dict[str, str]) -> list[Case]:
+    """``memcalc/data/live.json``: the fused SDPA backends, and the flash-attn packages'
+    kernels where the package is installed (``flash_attn``, FA3's ``flash_attn_interface``)."""
     from memcalc.validation.grid import load_grid
 
-    return [Case("fused", c.config) for c in grid_cases(load_grid(LIVE_GRID).expand(), env)]
+    cases = grid_cases(load_grid(LIVE_GRID).expand(), env)
+    return [Case("fused", c.config) for c in cases if _importable(c.config.impl)]
+
+
+PACKAGES = {"flash-attn": "flash_attn", "flash-attn3": "flash_attn_interface"}
+
+
+def _importable(impl: str) -> bool:
+    """Whether the package an implementation's reference code imports is installed."""
+    import importlib.util
+
+    return impl not in PACKAGES or importlib.util.find_spec(PACKAGES[impl]) is not None
 
 
 def usercode_cases(env: dict[str, str]) -> list[Case]:

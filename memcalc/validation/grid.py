@@ -36,6 +36,8 @@ class Product(BaseModel):
     gpu: Names = ["h100-80gb"]
     loss: Names = ["grad"]
     forward_only: Flags = [False]
+    kv_heads: list[Annotated[int, Field(ge=1, strict=True)] | None] = Field([None], min_length=1)
+    deterministic: Flags = [False]
 
     def configs(self) -> list[Config]:
         keys = list(type(self).model_fields)
@@ -44,10 +46,12 @@ class Product(BaseModel):
 
 
 def _config(impl, causal, dtype, batch, heads, seq_len, head_dim, gpu, loss,
-            forward_only) -> Config:
+            forward_only, kv_heads, deterministic) -> Config:
     return Config(impl=impl, causal=causal, dtype=dtype,
-                  shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim),
-                  device=Device(gpu=gpu), protocol=Protocol(loss=loss, forward_only=forward_only))
+                  shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
+                              kv_heads=kv_heads),
+                  device=Device(gpu=gpu), protocol=Protocol(loss=loss, forward_only=forward_only,
+                                                            deterministic=deterministic))
 
 
 class Grid(BaseModel):

@@ -4,7 +4,8 @@ One module per family, mirroring ``memcalc/impls``; each registers its functions
 ``@reference(name)``. The emulated backend traces exactly these functions, so the model
 and the code cannot drift apart unnoticed (``tests/test_validate_emulated.py``). Every
 function takes leaf tensors ``q, k, v`` of shape ``(B, H, N, d)`` (k, v: ``(B, H, M, d)``)
-and returns ``out`` of shape ``(B, H, N, d)``.
+and returns ``out`` of shape ``(B, H, N, d)``, but the flash-attn packages', which take and
+return ``(B, N, H, d)`` (their implementations' ``inputs``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ def reference(name: str):
 
 def reference_fn(config) -> Callable:
     """The reference code of ``config.impl`` with its options bound: ``fn(q, k, v)``.
-    A reference function takes ``causal`` and, if it declares it, ``chunk``."""
+    A reference function takes ``causal`` and, if it declares them, ``chunk`` and
+    ``deterministic``."""
     import inspect
 
     _load()
     ref = REFERENCES[config.impl]
-    options = {"causal": config.causal, "chunk": config.chunk}
+    options = {"causal": config.causal, "chunk": config.chunk,
+               "deterministic": config.protocol.deterministic}
     accepted = inspect.signature(ref).parameters
     bound = {k: v for k, v in options.items() if k in accepted}
     return lambda q, k, v: ref(q, k, v, **bound)

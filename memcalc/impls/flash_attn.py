@@ -1,0 +1,168 @@
+"""``flash-attn``: the flash-attn package's ``flash_attn_func`` (FlashAttention-2, 2.7 and later).
+
+Source-derived (``traced=False``), read from Dao-AILab/flash-attention at v2.8.3
+(``060c9188``; v2.8.0 to v2.8.3.post1 allocate alike):
+
+* ``flash_attn/flash_attn_interface.py`` ``FlashAttnFunc`` (L807-890): an
+  ``autograd.Function`` on ``(B, N, H, D)`` tensors, so autograd sees none of the ops inside.
+  A head dim not a multiple of 8 is padded with ``F.pad`` (q, k, v, in that order, L829-833);
+  ``ctx.save_for_backward(q, k, v, out_padded, softmax_lse, rng_state)`` (L847) keeps the
+  padded copies and the padded output, and the output is its slice (a view, L856).
+  ``maybe_contiguous`` copies only a tensor whose last stride is not 1 (L19).
+* ``csrc/flash_attn/flash_api.cpp`` ``mha_fwd`` (L350-512): ``out = empty_like(q)`` (L431),
+  ``softmax_lse (B, H, N)`` float32 (L441), ``p = empty({0})`` without dropout (0 bytes: no
+  block), the split-KV accumulators of ``set_params_splitkv`` when the heuristic splits
+  (L472-476, as PyTorch's vendored copy: ``memcalc.impls.sdpa_flash``), freed as ``mha_fwd``
+  returns, and ``rng_state`` ``(2,)`` int64 (L483), always.
+* ``FlashAttnFunc.backward`` (L862-889): ``dq, dk, dv = empty_like`` of the saved (padded)
+  q, k, v, ``F.pad`` of the grad when padded; ``mha_bwd`` (L767-971): ``softmax_d (B, H,
+  round128(N))`` (L883), ``dq_accum (B, round128(N), H, dr)`` float32, or with
+  ``deterministic`` ``zeros (ceil(SMs / (B H)), B, round128(N), H, dr)`` (L886-892), and for
+  grouped heads ``dk_expanded``, ``dv_expanded (B, M, H, dp)`` (L897-904), summed into dk,
+  dv. ``dr`` is ``round(dp, 32 if dp <= 128 else 64)`` from 2.8.0 (2.6.2-2.7.4: 32 up to
+  192, else 256). The grads returned are slices of dq, dk, dv: when padded, not the leaves'
+  layout, so ``AccumulateGrad`` clones them (``torch/csrc/autograd/functions/accumulate_grad.h``).
+
+Inputs are ``(B, N, H, D)`` as ``flash_attn_func`` takes them, and so is ``grad_out``.
+"""
+
+from __future__ import annotations
+
+from memcalc.engine.inputs import Input, input_tensors
+from memcalc.engine.program import Dims, Program, Role, free, new, release
+from memcalc.impls.accepted import Accepted
+from memcalc.impls.common import with_loss
+from memcalc.impls.registry import register
+from memcalc.impls.sdpa_flash import (F32, cc_text, gpu_of, head_dims, round_up,
+                                      split_accumulators)
+
+S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
+
+# flash_attn_func's layout: (batch, seqlen, heads, head dim)
+BNHD = (Input("q", ("B", "N", "H", "D")), Input("k", ("B", "M", "K", "D")),
+        Input("v", ("B", "M", "K", "D")))
+
+MAX_HEAD_DIM = 256  # flash_api.cpp mha_fwd: "only supports head dimension at most 256"
+
+
+def inputs(d: Dims) -> tuple:
+    """q, k, v and ``grad_out`` in ``(B, N, H, D)``."""
+    return tuple(input_tensors(d, BNHD, ((d.B, d.N, d.H, d.D), d.dtype)))
+
+
+def accepted(d: Dims) -> tuple[Accepted, ...]:
+    return (Accepted("head_dim", most=MAX_HEAD_DIM, kernel="flash-attn",
+                     most_source="flash_api.cpp mha_fwd"),)
+
+
+def check(d: Dims, name: str) -> None:
+    """What ``mha_fwd`` refuses."""
+    gpu = gpu_of(d)
+    if gpu.compute_capability < (8, 0):
+        raise ValueError(f"--gpu: {name}: FlashAttention needs compute capability 8.0 or newer, "
+                         f"not {cc_text(gpu)} (flash_api.cpp mha_fwd)")
+    if d.dtype == F32:
+        raise ValueError(f"--dtype: {name}: FlashAttention supports fp16 and bf16 only "
+                         f"(flash_api.cpp mha_fwd)")
+    for rule in accepted(d):
+        rule.refuse(name, d.D)
+
+
+def pads(d: Dims) -> list:
+    """``F.pad`` of q, k, v to a multiple of 8 inside the Function's forward (saved)."""
+    padded, _ = head_dims(d)
+    if padded == d.D:
+        return []
+    return [
+        new("q_pad", (d.B, d.N, d.H, padded), d.dtype, S, "constant_pad_nd"),  # (B, N, H, dp)
+        new("k_pad", (d.B, d.M, d.Hk, padded), d.dtype, S, "constant_pad_nd"),  # (B, M, Hk, dp)
+        new("v_pad", (d.B, d.M, d.Hk, padded), d.dtype, S, "constant_pad_nd"),  # (B, M, Hk, dp)
+    ]
+
+
+def forward(d: Dims) -> list:
+    """``FlashAttnFunc.forward``: pads, ``mha_fwd``, and what the node saves."""
+    padded, _ = head_dims(d)
+    accum = split_accumulators(d, gpu_of(d))
+    saved = [t.name for t in pads(d)] + ["lse", "rng_state"]
+    return pads(d) + [
+        new("out", (d.B, d.N, d.H, padded), d.dtype, O, "empty_like"),  # (B, N, H, dp)
+        new("lse", (d.B, d.H, d.N), F32, S, "empty"),  # (B, H, N) softmax_lse
+        *accum,
+        new("rng_state", (2,), "int64", S, "empty"),  # (2,) philox seed, offset: 512-B block
+        *([free(*(t.name for t in reversed(accum)))] if accum else []),  # mha_fwd returns
+        free(*saved),  # autograd holds them (ctx.save_for_backward)
+    ]
+
+
+def dq_accum(d: Dims) -> list:
+    """``mha_bwd``'s float32 accumulator of dq; deterministic: one per split of the SMs."""
+    _, rounded = head_dims(d)
+    rows = round_up(d.N, 128)
+    if not d.deterministic:
+        return [new("dq_accum", (d.B, rows, d.H, rounded), F32, T, "empty")]  # (B, r128(N), H, dr)
+    splits = -(-gpu_of(d).sm_count // (d.B * d.H))  # (nsm + b*h - 1) / (b*h)
+    return [new("dq_accum", (splits, d.B, rows, d.H, rounded), F32, T,  # (S, B, r128(N), H, dr)
+                "zeros")]
+
+
+def backward(d: Dims) -> list:
+    """The node's backward, then ``AccumulateGrad``'s clones of the slices when padded."""
+    padded, _ = head_dims(d)
+    return node_backward(d, d.loss == "sum") + (clones(d) if padded != d.D else [])
+
+
+def node_backward(d: Dims, strided_grad: bool) -> list:
+    """``FlashAttnFunc.backward``: the grads, ``mha_bwd``'s buffers. ``strided_grad``: the
+    grad's last stride is not 1 (``out.sum()``'s is an expand), so ``maybe_contiguous``
+    copies it, unless padding made a contiguous one already."""
+    padded, _ = head_dims(d)
+    pad = padded != d.D
+    grad = T if pad else G
+    events = [
+        new("dq", (d.B, d.N, d.H, padded), d.dtype, grad, "empty_like"),  # (B, N, H, dp)
+        new("dk", (d.B, d.M, d.Hk, padded), d.dtype, grad, "empty_like"),  # (B, M, Hk, dp)
+        new("dv", (d.B, d.M, d.Hk, padded), d.dtype, grad, "empty_like"),  # (B, M, Hk, dp)
+    ]
+    if pad:  # F.pad of the grad; contiguous, so no copy below
+        events.append(new("dout_pad", (d.B, d.N, d.H, padded), d.dtype, T, "constant_pad_nd"))
+    copy = strided_grad and not pad
+    if copy:
+        events.append(new("dout_c", (d.B, d.N, d.H, d.D), d.dtype, T, "contiguous"))
+    events += [new("softmax_d", (d.B, d.H, round_up(d.N, 128)), F32, T, "empty"),  # (B, H, r128(N))
+               *dq_accum(d)]
+    if d.Hk != d.H:
+        events += [new("dk_expanded", (d.B, d.M, d.H, padded), d.dtype, T, "empty"),  # (B, M, H, dp)
+                   new("dv_expanded", (d.B, d.M, d.H, padded), d.dtype, T, "empty")]  # (B, M, H, dp)
+    expanded = ["dv_expanded", "dk_expanded"] if d.Hk != d.H else []
+    events += [free(*expanded, "dq_accum"),  # mha_bwd returns
+               *([free("dout_c")] if copy else []),  # _flash_attn_backward returns
+               free("softmax_d"),  # its return value, discarded
+               *([free("dout_pad")] if pad else []),
+               release(*[t.name for t in pads(d)], "lse", "rng_state")]
+    return events
+
+
+def clones(d: Dims) -> list:
+    """The grads are slices of the padded dq, dk, dv: ``AccumulateGrad`` clones each into
+    its leaf's layout, v's first (the engine runs them latest input first), and the slice's
+    buffer dies with it."""
+    events = []
+    for name, heads, rows in (("v", d.Hk, d.M), ("k", d.Hk, d.M), ("q", d.H, d.N)):
+        events += [new(f"{name}.grad", (d.B, rows, heads, d.D), d.dtype, G, "clone"),
+                   free(f"d{name}")]  # (B, rows, heads, D)
+    return events
+
+
+def program(d: Dims) -> Program:
+    return Program(tuple(forward(d)), tuple(with_loss(d, backward(d))), inputs(d))
+
+
+@register("flash-attn", "flash-attn package flash_attn_func (FlashAttention-2): saves the "
+          "(B, H, N) softmax_lse and rng_state", gqa=True, traced=False, accepted=accepted,
+          source="flash-attn's sources (v2.8.3)", inputs=BNHD)
+def flash_attn(d: Dims) -> Program:
+    """Saved: softmax_lse, rng_state (and padded q, k, v when D % 8 != 0); backward: dq, dk,
+    dv, float32 softmax_d and dq_accum, expanded dk, dv for grouped heads."""
+    check(d, "flash-attn")
+    return program(d)

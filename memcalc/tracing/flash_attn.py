@@ -1,0 +1,242 @@
+"""The flash-attn packages in a trace: ``flash_attn.flash_attn_func`` (FlashAttention-2) and
+``flash_attn_interface.flash_attn_func`` (FlashAttention-3, Hopper), run as memcalc's models
+of them (``memcalc/impls/flash_attn.py``, ``flash_attn3.py``).
+
+Their CUDA extensions cannot run on the meta device, nor be imported without CUDA, so while
+a user's file is imported for a trace (``stand_ins``), ``import flash_attn`` and ``import
+flash_attn_interface`` give stand-in modules, whatever is installed: a stand-in's function
+hands its call to the trace's CUDA rules (``memcalc.tracing.cuda_paths``), which replay the
+model's events into the tracer's ledger (``kernels.Kernel.replay``), as for a fused SDPA
+backend. Its node is an ``autograd.Function`` that saves what ``FlashAttnFunc`` saves; what
+autograd does around it (``AccumulateGrad`` of the returned grads) runs as it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib.machinery import ModuleSpec
+from contextlib import contextmanager
+
+import torch
+
+from memcalc.engine.program import Dims
+from memcalc.impls import flash_attn as fa2
+from memcalc.impls import flash_attn3 as fa3
+from memcalc.impls.sdpa_flash import head_dims
+from memcalc.tracing.cuda_paths import rule
+from memcalc.tracing.errors import NotModelled
+from memcalc.tracing.kernels import Kernel, empty_like
+
+FA2, FA3 = "flash-attn", "flash-attn3"
+
+
+def _paths(name: str):
+    """The CUDA rules of the trace running now: found on the torch-function mode stack
+    directly, since a mode above them (CUDA's autocast) hands a Python function on with
+    ``redispatch_function``, which skips every mode for that call; one line outside a trace."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from memcalc.tracing.cuda_paths import Mode
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, Mode) and mode.paths.tracer is not None:
+            return mode.paths
+    raise NotModelled(f"{name}: memcalc's stand-in for the flash-attn package runs only inside "
+                      f"a trace on the GPU's code paths (memcalc trace without --meta-paths)")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_func``, for a trace (the signature of v2.8.3)."""
+    return flash_attn_rule(_paths("flash_attn.flash_attn_func"), flash_attn_func, (q, k, v), dict(
+        dropout_p=dropout_p, causal=causal, deterministic=deterministic,
+        return_attn_probs=return_attn_probs))
+
+
+def flash_attn3_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                     k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
+                     softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
+                     sm_margin=0, return_attn_probs=False):
+    """FlashAttention-3 ``flash_attn_interface.flash_attn_func``, for a trace."""
+    return flash_attn3_rule(_paths("flash_attn_interface.flash_attn_func"), flash_attn3_func,
+                            (q, k, v), dict(causal=causal, qv=qv, window_size=window_size,
+                                            attention_chunk=attention_chunk, softcap=softcap,
+                                            num_splits=num_splits, deterministic=deterministic,
+                                            return_attn_probs=return_attn_probs))
+
+
+def _not_modelled(package: str, name: str):
+    def refuse(*args, **kwargs):
+        raise NotModelled(f"{package}.{name}: not modelled yet; flash_attn_func on (B, N, H, D) "
+                          f"tensors is")
+    refuse.__name__ = name
+    return refuse
+
+
+def _modules() -> dict[str, types.ModuleType]:
+    """``flash_attn`` (with its ``flash_attn_interface`` submodule) and FA3's top-level
+    ``flash_attn_interface``."""
+    fa2_module = types.ModuleType("flash_attn")
+    fa2_module.__path__ = []  # a package: ``flash_attn.flash_attn_interface`` imports
+    fa2_module.__version__ = "2.8.3 (memcalc's model)"
+    inner = types.ModuleType("flash_attn.flash_attn_interface")
+    for module in (fa2_module, inner):
+        module.flash_attn_func = flash_attn_func
+        for name in ("flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                     "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+            setattr(module, name, _not_modelled("flash_attn", name))
+    fa2_module.flash_attn_interface = inner
+    fa3_module = types.ModuleType("flash_attn_interface")
+    fa3_module.flash_attn_func = flash_attn3_func
+    for name in ("flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+                 "flash_attn_with_kvcache"):
+        setattr(fa3_module, name, _not_modelled("flash_attn_interface", name))
+    modules = {"flash_attn": fa2_module, "flash_attn.flash_attn_interface": inner,
+               "flash_attn_interface": fa3_module}
+    for name, module in modules.items():  # what importlib.util.find_spec reads of them
+        module.__spec__ = ModuleSpec(name, None, is_package=name == "flash_attn")
+    return modules
+
+
+@contextmanager
+def stand_ins():
+    """Inside, ``import flash_attn`` / ``flash_attn_interface`` give the stand-ins (the
+    modules they replace are put back after)."""
+    modules = _modules()
+    before = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name, module in before.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+# --- the calls, as the trace's CUDA rules run them -----------------------------------------
+
+def dims_of(q, k, causal: bool, deterministic: bool, gpu) -> Dims:
+    """The model's sizes for a call on ``(B, N, H, D)`` tensors, on the emulated GPU."""
+    (B, N, H, D), (_, M, Hk, _) = q.shape, k.shape
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
+    return Dims(B, H, N, M, D, str(q.dtype).removeprefix("torch."), bool(causal), "grad", Hk,
+                64, not needs_grad, gpu.sm_count, tuple(gpu.compute_capability),
+                bool(deterministic))
+
+
+class Run(Kernel):
+    """One call: the model's forward and the backward of its node, with the real tensors it
+    hands out (the output, the grads) made with the strides the kernel gives them."""
+
+    def forward(self) -> torch.Tensor:
+        d, grad = self.d, not self.d.forward_only
+        padded, _ = head_dims(d)
+        self.padded = self.backend == FA2 and padded != d.D
+        shape = (d.B, d.N, d.H, padded)
+        make = (lambda: torch.empty(shape, dtype=self.q.dtype, device="meta")) \
+            if self.padded else (lambda: empty_like(self.q))  # empty_like(q): q's strides
+        events = fa2.forward(d) if self.backend == FA2 else fa3.forward(d)
+        self.replay(events, {"out": make}, grad)
+        out = self.live.pop("out")
+        if self.padded:
+            self.kept["out"] = out  # saved as out_padded; the caller gets its slice
+            return out[..., : d.D]
+        return out
+
+    def backward(self, grad_out: torch.Tensor) -> tuple:
+        d, copy = self.d, grad_out.stride(-1) != 1  # maybe_contiguous
+        events = fa2.node_backward(d, copy) if self.backend == FA2 else \
+            fa3.node_backward(d, copy)
+        padded, _ = head_dims(d)  # empty_like of the saved q, k, v: the padded copies'
+        real = {n: (lambda t=t: torch.empty((*t.shape[:-1], padded), dtype=t.dtype, device="meta"))
+                if self.padded else (lambda t=t: empty_like(t))
+                for n, t in zip(("dq", "dk", "dv"), (self.q, self.k, self.v))}
+        self.replay(events, real, True)
+        self.kept.clear()
+        grads = tuple(self.live.pop(n) for n in ("dq", "dk", "dv"))
+        return tuple(g[..., : d.D] for g in grads) if self.padded else grads
+
+
+class _Node(torch.autograd.Function):
+    """The package's ``FlashAttnFunc``: saves q, k, v (or their padded copies, in ``kept``)
+    and the output, as ``ctx.save_for_backward`` does there."""
+
+    @staticmethod
+    def forward(ctx, run: Run, q, k, v):
+        out = run.forward()
+        ctx.run = run
+        if run.padded:
+            ctx.save_for_backward(out)
+        else:
+            ctx.save_for_backward(q, k, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        run = ctx.run
+        del ctx.run
+        grads = run.backward(grad_out)
+        run.q = run.k = run.v = None
+        return (None, *grads)
+
+
+NODES = {FA2: type("FlashAttnFunc", (_Node,), {}), FA3: type("FlashAttn3Func", (_Node,), {})}
+
+
+def run(paths, backend: str, q, k, v, d: Dims) -> torch.Tensor:
+    """Run ``backend``'s model on ``(q, k, v)``."""
+    tracer = paths.tracer
+    with tracer.quiet():
+        stand_ins = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                     for t in (q, k, v)]
+    call = Run(backend, d, None, paths, *stand_ins)
+    paths.kernels[backend] = None
+    if d.forward_only:
+        with torch.no_grad():
+            out = call.forward()
+        call.kept.clear()
+        return out
+    return NODES[backend].apply(call, q, k, v)
+
+
+def _flags(package: str, dropout=0.0, window=(-1, -1), softcap=0.0, probs=False, **more):
+    """The arguments the models do not cover: one line each."""
+    refused = {"dropout_p > 0 (its split-KV and RNG paths)": dropout > 0,
+               "return_attn_probs": probs, **more}
+    for what, given in refused.items():
+        if given:
+            raise NotModelled(f"{package}.flash_attn_func: {what} is not modelled")
+
+
+@rule("flash_attn_func", "flash_attn/flash_attn_interface.py FlashAttnFunc, "
+      "csrc/flash_attn/flash_api.cpp (v2.8.3)", "flash-attn's flash_attn_func allocates what "
+      "memcalc's flash-attn model declares")
+def flash_attn_rule(paths, func, args, kwargs):
+    q, k, v = args[:3]
+    _flags("flash_attn", kwargs.get("dropout_p", 0.0), probs=kwargs.get("return_attn_probs"))
+    d = dims_of(q, k, kwargs.get("causal", False), kwargs.get("deterministic", False), paths.gpu)
+    fa2.check(d, FA2)
+    paths.note(f"flash_attn_func {tuple(q.shape)} {d.dtype}{' causal' if d.causal else ''}: "
+               f"memcalc's flash-attn model (flash-attn 2.8.3)")
+    return run(paths, FA2, q, k, v, d)
+
+
+@rule("flash_attn3_func", "hopper/flash_attn_interface.py FlashAttnFunc, hopper/flash_api.cpp",
+      "FlashAttention-3's flash_attn_func allocates what memcalc's flash-attn3 model declares")
+def flash_attn3_rule(paths, func, args, kwargs):
+    q, k, v = args[:3]
+    _flags("flash_attn_interface", probs=kwargs.get("return_attn_probs"), **{
+        "a local window_size": tuple(kwargs.get("window_size", (-1, -1))) != (-1, -1),
+        "softcap": kwargs.get("softcap", 0.0) != 0.0,
+        "num_splits other than 1": kwargs.get("num_splits", 1) != 1,
+        "qv": kwargs.get("qv") is not None,
+        "attention_chunk": kwargs.get("attention_chunk", 0) != 0})
+    d = dims_of(q, k, kwargs.get("causal", False), kwargs.get("deterministic", False), paths.gpu)
+    fa3.check(d)
+    paths.note(f"flash_attn_interface.flash_attn_func {tuple(q.shape)} {d.dtype}"
+               f"{' causal' if d.causal else ''}: memcalc's flash-attn3 model")
+    return run(paths, FA3, q, k, v, d)
