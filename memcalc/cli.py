@@ -97,6 +97,8 @@ def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
     p.add_argument("--loss", default=None,
                    help="grad: out.backward(grad_out) (default); sum: out.sum().backward()")
     p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
+    p.add_argument("--mask", default=None,
+                   help="the BlockMask's kind (flex): causal, sliding:W, document:L")
     p.add_argument("--deterministic", action="store_true",
                    help="the kernels' deterministic backward (flash-attn, flash-attn3)")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
@@ -243,6 +245,8 @@ def config_options(args) -> dict:
                 cublas_workspace_config=args.cublas_workspace_config)
     if getattr(args, "chunk", None) is not None:
         flat["chunk"] = args.chunk
+    if getattr(args, "mask", None) is not None:
+        flat["mask"] = args.mask
     return flat
 
 

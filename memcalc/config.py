@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from memcalc.engine.allocator import KiB
 from memcalc.engine.dims import Dims
 from memcalc.gpus import GPU, gpu_preset
-from memcalc.impls import canonical, get_impl
+from memcalc.impls import IMPLS, canonical, get_impl
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -90,6 +90,7 @@ class Shape(BaseModel):
 
 
 _WORKSPACE_RE = re.compile(r"^(:\d+:\d+)+$")
+_MASK_RE = re.compile(r"^(none|causal|sliding:[1-9][0-9]*|document:[1-9][0-9]*)$")
 
 
 class Protocol(BaseModel):
@@ -159,6 +160,8 @@ class Config(BaseModel):
     dtype: DType = DType.fp32
     causal: bool = False
     chunk: int = Field(64, ge=1, description="chunk length of chunked implementations")
+    mask: str = Field("none", description="the BlockMask's kind (flex): none, causal, "
+                                          "sliding:W, document:L")
     device: Device = Device()
     protocol: Protocol = Protocol()
 
@@ -169,6 +172,22 @@ class Config(BaseModel):
         if isinstance(value, str):
             get_impl(value)  # raises a ValueError naming the known implementations
         return value
+
+    @field_validator("mask")
+    @classmethod
+    def _check_mask(cls, value: str) -> str:
+        if not _MASK_RE.match(value):
+            raise ValueError("not a mask: none, causal, sliding:W or document:L (W, L whole "
+                             "numbers of rows)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_mask_read(self) -> "Config":
+        if self.mask != "none" and not get_impl(self.impl).masked:
+            masked = ", ".join(n for n, i in IMPLS.items() if i.masked)
+            raise ValueError(f"mask: {self.impl} takes no BlockMask; only {masked} reads "
+                             f"--mask (--causal masks the others)")
+        return self
 
     @model_validator(mode="after")
     def _check_gqa(self) -> "Config":
@@ -196,6 +215,7 @@ class Config(BaseModel):
                  "seq_len": f"N={s.seq_len}", "kv_len": f"M={s.kv_len}" if s.kv_len else "",
                  "head_dim": f"d={s.head_dim}"}
         options = ["" if "dtype" in left else self.dtype.value, "causal" if self.causal else "",
+                   f"mask={self.mask}" if self.mask != "none" else "",
                    "forward-only" if p.forward_only else "",
                    f"loss={p.loss}" if p.loss != "grad" else "",
                    "deterministic" if p.deterministic else "",
@@ -238,7 +258,7 @@ class Config(BaseModel):
 
 def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, heads: int = 1,
                 head_dim: int = 16, kv_len: int | None = None, kv_heads: int | None = None,
-                dtype: str = "fp32", causal: bool = False, chunk: int = 64,
+                dtype: str = "fp32", causal: bool = False, chunk: int = 64, mask: str = "none",
                 gpu: str | None = "h100-80gb", loss: str = "grad", forward_only: bool = False,
                 cublas_workspace_config: str | None = None, deterministic: bool = False) -> Config:
     """A ``Config`` from the flat options the CLI and the Python API share (the CLI's
@@ -255,7 +275,7 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
                          f"{', '.join(gpu_presets())} (got None)")
     try:
         return Config(
-            impl=impl, dtype=dtype, causal=causal, chunk=chunk,
+            impl=impl, dtype=dtype, causal=causal, chunk=chunk, mask=mask,
             shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
                         kv_len=kv_len, kv_heads=kv_heads),
             device=Device(gpu=gpu),

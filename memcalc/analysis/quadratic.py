@@ -35,8 +35,11 @@ def _names(impl: Impl, d) -> frozenset[str]:
 
 
 def _tensors(impl: Impl, d) -> list[Tensor]:
+    """The step's tensors, what exists before it included (a BlockMask's block indices,
+    ``(N/128, M/128)``, grow as N x M too)."""
     program = impl.program(d)
-    return [e for e in (*program.forward, *program.backward) if isinstance(e, Tensor)]
+    return [e for e in (*(program.inputs or ()), *program.forward, *program.backward)
+            if isinstance(e, Tensor)]
 
 
 def quadratic_saved(breakdown) -> int:

@@ -496,5 +496,5 @@ def _config_of(impl: str, d: Dims) -> Config:
     dtype = next(t for t in DType if t.torch_name == d.dtype)
     return Config(impl=impl, dtype=dtype, causal=d.causal, chunk=d.chunk,
                   shape=Shape(batch=d.B, heads=d.H, kv_heads=d.Hk, seq_len=d.N, head_dim=d.D),
-                  protocol=Protocol(loss=d.loss, forward_only=d.forward_only,
+                  mask=d.mask, protocol=Protocol(loss=d.loss, forward_only=d.forward_only,
                                     deterministic=d.deterministic))
