@@ -98,11 +98,27 @@ CUDA_COMPOSITES = {op.default: SAFE_SOFTMAX for op in
                    [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
 
 
+def _reduced_input(out, self, *rest, **kwargs):
+    """``sum``'s structured impl (``aten/src/ATen/native/ReduceOps.cpp``, ``sum_out``) builds
+    its iterator with ``make_reduction_from_out_ty`` (``ReduceOpsUtils.h``), which reduces
+    ``self.to(out_dtype)``: a full-size copy whenever the dtypes differ (a bool or integer
+    tensor summed into int64: 8 bytes an element), but for CUDA's half or bfloat16 summed
+    into float32, which the kernel reads as it is. None when no copy is made."""
+    lowp_to_f32 = self.dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32
+    if self.dtype == out.dtype or lowp_to_f32:
+        return None
+    return self.to(out.dtype)
+
+
 # temporaries a CUDA kernel allocates and frees inside itself, after its outputs, which the
-# meta kernel does not: ``softmax_backward_cuda_out`` (aten/src/ATen/native/cuda/SoftMax.cu)
-# computes ``Tensor tmp = grad * output`` (memcalc.impls.common.softmax_backward models it)
+# meta kernel does not, each ``f(out, *args, **kwargs)``: ``softmax_backward_cuda_out``
+# (aten/src/ATen/native/cuda/SoftMax.cu) computes ``Tensor tmp = grad * output``
+# (memcalc.impls.common.softmax_backward models it); ``sum`` of another dtype than its
+# result reduces a converted copy (``_reduced_input``)
 CUDA_TEMPORARIES = {torch.ops.aten._softmax_backward_data.default:
-                    lambda grad, output, *rest: grad * output}
+                    lambda out, grad, output, *rest: grad * output,
+                    torch.ops.aten.sum.dim_IntList: _reduced_input,
+                    torch.ops.aten.sum.default: _reduced_input}
 
 
 class Tracer(TorchDispatchMode):
@@ -163,7 +179,7 @@ class Tracer(TorchDispatchMode):
             self.events.append(("cublas",))
         if func in CUDA_TEMPORARIES:
             with self:
-                CUDA_TEMPORARIES[func](*args, **(kwargs or {}))  # made, then dropped
+                CUDA_TEMPORARIES[func](out, *args, **(kwargs or {}))  # made, then dropped
             self.collect_frees()
         return out
 
