@@ -13,7 +13,8 @@ from memcalc.cli import main  # noqa: E402
 from memcalc.config import make_config  # noqa: E402
 from memcalc.engine.program import Role  # noqa: E402
 from memcalc.analysis.predict import predict  # noqa: E402
-from memcalc.tracing import TraceOptions, load_function, trace, traced  # noqa: E402
+from memcalc.tracing import (TraceOptions, installed_release, load_function, trace,  # noqa: E402
+                             traced)
 from memcalc.tracing.sdpa_select import Call, Flags, Release, select  # noqa: E402
 from memcalc.validation import figures_of  # noqa: E402
 
@@ -36,7 +37,9 @@ def test_traced_causal_sdpa_equals_breakdown_on_a100(dtype, impl):
     result = traced(causal_sdpa, config)
     assert figures_of(result.breakdown) == figures_of(predict(config))
     backend = "flash" if impl == "sdpa-flash" else "efficient"
-    assert f"causal: {backend} (priority flash > efficient > math > cudnn" in result.notes[0]
+    rules = f"torch {installed_release().text()}'s rules"  # the installed torch's
+    assert f"causal, {rules}: {backend} (priority flash > efficient > math > cudnn" in \
+        result.notes[0]
 
 
 @pytest.mark.parametrize("case", [

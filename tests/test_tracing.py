@@ -260,3 +260,18 @@ def test_state_built_on_the_first_call_is_built_in_the_warm_up(tmp_path, name):
         assert getattr(fn, "bias", None) is None
     else:
         assert fn.__globals__["_mask"] is None
+
+
+def test_trace_names_the_release_whose_sdpa_rules_it_applies(capsys):
+    """On the H100 preset the SDPA example runs flash under torch 2.4's rules (cuDNN is off
+    there) and cuDNN under the newest (preferred on sm90 with cuDNN > 9.15); the note names
+    the release; an unknown one is one line."""
+    example = str(Path(__file__).parent.parent / "examples/attention/sdpa.py") + ":attn"
+    shape = ["--seq", "256", "--heads", "2", "--head-dim", "64", "--dtype", "bf16"]
+    for version, backend in (("2.4", "flash"), ("2.14", "cudnn")):
+        assert main(["trace", example, *shape, "--torch", version]) == 0
+        out = capsys.readouterr().out.replace("\n", " ")
+        assert f"torch {version}'s rules: {backend} (priority" in out
+    assert main(["trace", example, *shape, "--torch", "1.13"]) == 2
+    assert capsys.readouterr().err == (
+        "memcalc: error: --torch: no SDPA rules for 1.13 (known: 2.4 to 2.14)\n")

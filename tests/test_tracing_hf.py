@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from memcalc.cli import main  # noqa: E402
+from memcalc.tracing import installed_release  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "huggingface"
 
@@ -39,9 +40,10 @@ def test_llama_attention_runs_gqa_sdpa_causal_on_flash(capsys, monkeypatch):
     with 8 key/value heads for 32 query heads, on flash under autocast."""
     code, data = run(capsys, monkeypatch, "llama.py:attention", *LLAMA_X)
     assert code == 0, data
+    rules = f"torch {installed_release().text()}'s rules"  # the installed torch's
     assert sdpa_notes(data) == ["scaled_dot_product_attention at sdpa_attention.py:182 "
-                                "(1, 32, 256, 128) bfloat16 causal: flash (priority flash > "
-                                "efficient > math > cudnn)"]
+                                f"(1, 32, 256, 128) bfloat16 causal, {rules}: flash (priority "
+                                "flash > efficient > math > cudnn)"]
     saved = [c["name"].split(" (modeling_llama")[0] for c in data["saved"]]
     assert "autocast attn.q_proj.weight as bfloat16 (cached)" in saved
 

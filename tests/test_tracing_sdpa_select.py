@@ -188,3 +188,82 @@ def test_grouped_heads_cudnn_allows_different_key_and_value_heads_flash_does_not
         "key/value heads do not divide query heads")
     other_batch = Call(q, (1, 8, 16, 64), (1, 8, 16, 64), "bfloat16")
     assert rejection(CUDNN, other_batch, H100, Release(), Flags()) == "batch sizes differ"
+
+
+# --- the rules of each release (--torch) ----------------------------------------------------
+
+B200 = (10, 0)
+
+
+def test_a_release_brings_its_wheels_cudnn_and_cuda():
+    """PINS: the default PyPI wheel's runtime cuDNN and CUDA major version."""
+    assert Release.of("2.13.0+cu130") == Release(92000, 13, False, (2, 13))
+    assert Release.of("2.4") == Release(90100, 12, False, (2, 4))
+    assert Release.of("2.14").frontend_d256 and Release.of("2.5.0").torch == (2, 5, 0)
+    assert Release.of("2.5.1").torch == (2, 5)
+    for bad, why in (("3.0", "no SDPA rules for 3.0"), ("two", "not a release")):
+        with pytest.raises(ValueError, match=f"--torch: .*{why}"):
+            Release.of(bad)
+
+
+@pytest.mark.parametrize("version, cc, order", [
+    ("2.4", H100, (CUDNN, FLASH, EFFICIENT, MATH)),  # listed first, off by default
+    ("2.5.0", H100, (CUDNN, FLASH, EFFICIENT, MATH)),  # preferred on sm90 ...
+    ("2.5.0", A100, (FLASH, CUDNN, EFFICIENT, MATH)),  # ... second elsewhere
+    ("2.5", H100, (FLASH, EFFICIENT, MATH, CUDNN)),  # 2.5.1: opt-in (#138522)
+    ("2.9", H100, (FLASH, EFFICIENT, MATH, CUDNN)),  # its rule compiled out of the wheel
+    ("2.10", H100, (FLASH, EFFICIENT, MATH, CUDNN)),  # the rule, but cuDNN 9.10.2 <= 9.15
+    ("2.11", H100, (CUDNN, FLASH, EFFICIENT, MATH)),  # cuDNN 9.19 > 9.15
+    ("2.12", (10, 1), (FLASH, EFFICIENT, MATH, CUDNN)),  # minor 1: not before 2.13
+    ("2.13", (10, 1), (CUDNN, FLASH, EFFICIENT, MATH)),  # CUDA 13: any minor
+])
+def test_each_release_orders_the_backends_its_way(version, cc, order):
+    assert priority(cc, Release.of(version), NO_ENV) == order
+
+
+def test_torch_2_4_never_trains_on_cudnn():
+    """check_runtime_enabled_cudnn and check_cudnn_requires_grad: off unless
+    TORCH_CUDNN_SDPA_ENABLED=1, and then for inference only; so flash is taken."""
+    r = Release.of("2.4")
+    assert select(attn(), H100, release=r, env=NO_ENV).backend == FLASH
+    from memcalc.tracing import sdpa_select
+
+    assert sdpa_select._cudnn_opt_in(attn(requires_grad=False), H100, r,
+                                     {"TORCH_CUDNN_SDPA_ENABLED": "1"}) is None
+
+
+def test_grouped_heads_run_on_efficient_only_from_2_14_and_on_flash_from_2_5():
+    """check_batch_size_and_num_heads_dense<false, true> for efficient through 2.13: an fp32
+    grouped call (which flash refuses) runs on math there, on efficient in 2.14."""
+    gqa = Call((2, 8, 16, 64), (2, 2, 16, 64), (2, 2, 16, 64), "float32", enable_gqa=True)
+    assert select(gqa, A100, release=Release.of("2.13"), env=NO_ENV).backend == MATH
+    assert select(gqa, A100, release=Release.of("2.14"), env=NO_ENV).backend == EFFICIENT
+    half = dataclasses.replace(gqa, dtype="float16")
+    assert select(half, A100, release=Release.of("2.5"), env=NO_ENV).backend == FLASH
+    assert select(half, A100, release=Release.of("2.4"), env=NO_ENV).backend == MATH
+
+
+def test_a_b200_takes_math_before_2_7():
+    """check_sm_version: the fused kernels end at sm90 through 2.6."""
+    assert select(attn(), B200, release=Release.of("2.6"), env=NO_ENV).backend == MATH
+    assert select(attn(), B200, release=Release.of("2.8"), env=NO_ENV).backend in (FLASH, CUDNN)
+
+
+@pytest.mark.parametrize("version, d, why", [
+    ("2.7", 192, "head dim > 128"),
+    ("2.8", 192, None),  # 256 on sm90 with cuDNN > 9.5
+    ("2.13", 256, None),  # 256 on sm90 with cuDNN >= 9.10
+    ("2.14", 256, "head dim > 128"),  # needs cuDNN > 9.22 and the frontend: 9.19 here
+])
+def test_cudnns_head_dim_limit_by_release(version, d, why):
+    r = dataclasses.replace(Release.of(version), cudnn_version=91900)
+    assert rejection(CUDNN, attn(d=d), H100, r, Flags()) == why
+
+
+def test_cudnn_refuses_a_length_of_1_from_2_6_and_determinism_from_2_5():
+    one = attn(requires_grad=False)
+    one = dataclasses.replace(one, q=(2, 8, 1, 64))
+    assert rejection(CUDNN, one, H100, Release.of("2.8"), Flags()) == "sequence length 1"
+    assert rejection(CUDNN, one, H100, Release.of("2.9"), Flags()) is None  # only kv or dropout
+    assert rejection(CUDNN, attn(), H100, Release.of("2.13"), Flags(deterministic=True)) == (
+        "deterministic algorithms requested")

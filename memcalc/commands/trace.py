@@ -27,6 +27,9 @@ def add_arguments(parser) -> None:
                              "0 forward, (B*H*N*d + B*H*N) x 4 B backward, an estimate)")
     parser.add_argument("--meta-paths", action="store_true",
                         help="follow the meta device's code paths instead of the GPU's")
+    parser.add_argument("--torch", metavar="X.Y", default=None,
+                        help="the torch release whose SDPA backend rules apply, 2.4 to 2.14 "
+                             "(default: the installed torch)")
 
 
 def run(args) -> int:
@@ -39,7 +42,8 @@ def run(args) -> int:
 
     check_output(args.plot, "--plot")
     budget = budget_from(args)
-    options = TraceOptions(cuda=not args.meta_paths, workspace=_workspace(args.cudnn_workspace))
+    options = TraceOptions(cuda=not args.meta_paths, workspace=_workspace(args.cudnn_workspace),
+                           **_release(args.torch))
     history = []
     try:
         fn = load_function(args.target)
@@ -57,6 +61,13 @@ def run(args) -> int:
             plot_timeline(config, args.plot, (history, result.breakdown))
     emit(result, args.format)
     return 0
+
+
+def _release(text) -> dict:
+    """``--torch X.Y``: that release's SDPA rules (none given: the installed torch's)."""
+    from memcalc.tracing.sdpa_select import Release
+
+    return {} if text is None else {"release": Release.of(text)}
 
 
 def _workspace(text):

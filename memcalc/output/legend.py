@@ -83,6 +83,13 @@ _KERNEL = {
     ("dk_semaphore", "zeros"): "backward: int32 semaphores of the dk tiles (deterministic)",
     ("dv_semaphore", "zeros"): "backward: int32 semaphores of the dv tiles (deterministic)",
     ("tile_count_semaphore", "zeros"): "the tile scheduler's int32 counters",
+    ("out", "flex_attention"): "the output",
+    ("lse", "flex_attention"): "logsumexp (base 2), kept for the backward",
+    ("max_scores", "flex_attention"): "row maxima, allocated though unused",
+    ("delta", "sum"): "backward: rowsum(dO * O)",
+    ("dq", "flex_attention_backward"): "backward: dq",
+    ("dk", "flex_attention_backward"): "backward: dk",
+    ("dv", "flex_attention_backward"): "backward: dv",
     ("dk_expanded", "empty"): "backward: dk per query head, summed to the key heads",
     ("dv_expanded", "empty"): "backward: dv per query head, summed to the key heads",
     ("dq", "empty_like"): "backward: dq", ("dk", "empty_like"): "backward: dk",
@@ -95,7 +102,8 @@ _KERNEL = {
     ("cudnn_workspace", "allocate"): "cuDNN's workspace",
 }
 _KERNELS = ("flash", "efficient", "cudnn", "flash-attn", "flash-attn3")
-_ALLOCATING = ("empty", "empty_like", "zeros")  # a kernel's own buffers, not a copy of ours
+# a kernel's own buffers, not a copy of ours
+_ALLOCATING = ("empty", "empty_like", "zeros", "flex_attention", "flex_attention_backward")
 
 
 def made_by(component) -> str:

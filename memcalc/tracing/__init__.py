@@ -32,7 +32,7 @@ import inspect
 import os
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable
@@ -53,14 +53,26 @@ from memcalc.tracing.target import (Bound, Calling, bound, check_causal,  # noqa
 SAMPLE_LENGTHS = (61, 97, 131, 173, 211, 257)
 
 
+def installed_release() -> TorchRelease:
+    """The SDPA rules of the installed torch's release (with its PyPI wheel's cuDNN and
+    CUDA), else the newest known."""
+    import torch
+
+    try:
+        return TorchRelease.of(torch.__version__)
+    except ValueError:
+        return TorchRelease()
+
+
 @dataclass(frozen=True)
 class TraceOptions:
     """How a trace emulates the GPU: ``cuda=False`` follows the meta device's code paths
-    (what validation checks); ``release``: the torch build's cuDNN/CUDA versions, which the
-    SDPA backend choice reads; ``workspace``: cuDNN's workspace sizes."""
+    (what validation checks); ``release``: the torch release whose SDPA rules apply, with
+    its build's cuDNN/CUDA versions (default: the installed torch's); ``workspace``: cuDNN's
+    workspace sizes."""
 
     cuda: bool = True
-    release: TorchRelease = TorchRelease()
+    release: TorchRelease = field(default_factory=installed_release)
     workspace: Workspace = Workspace()
 
 

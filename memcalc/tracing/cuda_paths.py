@@ -157,7 +157,8 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
     call = call_of(q, k, v, mask, dropout, causal, gqa)
     choice = sdpa_select.select(call, paths.cc, flags(), paths.release)
     paths.note(f"scaled_dot_product_attention at {_where()[0]} {tuple(q.shape)} {call.dtype}"
-               f"{' causal' if causal else ''}: {choice.reason()}")
+               f"{' causal' if causal else ''}, torch {paths.release.text()}'s rules: "
+               f"{choice.reason()}")
     if choice.backend == MATH:
         paths.tracer.mask_adds += bool(mask is not None or causal)  # made in place
         if dropout > 0 and call.requires_grad:

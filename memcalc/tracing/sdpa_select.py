@@ -2,6 +2,12 @@
 ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` ``select_sdp_backend`` decides it:
 the backends in priority order, each taken when all its filters pass.
 
+The rules changed across releases; ``Release.torch`` picks a release's (``--torch 2.4``), each
+filter and each branch of the priority order naming the release it appeared in (read from
+the PyPI wheels of 2.4 to 2.14: the header ``sdp_utils_cpp.h`` at each tag, and the filter
+lists, template instantiations and constants of ``libtorch_cuda.so``; ``X.Y`` is the newest
+patch, but for 2.5.0, which preferred cuDNN on sm90 and was withdrawn in 2.5.1).
+
 Pure: no torch. ``Call`` is ``sdp_params`` (what the filters read from q, k, v and the
 arguments), ``Flags`` the ``torch.backends.cuda.*_sdp_enabled()`` switches (which
 ``torch.nn.attention.sdpa_kernel`` sets, also on the meta device), ``Release`` the build
@@ -50,17 +56,49 @@ class Flags:
     deterministic: bool = False  # use_deterministic_algorithms(True), not warn_only
 
 
+NEWEST = (2, 14)  # the newest release whose rules are written here
+OLDEST = (2, 4)
+
+
 @dataclass(frozen=True)
 class Release:
-    """What the choice reads from the build: ``versionRuntimeCuDNN()`` and ``CUDA_VERSION``.
+    """The torch release whose rules apply, and what the choice reads from its build:
+    ``versionRuntimeCuDNN()`` and ``CUDA_VERSION``.
 
-    Default: a CUDA 13 build with cuDNN 9.19 and a cuDNN frontend new enough for head dim
-    256 (``kCuDNNFrontendSupportsD256``), which is what a current ``pip install torch``
-    ships; older wheels (CUDA 12.x, cuDNN <= 9.15) never prefer cuDNN."""
+    Default: the newest rules, with a CUDA 13 build, cuDNN 9.19 and a cuDNN frontend new
+    enough for head dim 256 (``kCuDNNFrontendSupportsD256``); ``Release.of("2.5")`` gives a
+    release's rules with the cuDNN and CUDA its PyPI wheel ships (``PINS``)."""
 
     cudnn_version: int = 91900
     cuda_major: int = 13
     frontend_d256: bool = True
+    torch: tuple[int, ...] = NEWEST  # (2, 5, 0) only for 2.5.0
+
+    @classmethod
+    def of(cls, version: str) -> "Release":
+        """``2.5``, ``2.5.0``, ``2.13.0+cu130``: that release's rules and wheel; a ValueError
+        naming what is known otherwise."""
+        parts = str(version).split("+")[0].split(".")
+        try:
+            major, minor = int(parts[0]), int(parts[1])
+            patch = int(parts[2]) if len(parts) > 2 else None
+        except (ValueError, IndexError):
+            raise ValueError(f"--torch: {version!r} is not a release like 2.5 or 2.13") from None
+        if not OLDEST <= (major, minor) <= NEWEST:
+            known = f"{OLDEST[0]}.{OLDEST[1]} to {NEWEST[0]}.{NEWEST[1]}"
+            raise ValueError(f"--torch: no SDPA rules for {version} (known: {known})")
+        cuda, cudnn = PINS[(major, minor)]
+        torch = (major, minor, 0) if (major, minor, patch) == (2, 5, 0) else (major, minor)
+        return cls(cudnn, cuda, (major, minor) >= (2, 14), torch)
+
+    def text(self) -> str:
+        return ".".join(map(str, self.torch))
+
+
+# the CUDA major version and runtime cuDNN of each release's default PyPI wheel
+PINS = {(2, 4): (12, 90100), (2, 5): (12, 90100), (2, 6): (12, 90100), (2, 7): (12, 90501),
+        (2, 8): (12, 91002), (2, 9): (12, 91002), (2, 10): (12, 91002), (2, 11): (13, 91900),
+        (2, 12): (13, 92000), (2, 13): (13, 92000), (2, 14): (13, 92400)}
 
 
 @dataclass(frozen=True)
@@ -77,20 +115,27 @@ class Choice:
 
 
 def prefer_cudnn(cc: tuple[int, int], release: Release, env=os.environ) -> bool:
-    """``check_prefer_cudnn_attention``: cuDNN first on compute capability 9.x/10.x with
-    cuDNN > 9.15.0 (on CUDA < 13 only minor 0 or 3), unless TORCH_CUDNN_SDPA_DEPRIORITIZED."""
+    """``check_prefer_cudnn_attention`` (2.10 on): cuDNN first on compute capability
+    9.x/10.x with cuDNN > 9.15.0 (minor 0 or 3 only, but on CUDA 13 from 2.13), unless
+    TORCH_CUDNN_SDPA_DEPRIORITIZED. 2.9's rule (TORCH_CUDNN_SDPA_PREFERRED, cuDNN >= 9.9 at
+    compile time) is compiled out of its PyPI wheel (built against 9.8)."""
     # read with c10::utils::check_env (c10/util/env.cpp): "1" is true, "0" false, anything
     # else ignored with a warning
-    if env.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
+    if release.torch[:2] < (2, 10) or env.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":
         return False
     major, minor = cc
-    minor_ok = release.cuda_major >= 13 or minor in (0, 3)
+    minor_ok = (release.cuda_major >= 13 and release.torch[:2] >= (2, 13)) or minor in (0, 3)
     return release.cudnn_version > 91500 and major in (9, 10) and minor_ok
 
 
 def priority(cc: tuple[int, int], release: Release, env=os.environ) -> tuple[str, ...]:
     """``priority_order``: the context's default (flash, efficient, math, cudnn), or cuDNN
-    first when ``prefer_cudnn``."""
+    first when ``prefer_cudnn``; 2.4 lists cuDNN first (but keeps it off: ``_cudnn_opt_in``);
+    2.5.0 put it first on sm90 and newer, second elsewhere."""
+    if release.torch == (2, 4):
+        return (CUDNN, FLASH, EFFICIENT, MATH)
+    if release.torch == (2, 5, 0):
+        return (CUDNN, FLASH, EFFICIENT, MATH) if cc[0] >= 9 else (FLASH, CUDNN, EFFICIENT, MATH)
     if prefer_cudnn(cc, release, env):
         return (CUDNN, FLASH, EFFICIENT, MATH)
     return (FLASH, EFFICIENT, MATH, CUDNN)
@@ -113,15 +158,19 @@ def _last_stride(c: Call, cc, r) -> str | None:
     return None if c.last_strides == (1, 1, 1) else "last dimension not contiguous"
 
 
-def _heads(gqa: bool, same_kv: bool = True) -> Callable:
-    """``check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads>``."""
+def _heads(gqa_since: tuple[int, int] | None, same_kv: bool = True) -> Callable:
+    """``check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads>``;
+    ``supports_gqa`` from the release ``gqa_since`` (``enable_gqa`` itself is 2.5's)."""
 
     def check(c: Call, cc, r) -> str | None:
         if not c.q[0] == c.k[0] == c.v[0]:
             return "batch sizes differ"
         if c.q[1] == c.k[1] == c.v[1]:
             return None
+        gqa = gqa_since is not None and r.torch[:2] >= max(gqa_since, (2, 5))
         if not (c.enable_gqa and gqa):
+            if c.enable_gqa and gqa_since is not None:
+                return f"grouped heads from torch {gqa_since[0]}.{gqa_since[1]}"
             return "different head counts without enable_gqa"
         if c.q[1] % c.k[1] or (same_kv and c.k[1] != c.v[1]) or c.q[1] % c.v[1]:
             return "key/value heads do not divide query heads"
@@ -130,10 +179,21 @@ def _heads(gqa: bool, same_kv: bool = True) -> Callable:
     return check
 
 
-def _hardware(lo: tuple[int, int], hi: tuple[int, int], name: str) -> Callable:
+def _newest_sm(r: Release) -> tuple[int, int]:
+    """The last compute capability the fused kernels take: sm90 to 2.6, sm120 in 2.7, sm121
+    from 2.8 (so on a B200, 2.6 runs math)."""
+    return (9, 0) if r.torch[:2] <= (2, 6) else (12, 0) if r.torch[:2] == (2, 7) else (12, 1)
+
+
+def _hardware(lo: tuple[int, int], name: str) -> Callable:
     """``check_*_hardware_support``: ``check_sm_version<lo, hi>``."""
-    return lambda c, cc, r: None if lo <= cc <= hi else (
-        f"{name} needs sm{lo[0]}{lo[1]}..sm{hi[0]}{hi[1]}, device is {cc[0]}.{cc[1]}")
+
+    def check(c: Call, cc, r) -> str | None:
+        hi = _newest_sm(r)
+        return None if lo <= cc <= hi else (
+            f"{name} needs sm{lo[0]}{lo[1]}..sm{hi[0]}{hi[1]}, device is {cc[0]}.{cc[1]}")
+
+    return check
 
 
 def _half(c: Call, cc, r) -> str | None:
@@ -155,8 +215,13 @@ def _flash_head_dim(c: Call, cc, r) -> str | None:
 
 
 def _flash_sm86(c: Call, cc, r) -> str | None:
-    """``check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120``."""
-    if not c.requires_grad or not ((8, 6) <= cc <= (8, 9) or (12, 0) <= cc <= (12, 1)):
+    """``check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120`` (sm120 from
+    2.7, sm121 from 2.8)."""
+    if r.torch[:2] < (2, 7):
+        rtx = False
+    else:
+        rtx = (12, 0) <= cc <= ((12, 0) if r.torch[:2] == (2, 7) else (12, 1))
+    if not c.requires_grad or not ((8, 6) <= cc <= (8, 9) or rtx):
         return None
     d = c.q[-1]
     return None if d <= 192 or (c.dropout == 0 and d > 224) else "training head dim in (192, 224]"
@@ -180,7 +245,7 @@ def _efficient_head_dim(c: Call, cc, r) -> str | None:
 
 
 def _efficient_ptr(c: Call, cc, r) -> str | None:
-    """``check_data_ptr_alignment_mem_efficient``: storage offsets aligned on sm80+."""
+    """``check_data_ptr_alignment_mem_efficient`` (2.13): storage offsets aligned on sm80+."""
     if cc[0] < 8:
         return None
     align = _alignment(c, cc) * c.itemsize
@@ -209,39 +274,66 @@ def _mask_shape(c: Call, cc, r) -> str | None:
 
 
 def _cudnn_dropout(c: Call, cc, r) -> str | None:
-    """``check_cudnn_dropout`` and the 9.11-9.13 dropout gap of ``can_use_cudnn_attention``."""
-    if c.dropout * 16 != int(c.dropout * 16):
+    """``check_cudnn_dropout`` (2.12) and the 9.11-9.13 dropout gap of
+    ``can_use_cudnn_attention`` (2.9)."""
+    if r.torch[:2] >= (2, 12) and c.dropout * 16 != int(c.dropout * 16):
         return "dropout not a multiple of 1/16"
-    if c.dropout > 0 and 91100 < r.cudnn_version < 91400:
+    if r.torch[:2] >= (2, 9) and c.dropout > 0 and 91100 < r.cudnn_version < 91400:
         return "cuDNN 9.11-9.13 has no SDPA dropout"
     return None
 
 
 def _cudnn_shapes(c: Call, cc, r: Release) -> str | None:
-    """``check_cudnn_tensor_shapes`` (cuDNN >= 9): sizes, head-dim limit and alignment."""
-    if c.q[0] > 65535 or c.q[1] > 65535:
+    """``check_cudnn_tensor_shapes`` (cuDNN >= 9): sizes (2.13), head-dim limit and
+    alignment, lengths of 1 (2.6)."""
+    if r.torch[:2] >= (2, 13) and (c.q[0] > 65535 or c.q[1] > 65535):
         return "batch or heads > 65535"
     d_qk, d_v = c.q[3], c.v[3]
-    sm90 = (cc[0] == 9 and cc[1] == 0) or cc[0] == 10
-    sm107_old = cc == (10, 7) and r.cudnn_version <= 92500
-    limit = 128
-    if sm90 and not sm107_old and r.cudnn_version > 92200 and r.frontend_d256:
-        limit = 256
-    elif sm90 and r.cudnn_version >= 91100 and d_qk == 192 and d_v == 128:
-        limit = 192
+    limit = _cudnn_head_dim_limit(d_qk, d_v, cc, r)
     if d_qk > limit or d_v > limit:
         return f"head dim > {limit}"
     if d_qk % 8 or d_v % 8:
         return "head dim not a multiple of 8"
-    if c.k[2] == 1:
+    if (2, 6) <= r.torch[:2] <= (2, 8) and (c.q[2] == 1 or c.k[2] == 1):
+        return "sequence length 1"
+    if r.torch[:2] >= (2, 9) and c.k[2] == 1:
         return "key length 1"
-    if c.dropout and c.q[2] == 1:
+    if r.torch[:2] >= (2, 9) and c.dropout and c.q[2] == 1:
         return "query length 1 with dropout"
     return None
 
 
+def _cudnn_head_dim_limit(d_qk: int, d_v: int, cc, r: Release) -> int:
+    """The largest head dim cuDNN takes: 128 to 2.7; 256 on sm90 with cuDNN > 9.5 (2.8) or
+    >= 9.10 (2.9 to 2.13); the (192, 128) pair with cuDNN >= 9.11 (2.11); from 2.14, 256 on
+    sm90/10x with cuDNN > 9.22 and a frontend that has it."""
+    sm90 = (cc[0] == 9 and cc[1] == 0) or cc[0] == 10
+    torch = r.torch[:2]
+    if torch >= (2, 14):
+        sm107_old = cc == (10, 7) and r.cudnn_version <= 92500
+        if sm90 and not sm107_old and r.cudnn_version > 92200 and r.frontend_d256:
+            return 256
+    elif torch >= (2, 9) and cc == (9, 0) and r.cudnn_version >= 91000:
+        return 256
+    elif torch == (2, 8) and cc[0] == 9 and r.cudnn_version > 90500:
+        return 256
+    if torch >= (2, 11) and sm90 and r.cudnn_version >= 91100 and (d_qk, d_v) == (192, 128):
+        return 192
+    return 128
+
+
+def _cudnn_opt_in(c: Call, cc, r: Release, env=os.environ) -> str | None:
+    """2.4: ``cudnn_sdp_enabled()`` is off unless TORCH_CUDNN_SDPA_ENABLED=1
+    (``check_runtime_enabled_cudnn``), and then for inference only
+    (``check_cudnn_requires_grad``)."""
+    if env.get("TORCH_CUDNN_SDPA_ENABLED") != "1":
+        return "off unless TORCH_CUDNN_SDPA_ENABLED=1 (torch 2.4)"
+    return "inference only (torch 2.4)" if c.requires_grad else None
+
+
 def _cudnn_d256_bprop(c: Call, cc, r: Release) -> str | None:
-    """``check_cudnn_d256_bprop_head_dim``: which head dims have a backward on sm90/10x."""
+    """``check_cudnn_d256_bprop_head_dim`` (2.14): which head dims have a backward on
+    sm90/10x."""
     sm90 = (cc[0] == 9 and cc[1] == 0) or cc[0] == 10
     sm107_old = cc == (10, 7) and r.cudnn_version <= 92500
     if not c.requires_grad or not (r.cudnn_version > 92200 and r.frontend_d256 and sm90
@@ -252,13 +344,31 @@ def _cudnn_d256_bprop(c: Call, cc, r: Release) -> str | None:
     return None if ok else "no cuDNN backward for these head dims"
 
 
-FILTERS: dict[str, tuple[Callable, ...]] = {
-    CUDNN: (_shapes, _half, _mask_shape, _hardware((8, 0), (12, 1), "cuDNN"), _cudnn_dropout,
-            _nonzero, _last_stride, _heads(True, False), _cudnn_shapes, _cudnn_d256_bprop),
-    FLASH: (_shapes, _no_mask, _flash_head_dim, _hardware((8, 0), (12, 1), "flash"),
-            _flash_sm86, _flash_causal, _half, _heads(True), _nonzero, _last_stride),
-    EFFICIENT: (_hardware((5, 0), (12, 1), "efficient"), _shapes, _efficient_head_dim,
-                _efficient_ptr, _nonzero, _last_stride, _heads(True), _efficient_dtype),
+@dataclass(frozen=True)
+class Rule:
+    """A filter and the releases that apply it (``since`` to ``until``, both included)."""
+
+    check: Callable
+    since: tuple[int, int] = OLDEST
+    until: tuple[int, int] = NEWEST
+
+    def applies(self, r: Release) -> bool:
+        return self.since <= r.torch[:2] <= self.until
+
+
+FILTERS: dict[str, tuple[Rule, ...]] = {
+    CUDNN: (Rule(_cudnn_opt_in, until=(2, 4)), Rule(_shapes), Rule(_half),
+            Rule(_mask_shape, since=(2, 5)), Rule(_hardware((8, 0), "cuDNN")),
+            Rule(_cudnn_dropout), Rule(_nonzero), Rule(_last_stride),
+            # no head-count check 2.5-2.7; grouped heads with k, v heads apart from 2.8
+            Rule(_heads((2, 8), False), since=(2, 8)), Rule(_cudnn_shapes, since=(2, 5)),
+            Rule(_cudnn_d256_bprop, since=(2, 14))),
+    FLASH: (Rule(_shapes), Rule(_no_mask), Rule(_flash_head_dim), Rule(_hardware((8, 0), "flash")),
+            Rule(_flash_sm86), Rule(_flash_causal), Rule(_half), Rule(_heads((2, 5))),
+            Rule(_nonzero), Rule(_last_stride)),
+    EFFICIENT: (Rule(_hardware((5, 0), "efficient")), Rule(_shapes), Rule(_efficient_head_dim),
+                Rule(_efficient_ptr, since=(2, 13)), Rule(_nonzero), Rule(_last_stride),
+                Rule(_heads((2, 14))), Rule(_efficient_dtype)),
 }
 
 
@@ -269,9 +379,10 @@ def rejection(backend: str, call: Call, cc: tuple[int, int], release: Release,
         return "disabled (torch.backends.cuda / sdpa_kernel)"
     if backend == MATH:
         return None
-    if backend == CUDNN and flags.deterministic:
+    if backend == CUDNN and flags.deterministic and release.torch[:2] >= (2, 5):
         return "deterministic algorithms requested"
-    return next((why for f in FILTERS[backend] if (why := f(call, cc, release))), None)
+    return next((why for rule in FILTERS[backend] if rule.applies(release)
+                 and (why := rule.check(call, cc, release))), None)
 
 
 def select(call: Call, cc: tuple[int, int], flags: Flags = Flags(),
