@@ -305,3 +305,31 @@ def test_trace_command_plots(tmp_path, capsys):
     assert main(["trace", target, "--seq", "256", "--batch", "1", "--heads", "2",
                  "--dtype", "fp16", "--causal", "--plot", str(path)]) == 0
     assert path.stat().st_size > 0
+
+
+def test_the_efficient_kernel_gets_the_mask_padded_to_8_before_the_expand():
+    """attention.cpp (2.13) preprocess_mask: a bool (B, 1, 1, M) mask, M = 100, is made
+    where(mask, 0, -inf) of its own shape, then padded to (B, 1, 1, 104) and sliced, then
+    expanded to (B, H, N, M) as a view: nothing widened to the heads or rows."""
+    from memcalc.tracing.cuda_paths import fused_mask
+
+    q = torch.empty(2, 4, 100, 16, dtype=torch.float16, device="meta")
+    mask = torch.ones(2, 1, 1, 100, dtype=torch.bool, device="meta")
+    made = fused_mask(mask, q, q, "efficient")
+    assert made.shape == (2, 4, 100, 100) and made.stride() == (104, 0, 0, 1)
+    assert made.untyped_storage().nbytes() == 2 * 104 * 2  # (2, 1, 1, 104) fp16
+    q104 = torch.empty(2, 4, 104, 16, dtype=torch.float16, device="meta")
+    aligned = torch.zeros(2, 1, 1, 104, dtype=torch.float16, device="meta")
+    assert fused_mask(aligned, q104, q104, "efficient")._base is aligned  # no copy: a view
+    assert fused_mask(mask, q, q, "cudnn").shape == (2, 1, 1, 100)  # cuDNN expands inside
+
+
+def test_a_mask_the_kernels_cannot_take_is_one_line():
+    from memcalc.tracing.cuda_paths import fused_mask
+    from memcalc.tracing.errors import NotModelled, RefusedOnGpu
+
+    q = torch.empty(2, 4, 100, 16, dtype=torch.float16, device="meta")
+    with pytest.raises(NotModelled, match="requires grad"):
+        fused_mask(torch.zeros(100, 100, device="meta", requires_grad=True), q, q, "efficient")
+    with pytest.raises(RefusedOnGpu, match="invalid dtype for bias"):
+        fused_mask(torch.zeros(100, 100, device="meta"), q, q, "efficient")  # fp32 mask, fp16 q

@@ -1,5 +1,6 @@
 """Bring-your-own attention: tracing a user's function, fitting its program, its errors."""
 
+import json
 from fractions import Fraction
 from pathlib import Path
 
@@ -86,19 +87,20 @@ def test_meta_failures_name_the_line(tmp_path, capsys, body, message):
     assert code == 2 and err.count("\n") == 1 and message in err
 
 
-def test_a_mask_on_a_fused_backend_is_not_modelled_and_says_so(tmp_path, capsys):
-    """fp16 on an H100: torch picks cuDNN, whose masked variant memcalc does not model;
-    memcalc's limit, not the user's code nor the meta device."""
+def test_a_mask_on_the_cudnn_backend_is_converted_and_saved(tmp_path, capsys):
+    """fp16 on an H100: torch picks cuDNN; the bool (64, 64) mask becomes where(mask, 0,
+    -inf) in fp16 (64 x 64 x 2 = 8,192 B), which the node saves until the backward
+    (attention.cpp convert_boolean_attn_mask; derivatives.yaml attn_bias)."""
     (tmp_path / "user.py").write_text(
         "import torch\nimport torch.nn.functional as F\n"
         "def attn(q, k, v):\n"
         "    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)\n"
         "    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)\n")
-    code = main(["trace", f"{tmp_path}/user.py:attn", "--seq", "64", "--dtype", "fp16"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "Hint" not in err and "raised" not in err
-    assert "scaled_dot_product_attention: an attn_mask on the cudnn backend (which torch " \
-        "picks for these inputs on this GPU) is not modelled; --meta-paths" in err
+    code = main(["trace", f"{tmp_path}/user.py:attn", "--seq", "64", "--dtype", "fp16",
+                 "--json"])
+    saved = {c["name"].split(" (")[0]: c for c in json.loads(capsys.readouterr().out)["saved"]}
+    assert code == 0 and saved["where"]["bytes"] == 64 * 64 * 2 == 8192
+    assert saved["where"]["shape"] == [64, 64]
 
 
 def test_a_call_memcalc_does_not_model_names_the_line_and_why_with_no_meta_hint(tmp_path,

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from memcalc.gpus import GPU
 from memcalc.tracing import cudnn, sdpa_select
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu
-from memcalc.tracing.sdpa_select import MATH, Call, Flags, Release
+from memcalc.tracing.sdpa_select import EFFICIENT, MATH, Call, Flags, Release
 
 
 @dataclass(frozen=True)
@@ -167,12 +167,44 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
                        "overstated by the difference, not modelled")
         return func(*args, **kwargs)
     if mask is not None:
-        raise NotModelled(f"scaled_dot_product_attention: an attn_mask on the {choice.backend} "
-                          "backend (which torch picks for these inputs on this GPU) is not "
-                          "modelled; --meta-paths traces the math backend's instead, or "
-                          "another --gpu may pick another backend")
+        mask = fused_mask(mask, q, k, choice.backend)
     paths.kernels[choice.backend] = None
-    return kernels.run(paths, choice.backend, q, k, v, call)
+    return kernels.run(paths, choice.backend, q, k, v, call, mask)
+
+
+MEM_EFF_ALIGNMENT = 8  # attention.cpp preprocess_mask: mem_eff_alignment
+
+
+def fused_mask(mask, q, k, backend: str):
+    """The attn_mask a fused kernel gets, made as ``attention.cpp`` (2.13) makes it before
+    the call: a bool mask becomes ``where(mask, 0, -inf)`` in q's dtype, of the mask's own
+    shape (``convert_boolean_attn_mask``: a 0-d -inf and, inside ``where``, a 0-d 0);
+    for the memory-efficient kernel, a mask whose strides are not multiples of 8 is padded
+    to the next multiple of 8 past its last dim and sliced back (``pad_bias<8>``, before the
+    expand, so nothing is widened to the heads), then expanded to (B, H, N, M) as a view.
+    The node saves it (``attn_bias``) until the backward. A mask that needs a grad, or
+    another dtype than q's on the efficient kernel, is refused."""
+    if mask.requires_grad:
+        raise NotModelled("scaled_dot_product_attention: an attn_mask that requires grad "
+                          f"(the {backend} kernel's grad_bias) is not modelled")
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, torch.scalar_tensor(float("-inf"), dtype=q.dtype,
+                                                          device=mask.device))
+    if backend != EFFICIENT:
+        return mask  # cuDNN expands it inside the op: a view
+    if mask.dtype != q.dtype:  # _efficient_attention_forward's check of the bias
+        raise RefusedOnGpu("invalid dtype for bias - should match query's dtype")
+    if not _aligned(mask):
+        size = mask.shape[-1]
+        pad = MEM_EFF_ALIGNMENT - size % MEM_EFF_ALIGNMENT
+        mask = F.pad(mask, (0, pad))[..., :size]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _aligned(mask) -> bool:
+    """``aligned_tensor<8>``: every stride but the last a multiple of 8, the last 1."""
+    strides = mask.stride()
+    return strides[-1] == 1 and all(s % MEM_EFF_ALIGNMENT == 0 for s in strides[:-1])
 
 
 # --- softmax with dtype=float32 on fp16 --------------------------------------------------

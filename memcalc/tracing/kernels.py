@@ -144,13 +144,14 @@ class _Node(torch.autograd.Function):
     (``ScaledDotProductFlashAttentionBackward``), not this class."""
 
     @staticmethod
-    def forward(ctx, kernel: Kernel, q, k, v):
+    def forward(ctx, kernel: Kernel, q, k, v, mask=None):
         out = kernel.forward()
         ctx.kernel = kernel
+        bias = () if mask is None else (mask,)  # attn_bias, saved (derivatives.yaml)
         if kernel.padded:
-            ctx.save_for_backward(out)
+            ctx.save_for_backward(out, *bias)
         else:
-            ctx.save_for_backward(q, k, v, out)
+            ctx.save_for_backward(q, k, v, out, *bias)
         return out
 
     @staticmethod
@@ -159,7 +160,7 @@ class _Node(torch.autograd.Function):
         del ctx.kernel
         grads = kernel.backward(grad_out)
         kernel.q = kernel.k = kernel.v = None
-        return (None, *grads)
+        return (None, *grads, None)
 
 
 # each backend's autograd node under the name torch gives it (derivatives.yaml), less the 0
@@ -168,8 +169,9 @@ NODES = {backend: type(name, (_Node,), {}) for backend, name in (
     (CUDNN, "ScaledDotProductCudnnAttention"))}
 
 
-def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
-    """Run the fused ``backend`` on ``(q, k, v)`` as memcalc models it."""
+def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
+    """Run the fused ``backend`` on ``(q, k, v)`` as memcalc models it; ``mask``: the
+    attn_mask as the kernel gets it (``cuda_paths.fused_mask``), which the node saves."""
     if call.v[-1] != call.q[-1]:  # efficient and cuDNN (192/128) take it: their outputs
         # are v's width, and memcalc's programs have one head dim
         raise NotModelled(f"scaled_dot_product_attention: a value head dim ({call.v[-1]}) "
@@ -201,7 +203,7 @@ def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
             out = kernel.forward()
         kernel.kept.clear()
         return out
-    return NODES[backend].apply(kernel, q, k, v)
+    return NODES[backend].apply(kernel, q, k, v, mask)
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
