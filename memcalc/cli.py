@@ -98,7 +98,9 @@ def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
                    help="grad: out.backward(grad_out) (default); sum: out.sum().backward()")
     p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
     p.add_argument("--mask", default=None,
-                   help="the BlockMask's kind (flex): causal, sliding:W, document:L")
+                   help="the mask: flex's BlockMask (causal, sliding:W, document:L) or "
+                        "sdpa-efficient's bool attn_mask (padding: (B, 1, 1, M); full: "
+                        "(B, 1, N, M))")
     p.add_argument("--deterministic", action="store_true",
                    help="the kernels' deterministic backward (flash-attn, flash-attn3)")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",

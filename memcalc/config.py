@@ -90,7 +90,7 @@ class Shape(BaseModel):
 
 
 _WORKSPACE_RE = re.compile(r"^(:\d+:\d+)+$")
-_MASK_RE = re.compile(r"^(none|causal|sliding:[1-9][0-9]*|document:[1-9][0-9]*)$")
+_MASK_RE = re.compile(r"^(none|causal|sliding:[1-9][0-9]*|document:[1-9][0-9]*|padding|full)$")
 
 
 class Protocol(BaseModel):
@@ -160,8 +160,8 @@ class Config(BaseModel):
     dtype: DType = DType.fp32
     causal: bool = False
     chunk: int = Field(64, ge=1, description="chunk length of chunked implementations")
-    mask: str = Field("none", description="the BlockMask's kind (flex): none, causal, "
-                                          "sliding:W, document:L")
+    mask: str = Field("none", description="the mask: flex's BlockMask (causal, sliding:W, "
+                                          "document:L) or an attn_mask (padding, full)")
     device: Device = Device()
     protocol: Protocol = Protocol()
 
@@ -177,16 +177,17 @@ class Config(BaseModel):
     @classmethod
     def _check_mask(cls, value: str) -> str:
         if not _MASK_RE.match(value):
-            raise ValueError("not a mask: none, causal, sliding:W or document:L (W, L whole "
-                             "numbers of rows)")
+            raise ValueError("not a mask: none, causal, sliding:W, document:L (W, L whole "
+                             "numbers of rows), padding or full")
         return value
 
     @model_validator(mode="after")
     def _check_mask_read(self) -> "Config":
-        if self.mask != "none" and not get_impl(self.impl).masked:
-            masked = ", ".join(n for n, i in IMPLS.items() if i.masked)
-            raise ValueError(f"mask: {self.impl} takes no BlockMask; only {masked} reads "
-                             f"--mask (--causal masks the others)")
+        kind = self.mask.split(":")[0]
+        if self.mask != "none" and kind not in get_impl(self.impl).masks:
+            readers = "; ".join(f"{n}: {', '.join(i.masks)}" for n, i in IMPLS.items() if i.masks)
+            raise ValueError(f"mask: {self.impl} takes no {kind} mask; the masks each reads: "
+                             f"{readers} (--causal masks the others)")
         return self
 
     @model_validator(mode="after")

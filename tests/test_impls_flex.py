@@ -47,7 +47,8 @@ def test_a_document_mask_is_per_batch_row():
     (dict(mask="none"), "--mask: flex: give the BlockMask's kind"),
     (dict(seq_len=100), "--seq: flex: seq_len 100 < 128"),
     (dict(mask="sliding"), "mask: not a mask"),
-    (dict(impl="naive", mask="causal"), "mask: naive takes no BlockMask; only flex"),
+    (dict(impl="naive", mask="causal"), "mask: naive takes no causal mask; the masks each "
+                                        "reads: sdpa-efficient: padding, full; flex: causal"),
 ])
 def test_what_flex_refuses_is_one_line(options, refused):
     with pytest.raises(ValueError, match=refused):

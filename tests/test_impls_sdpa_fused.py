@@ -21,6 +21,8 @@ from memcalc.impls import IMPLS, get_impl, sdpa_efficient, sdpa_flash
 from memcalc.impls.sdpa_flash import A100, H100_SXM
 from memcalc.engine.program import Dims, Tensor
 from memcalc.analysis.predict import predict
+from memcalc.config import make_config
+from memcalc.validation.compare import figures_of
 
 MiB = 1024 * 1024
 
@@ -318,3 +320,46 @@ def test_split_kv_follows_the_presets_sm_count():
     # the two fp32 split accumulators on the H100: (4, 1, 3, 4096) x 4 B = 196,608 and
     # (4, 1, 3, 4096, 32) x 4 B = 6,291,456 (head dim 16 rounded up to 32)
     assert forward_peak("h100-80gb") - forward_peak("a100-80gb") == 196_608 + 6_291_456
+
+
+# --- sdpa-efficient with a bool attn_mask (--mask padding | full) -----------------------------
+
+def test_a_padding_mask_is_converted_padded_to_8_keys_and_saved():
+    """M = 100 keys: where(mask, 0, -inf) (8, 1, 1, 100) fp16 = 1,600 B, padded to (8, 1, 1,
+    104) = 1,664 B (a 2,048-B block), which the node saves: saved = lse (8 x 4 x 128 x 4 =
+    16,384 B) + 2,048 B."""
+    from memcalc.impls.sdpa_efficient import mask_events
+
+    c = make_config(impl="sdpa-efficient", mask="padding", seq_len=100, heads=4, dtype="fp16",
+                    gpu="a100-80gb")
+    events, kept = mask_events(c.dims)
+    shapes = {e.name: e.shape for e in events if hasattr(e, "shape")}
+    assert kept == "mask_pad" and shapes["mask_pad"] == (8, 1, 1, 104)
+    assert shapes["mask_float"] == (8, 1, 1, 100) and shapes["mask -inf"] == ()
+    assert predict(c).saved_bytes == 16_384 + 2_048
+    full = make_config(impl="sdpa-efficient", mask="full", seq_len=1000, heads=4, dtype="fp16",
+                       gpu="a100-80gb")
+    assert mask_events(full.dims)[1] == "mask_float"  # 1,000 keys: aligned, no pad
+
+
+@pytest.mark.parametrize("mask, dims", [("padding", "B,1,1,M"), ("full", "B,1,N,M")])
+@pytest.mark.parametrize("n, options", [(100, {}), (1000, {"loss": "sum"}),
+                                        (100, {"forward_only": True})])
+def test_a_traced_masked_call_equals_the_model(mask, dims, n, options, tmp_path):
+    """F.scaled_dot_product_attention(q, k, v, attn_mask=mask) on the A100 preset (fp16:
+    flash takes no mask, so the efficient kernel), traced with the mask as an input: every
+    figure equals breakdown --impl sdpa-efficient --mask."""
+    pytest.importorskip("torch")
+    from memcalc.engine.inputs import parse_input
+    from memcalc.tracing import Calling, load_function, trace
+
+    (tmp_path / "masked.py").write_text(
+        "import torch.nn.functional as F\n"
+        "def attn(q, k, v, mask):\n"
+        "    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)\n")
+    fn = load_function(f"{tmp_path}/masked.py:attn")
+    c = make_config(impl="sdpa-efficient", mask=mask, seq_len=n, heads=4, dtype="fp16",
+                    gpu="a100-80gb", **options)
+    inputs = tuple(parse_input(x) for x in ("q=B,H,N,D", "k=B,K,M,D", "v=B,K,M,D",
+                                            f"mask={dims}:bool"))
+    assert figures_of(trace(fn, c, calling=Calling(inputs=inputs))) == figures_of(predict(c))

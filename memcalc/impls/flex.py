@@ -91,7 +91,8 @@ def backward(d: Dims) -> list:
 
 
 @register("flex", "FlexAttention, compiled (torch.compile): saves the (B, H, N) logsumexp; "
-          "a BlockMask of int32 block indices", gqa=True, traced=False, masked=True,
+          "a BlockMask of int32 block indices", gqa=True, traced=False,
+          masks=("causal", "sliding", "document"),
           source="PyTorch's inductor FlexAttention template (torch 2.13)")
 def flex(d: Dims) -> Program:
     """Saved: logsumexp; the BlockMask's index tensors exist before the step; backward:

@@ -43,7 +43,7 @@ class Impl:
     reads: frozenset[str] | None = None
     source: str = "PyTorch's CUDA kernel sources"  # where a source-derived one is read from
     inputs: tuple[Input, ...] = QKV  # what its step is called with (the live runs' too)
-    masked: bool = False  # reads Dims.mask (--mask): a BlockMask's kind
+    masks: tuple[str, ...] = ()  # the kinds of Dims.mask (--mask) it reads
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
@@ -100,16 +100,16 @@ def add(impl: Impl, replace: bool = False) -> Impl:
 def register(name: str, summary: str, gqa: bool = False, traced: bool = True,
              accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules,
              chunked: bool = False, source: str = Impl.source,
-             inputs: tuple[Input, ...] = QKV, masked: bool = False):
+             inputs: tuple[Input, ...] = QKV, masks: tuple[str, ...] = ()):
     """Decorator: register ``build`` as implementation ``name``. ``traced=False`` marks a
     model derived from kernel sources that the meta device cannot check (fused CUDA kernels),
     ``source`` says whose; ``accepted``: the sizes it accepts (``Impl.accepted``);
     ``chunked``: it reads ``--chunk``; ``inputs``: its step's arguments, ``(B, H, N, d)``
-    q, k, v by default; ``masked``: it reads ``--mask``."""
+    q, k, v by default; ``masks``: the kinds of ``--mask`` it reads."""
 
     def wrap(build: Callable[[Dims], Program]):
         add(Impl(name, summary, build, gqa, traced, accepted, chunked, source=source,
-                 inputs=inputs, masked=masked))
+                 inputs=inputs, masks=masks))
         return build
 
     return wrap

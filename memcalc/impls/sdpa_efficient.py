@@ -37,6 +37,7 @@ from memcalc.impls.accepted import Accepted
 from memcalc.impls.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.impls.sdpa_flash import Gpu, cc_text, gpu_of, round_up
+from memcalc.engine.inputs import QKV, Input, input_tensors
 from memcalc.engine.program import Dims, Program, Role, free, new, release
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
@@ -185,9 +186,11 @@ def accumulate(d: Dims) -> list:
     return events
 
 
-def backward(d: Dims, on: str, grad_copy: bool | None = None, leaves: bool = True) -> list:
+def backward(d: Dims, on: str, grad_copy: bool | None = None, leaves: bool = True,
+             bias: tuple[str, ...] = ()) -> list:
     """The efficient backward node, then AccumulateGrad into the protocol's leaves
-    (``leaves=False``: the node alone, for the tracer, whose autograd runs what follows)."""
+    (``leaves=False``: the node alone, for the tracer, whose autograd runs what follows);
+    ``bias``: the saved attn_mask, released with the logsumexp."""
     before, after = kernel_internals(d, grad_copy) if on == "cuda" else ([], [])
     role = T if d.H > 1 else G
     rng = ["seed", "offset"] if on == "meta" else []
@@ -196,20 +199,53 @@ def backward(d: Dims, on: str, grad_copy: bool | None = None, leaves: bool = Tru
         new("dk", (d.B, d.M, d.H, d.D), d.dtype, role if d.M > 1 else G, "empty"),  # (B, M, H, D)
         new("dv", (d.B, d.M, d.H, d.D), d.dtype, role if d.M > 1 else G, "empty"),  # (B, M, H, D)
         *after,
-        release("lse", *rng),
+        release("lse", *rng, *bias),
         *(accumulate(d) if leaves else []),
     ]
 
 
+# --mask: a bool attn_mask, as Hugging Face passes a padding mask to sdpa
+MASK_DIMS = {"padding": ("B", "1", "1", "M"), "full": ("B", "1", "N", "M")}
+MEM_EFF_ALIGNMENT = 8  # attention.cpp preprocess_mask: mem_eff_alignment
+
+
+def mask_events(d: Dims) -> tuple[list, str]:
+    """What ``attention.cpp`` (2.13) makes of a bool attn_mask before the kernel, and the
+    name of what the kernel gets: ``convert_boolean_attn_mask``, ``where(mask, 0, -inf)``
+    of the mask's shape in q's dtype (a 0-d -inf, and inside ``where`` a 0-d 0); then, the
+    keys not a multiple of 8, ``pad_bias<8>``: padded to the next multiple and sliced back,
+    before the broadcast to (B, H, N, M), a view. The node saves it (``attn_bias``)."""
+    shape = Input("mask", MASK_DIMS[d.mask]).shape(d)  # (B, 1, 1, M) or (B, 1, N, M)
+    pad = d.M % MEM_EFF_ALIGNMENT != 0
+    events = [
+        new("mask -inf", (), d.dtype, T, "scalar_tensor"),  # () the fill of masked keys
+        new("mask 0", (), d.dtype, T, "scalar_tensor"),  # () inside where
+        new("mask_float", shape, d.dtype, T if pad else S, "where"),  # the mask's shape
+        free("mask 0"), free("mask -inf"),
+    ]
+    if not pad:
+        return events, "mask_float"
+    padded = (*shape[:-1], round_up(d.M, MEM_EFF_ALIGNMENT))  # (..., round8(M))
+    return events + [new("mask_pad", padded, d.dtype, S, "constant_pad_nd"),
+                     free("mask_float")], "mask_pad"
+
+
 def program(d: Dims, gpu: Gpu | None = None, on: str = "cuda", grad: bool = True) -> Program:
     """The step on ``gpu`` (default ``gpu_of(d)``); ``on="meta"``: the meta registrations'
-    allocations; ``grad=False`` for ``forward_only`` (no logsumexp is computed)."""
+    allocations; ``grad=False`` for ``forward_only`` (no logsumexp is computed); with
+    ``--mask padding|full`` the bool mask is an input, and what the kernel gets of it is
+    kept for the backward."""
     check(d, gpu or gpu_of(d))
-    return Program(tuple(forward(d, on, grad)), tuple(with_loss(d, backward(d, on))))
+    if d.mask == "none":
+        return Program(tuple(forward(d, on, grad)), tuple(with_loss(d, backward(d, on))))
+    prepare, name = mask_events(d)
+    inputs = input_tensors(d, (*QKV, Input("mask", MASK_DIMS[d.mask], "bool")))
+    return Program((*prepare, *forward(d, on, grad), free(name)),
+                   tuple(with_loss(d, backward(d, on, bias=(name,)))), tuple(inputs))
 
 
 @register("sdpa-efficient", "SDPA memory-efficient backend: saves the (B, H, ceil32(N)) "
-          "logsumexp", traced=False, accepted=accepted)
+          "logsumexp", traced=False, accepted=accepted, masks=("padding", "full"))
 def sdpa_efficient(d: Dims) -> Program:
     """Saved: the logsumexp; backward: the grad copy, (B, N, H, D) grads copied into the
     leaves' layout, float32 delta and the kernel's workspace."""
