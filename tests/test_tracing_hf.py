@@ -94,12 +94,15 @@ def test_bert_with_a_padding_mask(capsys, monkeypatch):
     assert code == 0, data  # the padding mask on a fused kernel (memcalc.tracing.cuda_paths)
 
 
-def test_flex_attention_says_it_cannot_be_followed(capsys, monkeypatch):
+def test_flex_attention_says_its_compiled_block_mask_cannot_be_followed(capsys, monkeypatch):
+    """Hugging Face's flex path builds its BlockMask with create_block_mask(_compile=True):
+    one line naming the user's line and the library's (its flex_attention calls would run
+    the flex model: memcalc.tracing.flex)."""
     code, err = run(capsys, monkeypatch, "llama.py:attention", *LLAMA_X, attn="flex_attention")
     assert code == 2 and err.count("\n") == 1
-    assert "(in integrations/flex_attention.py:" in err
-    assert "FlexAttention (torch.nn.attention.flex_attention) runs a kernel that torch " \
-           "compiles for the GPU, which memcalc does not model yet" in err
+    assert "(in transformers/masking_utils.py:" in err
+    assert "create_block_mask compiled (torch.compile, or _compile=True): its kernel's " \
+           "buffers are not modelled" in err
 
 
 def test_oom_solves_the_length_of_a_traced_module(capsys, monkeypatch):

@@ -29,8 +29,9 @@ def caveats(impls, kernels=()) -> list[str]:
         if not _traced(get_impl, name):
             derived.setdefault(get_impl(name).source, []).append(name)
     for k in kernels:  # a fused SDPA backend, or a package's kernel memcalc models
-        if k in IMPLS:
-            derived.setdefault(IMPLS[k].source, []).append(f"{k}'s flash_attn_func")
+        if k in IMPLS:  # a package's kernel, or FlexAttention's
+            call = "flex_attention" if k == "flex" else "flash_attn_func"
+            derived.setdefault(IMPLS[k].source, []).append(f"{k}'s {call}")
         else:
             derived.setdefault(PYTORCH, []).append(f"scaled_dot_product_attention's {k} backend")
     parts = [f"{', '.join(names)} modelled from {source}, not traced"

@@ -95,11 +95,13 @@ def _is_module_class(obj) -> bool:
 
 
 def _import(target: str, spec: str):
-    """The user's module, imported as Python would, with the flash-attn packages' stand-ins
-    (``memcalc.tracing.flash_attn``: their CUDA extensions cannot run on meta)."""
+    """The user's module, imported as Python would, with the stand-ins of what cannot run on
+    meta: the flash-attn packages (``memcalc.tracing.flash_attn``) and compiled
+    FlexAttention (``memcalc.tracing.flex``)."""
+    from memcalc.tracing import flex
     from memcalc.tracing.flash_attn import stand_ins
 
-    with stand_ins():
+    with stand_ins(), flex.stand_in():
         return _imported(target, spec)
 
 
