@@ -26,7 +26,7 @@ from memcalc.impls import flash_attn3 as fa3
 from memcalc.impls.sdpa_flash import head_dims
 from memcalc.tracing.cuda_paths import rule
 from memcalc.tracing.errors import NotModelled
-from memcalc.tracing.kernels import Kernel, empty_like
+from memcalc.tracing.kernels import Kernel, empty_like, launch, meta_copies, node
 
 FA2, FA3 = "flash-attn", "flash-attn3"
 
@@ -161,46 +161,15 @@ class Run(Kernel):
         return tuple(g[..., : d.D] for g in grads) if self.padded else grads
 
 
-class _Node(torch.autograd.Function):
-    """The package's ``FlashAttnFunc``: saves q, k, v (or their padded copies, in ``kept``)
-    and the output, as ``ctx.save_for_backward`` does there."""
-
-    @staticmethod
-    def forward(ctx, run: Run, q, k, v):
-        out = run.forward()
-        ctx.run = run
-        if run.padded:
-            ctx.save_for_backward(out)
-        else:
-            ctx.save_for_backward(q, k, v, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        run = ctx.run
-        del ctx.run
-        grads = run.backward(grad_out)
-        run.q = run.k = run.v = None
-        return (None, *grads)
-
-
-NODES = {FA2: type("FlashAttnFunc", (_Node,), {}), FA3: type("FlashAttn3Func", (_Node,), {})}
+# the packages' FlashAttnFunc: saves q, k, v (or their padded copies) and the output
+NODES = {FA2: node("FlashAttnFunc"), FA3: node("FlashAttn3Func")}
 
 
 def run(paths, backend: str, q, k, v, d: Dims) -> torch.Tensor:
     """Run ``backend``'s model on ``(q, k, v)``."""
-    tracer = paths.tracer
-    with tracer.quiet():
-        stand_ins = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                     for t in (q, k, v)]
-    call = Run(backend, d, None, paths, *stand_ins)
     paths.kernels[backend] = None
-    if d.forward_only:
-        with torch.no_grad():
-            out = call.forward()
-        call.kept.clear()
-        return out
-    return NODES[backend].apply(call, q, k, v)
+    call = Run(backend, d, None, paths, *meta_copies(paths.tracer, (q, k, v)))
+    return launch(call, NODES[backend], not d.forward_only, q, k, v)
 
 
 def _flags(package: str, dropout=0.0, window=(-1, -1), softcap=0.0, probs=False, **more):

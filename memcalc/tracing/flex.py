@@ -21,7 +21,7 @@ from memcalc.engine.program import Dims
 from memcalc.impls import flex as model
 from memcalc.tracing.errors import NotModelled
 from memcalc.tracing.flash_attn import _paths
-from memcalc.tracing.kernels import Kernel, empty_like
+from memcalc.tracing.kernels import Kernel, empty_like, launch, meta_copies, node
 
 BACKEND = "flex"
 
@@ -84,38 +84,15 @@ class Run(Kernel):
         return tuple(self.live.pop(n) for n in ("dq", "dk", "dv"))
 
 
-class FlexAttentionAutogradOp(torch.autograd.Function):
-    """Saves q, k, v, the output and the BlockMask's tensors (the logsumexp in ``kept``)."""
-
-    @staticmethod
-    def forward(ctx, call: Run, q, k, v, *mask_tensors):
-        out = call.forward()
-        ctx.call = call
-        ctx.save_for_backward(q, k, v, out, *mask_tensors)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        call = ctx.call
-        del ctx.call
-        grads = call.backward(grad_out)
-        call.q = call.k = call.v = None
-        return (None, *grads, *[None] * (len(ctx.saved_tensors) - 4))
+# saves q, k, v, the output and the BlockMask's tensors (the logsumexp in ``kept``)
+NODE = node("FlexAttentionAutogradOp")
 
 
 def run(paths, q, k, v, d: Dims, block_mask) -> torch.Tensor:
-    with paths.tracer.quiet():
-        stand_ins = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                     for t in (q, k, v)]
-    call = Run(BACKEND, d, None, paths, *stand_ins)
     paths.kernels[BACKEND] = None
-    if d.forward_only:
-        with torch.no_grad():
-            out = call.forward()
-        call.kept.clear()
-        return out
+    call = Run(BACKEND, d, None, paths, *meta_copies(paths.tracer, (q, k, v)))
     tensors = [t for t in block_mask.as_tuple() if isinstance(t, torch.Tensor)]
-    return FlexAttentionAutogradOp.apply(call, q, k, v, *tensors)
+    return launch(call, NODE, not d.forward_only, q, k, v, *tensors)
 
 
 def _compiled_block_mask(*args, **kwargs):

@@ -136,22 +136,20 @@ class Kernel:
         return tuple(self.live.pop(n) for n in names)
 
 
-class _Node(torch.autograd.Function):
-    """The fused kernel as autograd sees it: saves q, k, v and the output (as
-    ``derivatives.yaml`` has the flash / efficient / cuDNN nodes do), plus the model's
-    saved tensors in ``kernel.kept``. One subclass per backend (``NODES``), so that the
+class Node(torch.autograd.Function):
+    """A modelled kernel as autograd sees it: saves q, k, v and the output (as
+    ``derivatives.yaml`` has the flash / efficient / cuDNN nodes do, and the packages'
+    Functions), only the output when the kernel padded them (its copies are in
+    ``kernel.kept`` with the model's other saved tensors), and what else the call keeps
+    (an attn_mask, a BlockMask's tensors). One named subclass per kernel, so that the
     backward's tensors are named after the node torch names
     (``ScaledDotProductFlashAttentionBackward``), not this class."""
 
     @staticmethod
-    def forward(ctx, kernel: Kernel, q, k, v, mask=None):
+    def forward(ctx, kernel: Kernel, q, k, v, *kept):
         out = kernel.forward()
-        ctx.kernel = kernel
-        bias = () if mask is None else (mask,)  # attn_bias, saved (derivatives.yaml)
-        if kernel.padded:
-            ctx.save_for_backward(out, *bias)
-        else:
-            ctx.save_for_backward(q, k, v, out, *bias)
+        ctx.kernel, ctx.extra = kernel, len(kept)
+        ctx.save_for_backward(*((out,) if kernel.padded else (q, k, v, out)), *kept)
         return out
 
     @staticmethod
@@ -160,13 +158,36 @@ class _Node(torch.autograd.Function):
         del ctx.kernel
         grads = kernel.backward(grad_out)
         kernel.q = kernel.k = kernel.v = None
-        return (None, *grads, None)
+        return (None, *grads, *[None] * ctx.extra)
 
 
-# each backend's autograd node under the name torch gives it (derivatives.yaml), less the 0
-NODES = {backend: type(name, (_Node,), {}) for backend, name in (
+def node(name: str) -> type:
+    """The node of one kernel, named as torch names it (less the 0)."""
+    return type(name, (Node,), {})
+
+
+NODES = {backend: node(name) for backend, name in (
     (FLASH, "ScaledDotProductFlashAttention"), (EFFICIENT, "ScaledDotProductEfficientAttention"),
     (CUDNN, "ScaledDotProductCudnnAttention"))}
+
+
+def meta_copies(tracer, tensors) -> list:
+    """Untracked meta tensors with the strides of ``tensors``: a kernel reads layouts only,
+    and must not keep the user's tensors alive."""
+    with tracer.quiet():
+        return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                for t in tensors]
+
+
+def launch(kernel: Kernel, node_type: type, grad: bool, q, k, v, *kept) -> torch.Tensor:
+    """``kernel`` through its autograd node when a grad is needed; else its forward alone,
+    under no_grad, keeping nothing."""
+    if not grad:
+        with torch.no_grad():
+            out = kernel.forward()
+        kernel.kept.clear()
+        return out
+    return node_type.apply(kernel, q, k, v, *kept)
 
 
 def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
@@ -193,17 +214,9 @@ def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
         paths.note(cudnn.DEFAULT_NOTE if paths.workspace == cudnn.Workspace() else
                    f"cuDNN workspace: {paths.workspace.forward or 0} B forward, "
                    f"{paths.workspace.backward} B backward (as given)")
-    tracer = paths.tracer
-    with tracer.quiet():
-        stand_ins = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                     for t in (q, k, v)]
-    kernel = Kernel(backend, d, call, paths, *stand_ins)
-    if not call.requires_grad:
-        with torch.no_grad():
-            out = kernel.forward()
-        kernel.kept.clear()
-        return out
-    return NODES[backend].apply(kernel, q, k, v, mask)
+    kernel = Kernel(backend, d, call, paths, *meta_copies(paths.tracer, (q, k, v)))
+    kept = () if mask is None else (mask,)  # attn_bias, saved (derivatives.yaml)
+    return launch(kernel, NODES[backend], call.requires_grad, q, k, v, *kept)
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
