@@ -35,6 +35,7 @@ from memcalc.impls.common import with_loss
 from memcalc.impls.registry import register
 from memcalc.impls.sdpa_flash import (F32, cc_text, gpu_of, head_dims, round_up,
                                       split_accumulators)
+from memcalc.impls.sdpa_flash import pads as flash_pads
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 
@@ -69,15 +70,9 @@ def check(d: Dims, name: str) -> None:
 
 
 def pads(d: Dims) -> list:
-    """``F.pad`` of q, k, v to a multiple of 8 inside the Function's forward (saved)."""
-    padded, _ = head_dims(d)
-    if padded == d.D:
-        return []
-    return [
-        new("q_pad", (d.B, d.N, d.H, padded), d.dtype, S, "constant_pad_nd"),  # (B, N, H, dp)
-        new("k_pad", (d.B, d.M, d.Hk, padded), d.dtype, S, "constant_pad_nd"),  # (B, M, Hk, dp)
-        new("v_pad", (d.B, d.M, d.Hk, padded), d.dtype, S, "constant_pad_nd"),  # (B, M, Hk, dp)
-    ]
+    """``F.pad`` of q, k, v to a multiple of 8 inside the Function's forward (saved), in
+    the (B, N, H, dp) layout."""
+    return flash_pads(d, seq_first=True)
 
 
 def forward(d: Dims) -> list:

@@ -139,16 +139,18 @@ def cc_text(gpu: Gpu) -> str:
     return ".".join(map(str, gpu.compute_capability))
 
 
-def pads(d: Dims) -> list:
-    """``pad_last_dim<8>`` of q, k, v: new tensors only when D % 8 != 0."""
+def pads(d: Dims, seq_first: bool = False) -> list:
+    """``pad_last_dim<8>`` of q, k, v: new tensors only when D % 8 != 0, saved by the node;
+    ``seq_first``: in (B, N, H, dp), the flash-attn packages' layout (their ``F.pad``)."""
     padded, _ = head_dims(d)
     if padded == d.D:
         return []
-    return [
-        new("q_pad", (d.B, d.H, d.N, padded), d.dtype, S, "constant_pad_nd"),  # (B, H, N, dp)
-        new("k_pad", (d.B, d.Hk, d.M, padded), d.dtype, S, "constant_pad_nd"),  # (B, Hk, M, dp)
-        new("v_pad", (d.B, d.Hk, d.M, padded), d.dtype, S, "constant_pad_nd"),  # (B, Hk, M, dp)
-    ]
+
+    def shape(heads, rows):  # (B, H, N, dp), or (B, N, H, dp) seq_first
+        return (d.B, rows, heads, padded) if seq_first else (d.B, heads, rows, padded)
+    return [new("q_pad", shape(d.H, d.N), d.dtype, S, "constant_pad_nd"),
+            new("k_pad", shape(d.Hk, d.M), d.dtype, S, "constant_pad_nd"),
+            new("v_pad", shape(d.Hk, d.M), d.dtype, S, "constant_pad_nd")]
 
 
 def split_accumulators(d: Dims, gpu: Gpu) -> list:
