@@ -86,7 +86,8 @@ def impl_option(p: argparse.ArgumentParser, default: str | None = None,
 
 def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
     """The single-valued options besides the sizes (``memcalc sweep`` lists the sizes);
-    ``chunk``: ``--chunk``, for commands that run memcalc's chunked implementations."""
+    ``chunk``: ``--chunk`` and ``--mask``, for commands that run memcalc's implementations
+    (a traced target's own code has neither: it builds its chunks and masks)."""
     p.add_argument("--kv-len", type=whole, default=None, help="key/value length (default: --seq)")
     p.add_argument("--kv-heads", type=whole, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--causal", action="store_true", help="causal mask")
@@ -97,10 +98,11 @@ def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
     p.add_argument("--loss", default=None,
                    help="grad: out.backward(grad_out) (default); sum: out.sum().backward()")
     p.add_argument("--forward-only", action="store_true", help="inference under no_grad")
-    p.add_argument("--mask", default=None,
-                   help="the mask: flex's BlockMask (causal, sliding:W, document:L) or "
-                        "sdpa-efficient's bool attn_mask (padding: (B, 1, 1, M); full: "
-                        "(B, 1, N, M))")
+    if chunk:
+        p.add_argument("--mask", default=None,
+                       help="the mask: flex's BlockMask (causal, sliding:W, document:L) or "
+                            "sdpa-efficient's bool attn_mask (padding: (B, 1, 1, M); full: "
+                            "(B, 1, N, M))")
     p.add_argument("--deterministic", action="store_true",
                    help="the kernels' deterministic backward (flash-attn, flash-attn3)")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
