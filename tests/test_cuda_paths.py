@@ -138,7 +138,7 @@ def test_cudnn_model_and_its_workspace_parameter():
     work = [c for c in b.backward_live if c.name.startswith("cudnn cudnn_workspace")]
     assert work[0].bytes == (B * H * N * d + B * H * N) * 4  # 2,129,920 B
     given = trace(causal_sdpa, config, TraceOptions(workspace=__import__(
-        "memcalc.tracing.cudnn", fromlist=["Workspace"]).Workspace(0, 1 << 20)))
+        "memcalc.impls.sdpa_cudnn", fromlist=["Workspace"]).Workspace(0, 1 << 20)))
     work = [c for c in given.backward_live if c.name.startswith("cudnn cudnn_workspace")]
     assert work[0].bytes == 1 << 20
 

@@ -72,7 +72,7 @@ def _release(text) -> dict:
 
 def _workspace(text):
     """``--cudnn-workspace SIZE``: both workspaces, in bytes."""
-    from memcalc.tracing.cudnn import Workspace
+    from memcalc.impls.sdpa_cudnn import Workspace
 
     if text is None:
         return Workspace()

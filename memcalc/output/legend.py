@@ -61,7 +61,7 @@ _LEGEND_PARTS = (
 
 
 # the fused SDPA kernels' own tensors (memcalc/impls/sdpa_flash.py, sdpa_efficient.py,
-# memcalc/tracing/cudnn.py), by (name, op): what each is, not the allocator call that made it
+# memcalc/impls/sdpa_cudnn.py), by (name, op): what each is, not the allocator call that made it
 _KERNEL = {
     ("out", "empty_like"): "the output", ("out", "empty"): "the output",
     ("lse", "empty"): "logsumexp, kept for the backward",

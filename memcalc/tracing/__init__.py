@@ -42,7 +42,7 @@ from memcalc.config import Config
 from memcalc.errors import one_line as _first_line
 from memcalc.engine.inputs import QKV, Input, sizes_read
 from memcalc.engine.program import Cublas, Dims, Free, Program, Release, Role, Tensor
-from memcalc.tracing.cudnn import Workspace
+from memcalc.impls.sdpa_cudnn import Workspace
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu, TraceError
 from memcalc.tracing.sdpa_select import Release as TorchRelease
 from memcalc.tracing.target import (Bound, Calling, bound, check_causal,  # noqa: F401

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from memcalc.gpus import GPU
-from memcalc.tracing import cudnn, sdpa_select
+from memcalc.impls import sdpa_cudnn as cudnn
+from memcalc.tracing import sdpa_select
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu
 from memcalc.tracing.sdpa_select import EFFICIENT, MATH, Call, Flags, Release
 

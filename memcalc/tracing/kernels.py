@@ -2,7 +2,7 @@
 
 The kernel's forward and backward are an ``autograd.Function`` whose bodies replay the
 model's events (``memcalc/impls/sdpa_flash.py``, ``sdpa_efficient.py``,
-``memcalc/tracing/cudnn.py``), built from the call's ``Dims``: every declared tensor becomes
+``memcalc/impls/sdpa_cudnn.py``), built from the call's ``Dims``: every declared tensor becomes
 a meta tensor handed to the tracer with the model's name, shape and role, and dies where the
 model frees or releases it. The output and the gradients the node returns are real tensors
 with the strides the CUDA kernel gives them (so what autograd does next, an
@@ -20,7 +20,7 @@ import torch
 
 from memcalc.impls import sdpa_efficient, sdpa_flash
 from memcalc.engine.program import Dims, Free, Release, Role, Tensor
-from memcalc.tracing import cudnn
+from memcalc.impls import sdpa_cudnn as cudnn
 from memcalc.tracing.errors import NotModelled
 from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
 

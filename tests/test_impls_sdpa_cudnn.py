@@ -1,8 +1,8 @@
-"""``memcalc.tracing.cudnn``: what PyTorch allocates around a cuDNN attention call."""
+"""``memcalc.impls.sdpa_cudnn``: what PyTorch allocates around a cuDNN attention call."""
 
 from memcalc.engine.dims import Dims
 from memcalc.engine.program import Role, free, release
-from memcalc.tracing.cudnn import Workspace, backward, forward
+from memcalc.impls.sdpa_cudnn import Workspace, backward, forward
 
 # B=2, H=4 query heads, Hk=2 key/value heads, N=8 query rows, M=24 key rows, d=16, bf16:
 # query-side and key-side sizes differ (H x N = 32, Hk x M = 48), so a shape read from the
@@ -77,3 +77,53 @@ def test_a_grad_copy_comes_first_and_dies_with_the_workspace():
         DOUT_T, DQ, DK, DV, free("dout_t"), release("lse")]
     assert backward(D, grad_copy=False, dropout=False, ws=Workspace(0, 0)) == [
         DQ, DK, DV, release("lse")]  # nothing of its own to free
+
+
+# --- sdpa-cudnn: the protocol's step on the cuDNN backend --------------------------------------
+
+import pytest  # noqa: E402
+
+from memcalc.analysis.predict import predict  # noqa: E402
+from memcalc.config import make_config  # noqa: E402
+
+
+def cudnn_config(**options):
+    sizes = dict(impl="sdpa-cudnn", seq_len=1000, heads=8, head_dim=64, dtype="bf16", batch=2)
+    return make_config(**{**sizes, **options})
+
+
+def test_the_step_saves_the_statistics_and_keeps_the_grads():
+    """Saved: (B, H, N, 1) float32 = 2 x 8 x 1000 x 4 = 64,000 B (a 64,000-B block: a
+    multiple of 512). The backward's workspace is the stated estimate: (B H N d + B H N)
+    x 4 = (1,024,000 + 16,000) x 4 = 4,160,000 B."""
+    b = predict(cudnn_config())
+    assert b.saved_bytes == 64_000
+    live = {c.name: c for c in b.backward_live}
+    assert live["cudnn_workspace"].bytes == 4_160_000
+    assert live["dq"].role.value == "gradient"
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"loss": "sum"},
+                                     {"forward_only": True}, {"head_dim": 256}])
+def test_it_equals_the_trace_of_sdpa_on_the_h100_preset(options):
+    """The SDPA example on the H100 preset: torch 2.13's rules pick cuDNN (preferred on sm90
+    with cuDNN > 9.15), and the trace allocates what the implementation declares."""
+    pytest.importorskip("torch")
+    from memcalc.tracing import load_function, trace
+    from memcalc.validation.compare import figures_of
+
+    c = cudnn_config(**options)
+    fn = load_function("examples/attention/sdpa.py:attn")
+    assert figures_of(trace(fn, c)) == figures_of(predict(c))
+
+
+@pytest.mark.parametrize("options, refused", [
+    (dict(dtype="fp32"), "--dtype: sdpa-cudnn: cuDNN attention takes fp16 and bf16 only"),
+    (dict(deterministic=True), "--deterministic: sdpa-cudnn: torch"),
+    (dict(head_dim=264), "--head-dim: sdpa-cudnn: head_dim 264 > 256"),
+    (dict(head_dim=192, gpu="a100-80gb"), "--head-dim: sdpa-cudnn: head_dim 192 > 128"),
+    (dict(gpu="t4"), "--gpu: sdpa-cudnn: cuDNN attention needs compute capability 8.0"),
+])
+def test_what_cudnn_refuses_is_one_line(options, refused):
+    with pytest.raises(ValueError, match=refused):
+        predict(cudnn_config(**options))

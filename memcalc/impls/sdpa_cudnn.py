@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.engine.program import Dims, Role, free, new, release
+from memcalc.engine.program import Dims, Program, Role, free, new, release
+from memcalc.impls.accepted import Accepted
+from memcalc.impls.common import with_loss
+from memcalc.impls.registry import register
 
-S, O, T = Role.saved, Role.output, Role.temporary
+S, O, T, G = Role.saved, Role.output, Role.temporary, Role.gradient
 F32 = "float32"
 
 
@@ -63,17 +66,62 @@ def forward(d: Dims, grad: bool, dropout: bool, ws: Workspace) -> list:
     ]
 
 
-def backward(d: Dims, grad_copy: bool, dropout: bool, ws: Workspace) -> list:
-    """``_cudnn_attention_backward``: the grad permuted to o's layout, dq, dk, dv, the
-    workspace; then autograd releases the statistics (and seed, offset)."""
+def backward(d: Dims, grad_copy: bool, dropout: bool, ws: Workspace, grads: Role = T) -> list:
+    """``_cudnn_attention_backward``: the grad permuted to o's layout, dq, dk, dv (``grads``:
+    their role; a trace tells the leaves' grads itself), the workspace; then autograd
+    releases the statistics (and seed, offset)."""
     work = ws.backward_bytes(d)
     copy = [new("dout_t", (d.B, d.H, d.N, d.D), d.dtype, T, "permute")] if grad_copy else []
     ends = ([t.name for t in copy] + (["cudnn_workspace"] if work else []))
     return copy + [
-        new("dq", (d.B, d.H, d.N, d.D), d.dtype, T, "empty_like"),  # (B, H, N, d)
-        new("dk", (d.B, d.Hk, d.M, d.D), d.dtype, T, "empty_like"),  # (B, Hk, M, d)
-        new("dv", (d.B, d.Hk, d.M, d.D), d.dtype, T, "empty_like"),  # (B, Hk, M, d)
+        new("dq", (d.B, d.H, d.N, d.D), d.dtype, grads, "empty_like"),  # (B, H, N, d)
+        new("dk", (d.B, d.Hk, d.M, d.D), d.dtype, grads, "empty_like"),  # (B, Hk, M, d)
+        new("dv", (d.B, d.Hk, d.M, d.D), d.dtype, grads, "empty_like"),  # (B, Hk, M, d)
         *([new("cudnn_workspace", (work,), "uint8", T, "allocate")] if work else []),
         *([free(*ends)] if ends else []),
         release("lse", *(["seed", "offset"] if dropout else [])),
     ]
+
+
+# --- sdpa-cudnn: the protocol's step on the cuDNN backend --------------------------------------
+
+def head_dim_limit(d: Dims) -> int:
+    """``check_cudnn_tensor_shapes`` of torch 2.13 with its wheel's cuDNN (9.20): 256 on
+    sm90, else 128 (``memcalc.tracing.sdpa_select`` has every release's)."""
+    return 256 if tuple(d.compute_capability) == (9, 0) else 128
+
+
+def accepted(d: Dims) -> tuple[Accepted, ...]:
+    return (Accepted("head_dim", step=8, most=head_dim_limit(d), kernel="cuDNN attention",
+                     step_source="sdp_utils.cpp check_cudnn_tensor_shapes",
+                     most_source="sdp_utils.cpp check_cudnn_tensor_shapes, torch 2.13"),)
+
+
+def check(d: Dims) -> None:
+    """What ``can_use_cudnn_attention`` (torch 2.13) refuses."""
+    cc = tuple(d.compute_capability)
+    if not (8, 0) <= cc <= (12, 1):
+        raise ValueError(f"--gpu: sdpa-cudnn: cuDNN attention needs compute capability 8.0 to "
+                         f"12.1, not {cc[0]}.{cc[1]} (sdp_utils.cpp check_cudnn_hardware_support)")
+    if d.dtype == F32:
+        raise ValueError("--dtype: sdpa-cudnn: cuDNN attention takes fp16 and bf16 only "
+                         "(sdp_utils.cpp check_dtypes_low_precision)")
+    if d.deterministic and not d.forward_only:
+        raise ValueError("--deterministic: sdpa-cudnn: torch (2.5 on) does not run cuDNN "
+                         "attention under deterministic algorithms (check_cudnn_deterministic)")
+    for rule in accepted(d):
+        rule.refuse("sdpa-cudnn", d.D)
+
+
+@register("sdpa-cudnn", "SDPA cuDNN backend: saves the (B, H, N, 1) statistics; cuDNN's "
+          "own workspace estimated", gqa=True, traced=False, accepted=accepted,
+          source="PyTorch's CUDA kernel sources, cuDNN's workspace estimated")
+def sdpa_cudnn(d: Dims) -> Program:
+    """Saved: the float32 statistics; backward: dq, dk, dv, the grad in o's layout when its
+    strides differ (``out.sum()``'s expand), and cuDNN's workspace as ``Workspace``
+    estimates it (cuDNN sizes it at run time)."""
+    check(d)
+    grad = not d.forward_only
+    ws = Workspace()
+    return Program(tuple(forward(d, grad, False, ws)),
+                   tuple(with_loss(d, backward(d, d.loss == "sum", False, ws, G))))
