@@ -127,6 +127,17 @@ def input_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param-dtype", default=None, metavar="DTYPE",
                    help="the module's floating parameters and buffers in this dtype, as "
                         "model.to(dtype) makes them for pure bf16 training (default: as built)")
+    p.add_argument("--torch", metavar="X.Y", default=None,
+                   help="the torch release whose SDPA backend rules apply, 2.4 to 2.14 "
+                        "(default: the installed torch)")
+
+
+def release_of(args) -> dict:
+    """``--torch X.Y`` as ``TraceOptions``' keyword: that release's SDPA rules (none given:
+    the installed torch's, the options' default)."""
+    from memcalc.tracing.sdpa_select import Release
+
+    return {} if args.torch is None else {"release": Release.of(args.torch)}
 
 
 def calling_from(args, fn):
@@ -149,7 +160,7 @@ def traced_options_given(args) -> str | None:
     """The first of a traced target's options given (``--input x=...``), for a command
     told no target."""
     for flag, value in (("--input", (args.input or [None])[0]), ("--autocast", args.autocast),
-                        ("--param-dtype", args.param_dtype),
+                        ("--param-dtype", args.param_dtype), ("--torch", args.torch),
                         ("--no-grad", (args.no_grad or [None])[0])):
         if value is not None:
             return f"{flag} {value}"

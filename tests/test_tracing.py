@@ -277,3 +277,20 @@ def test_trace_names_the_release_whose_sdpa_rules_it_applies(capsys):
     assert main(["trace", example, *shape, "--torch", "1.13"]) == 2
     assert capsys.readouterr().err == (
         "memcalc: error: --torch: no SDPA rules for 1.13 (known: 2.4 to 2.14)\n")
+
+
+def test_oom_trace_samples_under_the_release_asked_for(monkeypatch, capsys):
+    """``oom --trace --torch 2.14``: every sampled trace follows 2.14's SDPA rules; without
+    --trace the option is refused in one line."""
+    import memcalc.tracing as tracing
+
+    seen, real = [], tracing._sample_events
+    monkeypatch.setattr(tracing, "_sample_events",
+                        lambda *args: seen.append(args[-1].release) or real(*args))
+    example = str(Path(__file__).parent.parent / "examples/attention/sdpa.py") + ":attn"
+    assert main(["oom", "--trace", example, "--gpu", "b200", "--dtype", "bf16",
+                 "--torch", "2.14"]) == 0
+    assert seen and {r.torch for r in seen} == {(2, 14)}
+    capsys.readouterr()
+    assert main(["oom", "--torch", "2.4"]) == 2
+    assert "--torch 2.4: an option of a traced target" in capsys.readouterr().err

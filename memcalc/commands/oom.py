@@ -69,4 +69,8 @@ def _impls(args) -> list[str] | None:
         calling = calling_from(args, fn)
     except TraceError as error:
         raise ValueError(f"--trace {args.trace}: {error}") from None
-    return (impls or []) + [register_function(fn, args.trace, calling)]
+    from memcalc.cli import release_of
+    from memcalc.tracing import TraceOptions
+
+    options = TraceOptions(**release_of(args))
+    return (impls or []) + [register_function(fn, args.trace, calling, options)]

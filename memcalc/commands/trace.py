@@ -1,7 +1,7 @@
 """``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code, traced as
 the configured GPU would run it, with its fit in the device's budget."""
 
-from memcalc.cli import (budget_from, budget_options, calling_from, check_output,
+from memcalc.cli import (budget_from, budget_options, calling_from, check_output, release_of,
                          config_from, emit, format_options, input_options, plotting, shape_options,
                          work_options)
 
@@ -27,9 +27,7 @@ def add_arguments(parser) -> None:
                              "0 forward, (B*H*N*d + B*H*N) x 4 B backward, an estimate)")
     parser.add_argument("--meta-paths", action="store_true",
                         help="follow the meta device's code paths instead of the GPU's")
-    parser.add_argument("--torch", metavar="X.Y", default=None,
-                        help="the torch release whose SDPA backend rules apply, 2.4 to 2.14 "
-                             "(default: the installed torch)")
+
 
 
 def run(args) -> int:
@@ -43,7 +41,7 @@ def run(args) -> int:
     check_output(args.plot, "--plot")
     budget = budget_from(args)
     options = TraceOptions(cuda=not args.meta_paths, workspace=_workspace(args.cudnn_workspace),
-                           **_release(args.torch))
+                           **release_of(args))
     history = []
     try:
         fn = load_function(args.target)
@@ -61,13 +59,6 @@ def run(args) -> int:
             plot_timeline(config, args.plot, (history, result.breakdown))
     emit(result, args.format)
     return 0
-
-
-def _release(text) -> dict:
-    """``--torch X.Y``: that release's SDPA rules (none given: the installed torch's)."""
-    from memcalc.tracing.sdpa_select import Release
-
-    return {} if text is None else {"release": Release.of(text)}
 
 
 def _workspace(text):

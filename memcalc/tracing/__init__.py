@@ -404,28 +404,28 @@ def _unique(name: str, names: dict) -> str:
     return candidate
 
 
-def traced_program(fn: Callable, config: Config,
-                   calling: Calling = Calling()) -> Callable[[int], Program]:
+def traced_program(fn: Callable, config: Config, calling: Calling = Calling(),
+                   options: TraceOptions | None = None) -> Callable[[int], Program]:
     """``fn``'s program at any seq_len, from traces at ``SAMPLE_LENGTHS`` under ``config``
     (its seq_len ignored; key/value length follows seq_len), resident state and inputs
     included: what a direct trace holds from the start, the fitted program holds too."""
     if config.shape.kv_len is not None:
         raise TraceError("--kv-len: traced code is solved with kv_len = seq_len")
     call = bound(fn, config, calling)
-    samples = [_sample_events(call, config, n, calling.inputs) for n in SAMPLE_LENGTHS]
+    options = options or TraceOptions()
+    samples = [_sample_events(call, config, n, calling.inputs, options) for n in SAMPLE_LENGTHS]
     _check_same_structure(samples)
     before, forward, backward = (_fit_events([s[i] for s in samples]) for i in range(3))
     return lambda n: Program(tuple(e(n) for e in forward), tuple(e(n) for e in backward),
                              tuple(e(n) for e in before))
 
 
-def _sample_events(call: Bound, config: Config, n: int,
-                   inputs: tuple[Input, ...]) -> tuple[list, list, list]:
+def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...],
+                   options: TraceOptions) -> tuple[list, list, list]:
     from memcalc.tracing.state import kept, on_meta
     from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
     sample = config.replace(seq_len=n)
-    options = TraceOptions()
     tracer = Tracer(sample.workspace_bytes, paths=_paths(sample, options))
     probe = TracerProbe(tracer)
 
@@ -476,11 +476,12 @@ def _fit_or_fail(values: list[int], tensor: Tensor) -> Poly:
     return poly
 
 
-def register_function(fn: Callable, label: str, calling: Calling = Calling()) -> str:
-    """Register ``fn`` (called as ``calling`` says) as implementation ``trace:<label>`` and
-    return that name, for ``Config(impl=...)``. Its program is fitted on first use, once
-    per combination of the sizes other than seq_len (batch, heads, head_dim, dtype,
-    causal, loss, forward-only)."""
+def register_function(fn: Callable, label: str, calling: Calling = Calling(),
+                      options: TraceOptions | None = None) -> str:
+    """Register ``fn`` (called as ``calling`` says, traced with ``options``: the default's
+    when None) as implementation ``trace:<label>`` and return that name, for
+    ``Config(impl=...)``. Its program is fitted on first use, once per combination of the
+    sizes other than seq_len (batch, heads, head_dim, dtype, causal, loss, forward-only)."""
     from memcalc.impls.registry import Impl, add
 
     name = f"trace:{label}"
@@ -491,7 +492,7 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling()) ->
             raise TraceError("--kv-len: traced code is solved with kv_len = seq_len")
         key = d.__class__(**{**d.__dict__, "N": 0, "M": 0})
         if key not in programs:
-            programs[key] = traced_program(fn, _config_of(name, d), calling)
+            programs[key] = traced_program(fn, _config_of(name, d), calling, options)
         return programs[key](d.N)
 
     # tracing the same function again replaces its earlier registration, on purpose
