@@ -333,3 +333,33 @@ def test_a_mask_the_kernels_cannot_take_is_one_line():
         fused_mask(torch.zeros(100, 100, device="meta", requires_grad=True), q, q, "efficient")
     with pytest.raises(RefusedOnGpu, match="invalid dtype for bias"):
         fused_mask(torch.zeros(100, 100, device="meta"), q, q, "efficient")  # fp32 mask, fp16 q
+
+
+def test_the_mask_conversion_is_the_installed_torchs_own():
+    """The bool -> q's dtype conversion fused_mask runs is what the installed torch's
+    scaled_dot_product_attention runs first (convert_boolean_attn_mask, before any backend):
+    two 0-d scalars, then ``where`` of the mask's own shape. (The efficient kernel's pad
+    cannot be seen here: a CPU build takes the math path.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memcalc.tracing.cuda_paths import fused_mask
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.ops.append((func.__name__, tuple(out.shape), out.dtype))
+            return out
+
+    q = torch.empty(2, 4, 100, 16, dtype=torch.float16, device="meta")
+    mask = torch.ones(2, 1, 1, 100, dtype=torch.bool, device="meta")
+    with Log() as torch_own:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    with Log() as ours:
+        fused_mask(mask, q, q, "cudnn")
+    assert torch_own.ops[:3] == ours.ops == [
+        ("scalar_tensor.default", (), torch.float16), ("scalar_tensor.default", (), torch.float16),
+        ("where.self", (2, 1, 1, 100), torch.float16)]

@@ -85,14 +85,31 @@ def backward(d: Dims, grad_copy: bool, dropout: bool, ws: Workspace, grads: Role
 
 # --- sdpa-cudnn: the protocol's step on the cuDNN backend --------------------------------------
 
-def head_dim_limit(d: Dims) -> int:
-    """``check_cudnn_tensor_shapes`` of torch 2.13 with its wheel's cuDNN (9.20): 256 on
-    sm90, else 128 (``memcalc.tracing.sdpa_select`` has every release's)."""
-    return 256 if tuple(d.compute_capability) == (9, 0) else 128
+def head_dim_limit(d_qk: int, d_v: int, cc, torch: tuple = (2, 13), cudnn_version: int = 92000,
+                   frontend_d256: bool = False) -> int:
+    """The largest head dim ``check_cudnn_tensor_shapes`` takes: 128 to 2.7; 256 on sm90
+    with cuDNN > 9.5 (2.8) or >= 9.10 (2.9 to 2.13); the (192, 128) pair with cuDNN >= 9.11
+    (2.11); from 2.14, 256 on sm90/10x with cuDNN > 9.22 and a frontend that has it. The
+    default: torch 2.13 with its wheel's cuDNN 9.20 (``memcalc.tracing.sdpa_select``
+    passes each release's)."""
+    sm90 = (cc[0] == 9 and cc[1] == 0) or cc[0] == 10
+    torch = tuple(torch)[:2]
+    if torch >= (2, 14):
+        sm107_old = tuple(cc) == (10, 7) and cudnn_version <= 92500
+        if sm90 and not sm107_old and cudnn_version > 92200 and frontend_d256:
+            return 256
+    elif torch >= (2, 9) and tuple(cc) == (9, 0) and cudnn_version >= 91000:
+        return 256
+    elif torch == (2, 8) and cc[0] == 9 and cudnn_version > 90500:
+        return 256
+    if torch >= (2, 11) and sm90 and cudnn_version >= 91100 and (d_qk, d_v) == (192, 128):
+        return 192
+    return 128
 
 
 def accepted(d: Dims) -> tuple[Accepted, ...]:
-    return (Accepted("head_dim", step=8, most=head_dim_limit(d), kernel="cuDNN attention",
+    most = head_dim_limit(d.D, d.D, d.compute_capability)
+    return (Accepted("head_dim", step=8, most=most, kernel="cuDNN attention",
                      step_source="sdp_utils.cpp check_cudnn_tensor_shapes",
                      most_source="sdp_utils.cpp check_cudnn_tensor_shapes, torch 2.13"),)
 

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from memcalc.gpus import GPU
 from memcalc.impls import sdpa_cudnn as cudnn
+from memcalc.impls.sdpa_efficient import MEM_EFF_ALIGNMENT
 from memcalc.tracing import sdpa_select
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu
 from memcalc.tracing.sdpa_select import EFFICIENT, MATH, Call, Flags, Release
@@ -112,6 +113,20 @@ class Mode(TorchFunctionMode):
         return call_within(self, func, types, args, kwargs)
 
 
+def active_paths(name: str) -> CudaPaths:
+    """The CUDA rules of the trace running now, for a stand-in (``flash_attn.py``,
+    ``flex.py``) to hand its call to: found on the torch-function mode stack itself, since a
+    mode above them (CUDA's autocast) hands a Python function on with
+    ``redispatch_function``, which skips every mode for that call; one line outside a trace."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, Mode) and mode.paths.tracer is not None:
+            return mode.paths
+    raise NotModelled(f"{name}: memcalc's stand-in runs only inside a trace on the GPU's code "
+                      f"paths (memcalc trace without --meta-paths)")
+
+
 def _arg(args, kwargs, index: int, name: str, default=None):
     """Argument ``name`` given at position ``index`` or by keyword."""
     if len(args) > index:
@@ -171,9 +186,6 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
         mask = fused_mask(mask, q, k, choice.backend)
     paths.kernels[choice.backend] = None
     return kernels.run(paths, choice.backend, q, k, v, call, mask)
-
-
-MEM_EFF_ALIGNMENT = 8  # attention.cpp preprocess_mask: mem_eff_alignment
 
 
 def fused_mask(mask, q, k, backend: str):

@@ -24,33 +24,19 @@ from memcalc.engine.program import Dims
 from memcalc.impls import flash_attn as fa2
 from memcalc.impls import flash_attn3 as fa3
 from memcalc.impls.sdpa_flash import head_dims
-from memcalc.tracing.cuda_paths import rule
+from memcalc.tracing.cuda_paths import active_paths, rule
 from memcalc.tracing.errors import NotModelled
-from memcalc.tracing.kernels import Kernel, empty_like, launch, meta_copies, node
+from memcalc.tracing.kernels import (Kernel, empty_like, launch, meta_copies, needs_grad,
+                                     node, sized)
 
 FA2, FA3 = "flash-attn", "flash-attn3"
-
-
-def _paths(name: str):
-    """The CUDA rules of the trace running now: found on the torch-function mode stack
-    directly, since a mode above them (CUDA's autocast) hands a Python function on with
-    ``redispatch_function``, which skips every mode for that call; one line outside a trace."""
-    from torch.overrides import _get_current_function_mode_stack
-
-    from memcalc.tracing.cuda_paths import Mode
-
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, Mode) and mode.paths.tracer is not None:
-            return mode.paths
-    raise NotModelled(f"{name}: memcalc's stand-in for the flash-attn package runs only inside "
-                      f"a trace on the GPU's code paths (memcalc trace without --meta-paths)")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False):
     """flash-attn 2.x ``flash_attn_func``, for a trace (the signature of v2.8.3)."""
-    return flash_attn_rule(_paths("flash_attn.flash_attn_func"), flash_attn_func, (q, k, v), dict(
+    return flash_attn_rule(active_paths("flash_attn.flash_attn_func"), flash_attn_func, (q, k, v), dict(
         dropout_p=dropout_p, causal=causal, deterministic=deterministic,
         return_attn_probs=return_attn_probs))
 
@@ -60,7 +46,7 @@ def flash_attn3_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_desca
                      softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
                      sm_margin=0, return_attn_probs=False):
     """FlashAttention-3 ``flash_attn_interface.flash_attn_func``, for a trace."""
-    return flash_attn3_rule(_paths("flash_attn_interface.flash_attn_func"), flash_attn3_func,
+    return flash_attn3_rule(active_paths("flash_attn_interface.flash_attn_func"), flash_attn3_func,
                             (q, k, v), dict(causal=causal, qv=qv, window_size=window_size,
                                             attention_chunk=attention_chunk, softcap=softcap,
                                             num_splits=num_splits, deterministic=deterministic,
@@ -121,11 +107,11 @@ def stand_ins():
 
 def dims_of(q, k, causal: bool, deterministic: bool, gpu) -> Dims:
     """The model's sizes for a call on ``(B, N, H, D)`` tensors, on the emulated GPU."""
-    (B, N, H, D), (_, M, Hk, _) = q.shape, k.shape
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
-    return Dims(B, H, N, M, D, str(q.dtype).removeprefix("torch."), bool(causal), "grad", Hk,
-                64, not needs_grad, gpu.sm_count, tuple(gpu.compute_capability),
-                bool(deterministic))
+    def heads_first(t):  # (B, N, H, D) -> (B, H, N, D)
+        return (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+
+    return sized(heads_first(q), heads_first(k), str(q.dtype).removeprefix("torch."), causal,
+                 needs_grad(q, k), gpu, deterministic)
 
 
 class Run(Kernel):
@@ -172,7 +158,7 @@ def run(paths, backend: str, q, k, v, d: Dims) -> torch.Tensor:
     return launch(call, NODES[backend], not d.forward_only, q, k, v)
 
 
-def _flags(package: str, dropout=0.0, window=(-1, -1), softcap=0.0, probs=False, **more):
+def _flags(package: str, dropout=0.0, probs=False, **more):
     """The arguments the models do not cover: one line each."""
     refused = {"dropout_p > 0 (its split-KV and RNG paths)": dropout > 0,
                "return_attn_probs": probs, **more}

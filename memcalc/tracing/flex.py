@@ -20,8 +20,8 @@ import torch
 from memcalc.engine.program import Dims
 from memcalc.impls import flex as model
 from memcalc.tracing.errors import NotModelled
-from memcalc.tracing.flash_attn import _paths
-from memcalc.tracing.kernels import Kernel, empty_like, launch, meta_copies, node
+from memcalc.tracing.cuda_paths import active_paths
+from memcalc.tracing.kernels import Kernel, empty_like, launch, meta_copies, needs_grad, node, sized
 
 BACKEND = "flex"
 
@@ -30,7 +30,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                    enable_gqa=False, return_lse=False, kernel_options=None, *,
                    return_aux=None):
     """``torch.nn.attention.flex_attention.flex_attention``, compiled, for a trace."""
-    paths = _paths("flex_attention")
+    paths = active_paths("flex_attention")
     if return_aux is not None and return_aux.max_scores:
         raise NotModelled("flex_attention: return_aux max_scores is not modelled")
     if block_mask is None:
@@ -61,10 +61,9 @@ def natural_lse(d: Dims) -> torch.Tensor:
 
 
 def dims_of(q, k, gpu) -> Dims:
-    (B, H, N, D), (_, Hk, M, _) = q.shape, k.shape
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
-    return Dims(B, H, N, M, D, str(q.dtype).removeprefix("torch."), False, "grad", Hk, 64,
-                not needs_grad, gpu.sm_count, tuple(gpu.compute_capability))
+    """The model's sizes for a call on ``(B, H, N, D)`` tensors (the mask is the BlockMask's)."""
+    return sized(tuple(q.shape), tuple(k.shape), str(q.dtype).removeprefix("torch."), False,
+                 needs_grad(q, k), gpu)
 
 
 class Run(Kernel):

@@ -26,10 +26,22 @@ from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
 
 
 def dims_of(call: Call, gpu) -> Dims:
-    """The model's sizes for this call, on the emulated GPU."""
-    (B, H, N, D), (_, Hk, M, _) = call.q, call.k
-    return Dims(B, H, N, M, D, call.dtype, call.is_causal, "grad", Hk, 64,
-                not call.requires_grad, gpu.sm_count, tuple(gpu.compute_capability))
+    """The model's sizes for this SDPA call, on the emulated GPU."""
+    return sized(call.q, call.k, call.dtype, call.is_causal, call.requires_grad, gpu)
+
+
+def sized(q: tuple, k: tuple, dtype: str, causal: bool, grad: bool, gpu,
+          deterministic: bool = False) -> Dims:
+    """The model's sizes for a kernel called with q ``(B, H, N, D)`` and k ``(B, Hk, M, D)``
+    (shapes), on the emulated GPU; ``grad``: a backward will run."""
+    (B, H, N, D), (_, Hk, M, _) = q, k
+    return Dims(B, H, N, M, D, dtype, bool(causal), "grad", Hk, 64, not grad, gpu.sm_count,
+                tuple(gpu.compute_capability), bool(deterministic))
+
+
+def needs_grad(*tensors) -> bool:
+    """``input_requires_grad``: grad mode on and an input needs grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from memcalc.impls.sdpa_cudnn import head_dim_limit
 from memcalc.impls.sdpa_efficient import minimum_gemm_alignment
 from memcalc.impls.sdpa_flash import MAX_HEAD_DIM
 
@@ -289,7 +290,7 @@ def _cudnn_shapes(c: Call, cc, r: Release) -> str | None:
     if r.torch[:2] >= (2, 13) and (c.q[0] > 65535 or c.q[1] > 65535):
         return "batch or heads > 65535"
     d_qk, d_v = c.q[3], c.v[3]
-    limit = _cudnn_head_dim_limit(d_qk, d_v, cc, r)
+    limit = head_dim_limit(d_qk, d_v, cc, r.torch, r.cudnn_version, r.frontend_d256)
     if d_qk > limit or d_v > limit:
         return f"head dim > {limit}"
     if d_qk % 8 or d_v % 8:
@@ -301,25 +302,6 @@ def _cudnn_shapes(c: Call, cc, r: Release) -> str | None:
     if r.torch[:2] >= (2, 9) and c.dropout and c.q[2] == 1:
         return "query length 1 with dropout"
     return None
-
-
-def _cudnn_head_dim_limit(d_qk: int, d_v: int, cc, r: Release) -> int:
-    """The largest head dim cuDNN takes: 128 to 2.7; 256 on sm90 with cuDNN > 9.5 (2.8) or
-    >= 9.10 (2.9 to 2.13); the (192, 128) pair with cuDNN >= 9.11 (2.11); from 2.14, 256 on
-    sm90/10x with cuDNN > 9.22 and a frontend that has it."""
-    sm90 = (cc[0] == 9 and cc[1] == 0) or cc[0] == 10
-    torch = r.torch[:2]
-    if torch >= (2, 14):
-        sm107_old = cc == (10, 7) and r.cudnn_version <= 92500
-        if sm90 and not sm107_old and r.cudnn_version > 92200 and r.frontend_d256:
-            return 256
-    elif torch >= (2, 9) and cc == (9, 0) and r.cudnn_version >= 91000:
-        return 256
-    elif torch == (2, 8) and cc[0] == 9 and r.cudnn_version > 90500:
-        return 256
-    if torch >= (2, 11) and sm90 and r.cudnn_version >= 91100 and (d_qk, d_v) == (192, 128):
-        return 192
-    return 128
 
 
 def _cudnn_opt_in(c: Call, cc, r: Release, env=os.environ) -> str | None:
