@@ -128,7 +128,7 @@ def test_sdpa_kernel_in_user_code_is_respected():
 
 def test_cudnn_model_and_its_workspace_parameter():
     """cuDNN on an H100: o, (B, H, N, 1) float32 stats; backward dq, dk, dv and the
-    workspace, by default (B*H*N*d + B*H*N) x 4 B."""
+    workspace, by default (B*H*N*d + B*H*N) x 4 B + 256 B (what an H200 measured)."""
     B, H, N, d = 2, 4, 1024, 64
     config = make_config(impl="sdpa-flash", seq_len=N, batch=B, heads=H, head_dim=d,
                          dtype="bf16", causal=True, gpu="h100-80gb")
@@ -136,7 +136,7 @@ def test_cudnn_model_and_its_workspace_parameter():
     saved = {c.name.split(" (")[0]: c for c in b.saved}
     assert saved["cudnn lse"].shape == (B, H, N, 1) and saved["cudnn lse"].dtype == "float32"
     work = [c for c in b.backward_live if c.name.startswith("cudnn cudnn_workspace")]
-    assert work[0].bytes == (B * H * N * d + B * H * N) * 4  # 2,129,920 B
+    assert work[0].bytes == (B * H * N * d + B * H * N) * 4 + 256  # 2,130,176 B, measured
     given = trace(causal_sdpa, config, TraceOptions(workspace=__import__(
         "memcalc.impls.sdpa_cudnn", fromlist=["Workspace"]).Workspace(0, 1 << 20)))
     work = [c for c in given.backward_live if c.name.startswith("cudnn cudnn_workspace")]
@@ -274,13 +274,17 @@ def test_a_functions_module_level_meta_tensors_are_resident(tmp_path):
         ("TABLE", Role.buffer, 1000 * 1000 * 4)]  # not UNUSED, which it never names
 
 
-def test_reductions_and_custom_ops_are_named_unmodelled():
+def test_reductions_not_modelled_are_named_and_sum_is_not():
+    """sum's and mean's split-reduction buffers are modelled (memcalc.impls.reductions);
+    amax's, whose accumulator memcalc does not size yet, are named unmodelled."""
     def attn(q, k, v):
         s = q @ k.transpose(-2, -1)
+        s = s - s.amax(-1, keepdim=True)
         return (s / s.sum(-1, keepdim=True)) @ v
 
     result = traced(attn, make_config(impl="naive", seq_len=64, batch=1))
-    assert any("aten::sum" in n and "not modelled" in n for n in result.notes)
+    assert any("aten::amax" in n and "not modelled" in n for n in result.notes)
+    assert not any("aten::sum" in n for n in result.notes)
 
 
 # --- the command --------------------------------------------------------------------------

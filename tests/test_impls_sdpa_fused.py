@@ -18,7 +18,7 @@ from memcalc.impls import registry
 
 from memcalc.config import Config, Protocol
 from memcalc.impls import IMPLS, get_impl, sdpa_efficient, sdpa_flash
-from memcalc.impls.sdpa_flash import A100, H100_SXM
+from memcalc.impls.device import A100, H100_SXM
 from memcalc.engine.program import Dims, Tensor
 from memcalc.analysis.predict import predict
 from memcalc.config import make_config

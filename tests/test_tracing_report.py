@@ -14,8 +14,6 @@ from memcalc.tracing.report import Traced  # noqa: E402
 H100 = "NVIDIA H100 80GB HBM3 (SXM)"  # the default GPU's label
 FIRST = (f"traced as on {H100}: CUDA code paths emulated (memcalc README, 'Your own "
          "attention code')")
-CAVEAT = ("caveat: the allocator model follows PyTorch's source and is not yet checked on a "
-          "GPU.")
 
 
 def mul(q, k, v):
@@ -66,7 +64,7 @@ def test_summary_ends_with_the_budget_and_the_fit_when_checked(memory_bytes, bud
 
 def test_footnotes_are_the_summary_then_the_breakdowns_caveats():
     result = traced(mul, mul_config())
-    assert result.footnotes() == [FIRST, CAVEAT]
+    assert result.footnotes() == [FIRST]  # traced, and the allocator agreed with a GPU
 
 
 def fused(q, k, v):
@@ -82,8 +80,7 @@ def test_a_fused_kernel_the_trace_ran_is_a_caveat():
     assert result.kernels == ("efficient",)
     assert result.footnotes()[-1] == (
         "caveat: scaled_dot_product_attention's efficient backend modelled from PyTorch's "
-        "CUDA kernel sources, not traced; the allocator model follows PyTorch's source and "
-        "is not yet checked on a GPU.")
+        "CUDA kernel sources, not traced.")
     assert json.loads(result.to_json())["kernels"] == ["efficient"]
 
 
@@ -103,8 +100,7 @@ def test_tables_csv_records_and_headline_are_the_breakdowns():
     assert result.to_csv() == b.to_csv() and result.records() == b.records()
     assert str(result) == b.headline() and repr(result) == f"<Traced: {b.headline()}>"
     summary = f"{FIRST}\n- a note"
-    assert result.to_markdown() == b.to_markdown().replace(f"\n{CAVEAT}\n",
-                                                           f"\n{summary}\n\n{CAVEAT}\n")
+    assert result.to_markdown() == f"{b.to_markdown()}\n{summary}\n"  # no caveat to precede
 
 
 def test_json_without_a_budget_adds_only_the_gpu_its_paths_and_the_notes():
@@ -174,6 +170,6 @@ def test_trace_command_prints_notes_budget_and_fit_whole_at_every_width(
              # 2^30 - 2,097,152 = 1,071,644,672 B = 1022 MiB = 1.00 GiB (rounded) to spare
              "fits: reserved peak 2,097,152 B <= budget 1,073,741,824 B (1.00 GiB to spare)",
              "caveat: scaled_dot_product_attention's cudnn backend modelled from PyTorch's "
-             "CUDA kernel sources, not traced; " + CAVEAT.removeprefix("caveat: ")]
+             "CUDA kernel sources, not traced."]
     after_tables = flat.index("reserved peak (max_memory_reserved) 2,097,152")
     assert flat[after_tables:].endswith(" ".join(" ".join(line.split()) for line in lines))

@@ -54,3 +54,68 @@ def test_eager_create_block_mask_holds_a_bool_mask_its_padded_copy_and_an_int64_
     assert traced.forward_peak_bytes == 256_000 + 1_000_448 + 1_048_576 + 8_388_608 + 512
     copy = [c for c in traced.forward_live if c.dtype == "int64" and c.op == "to"]
     assert [c.shape for c in copy] == [(1, 1, 8, 8, 128, 128)]
+
+
+def _bias_grad_step(q, k, v):
+    """A Linear's bias gradient in miniature: q (1, 1, 2048, 768) summed over its rows."""
+    return q.sum(dim=(0, 1, 2)) * 1.0
+
+
+def test_a_sum_split_across_blocks_holds_its_buffer_and_semaphores_at_the_peak():
+    """q, k, v and the output grad (1 x 1 x 2,048 x 768 x 4 B = 6,291,456 B each, but the
+    output's grad is (768,)): the sum over 2,048 rows of 768 features takes 768 x 32 blocks
+    x 32 lanes x 4-wide x 4 B = 12,582,912 B of staging and 6 x 4 B of semaphores (a
+    512-B block) beside its (768,) result (3,072 B), as an H200 measured (H100: the same
+    132 SMs)."""
+    config = make_config(impl="naive", seq_len=2048, batch=1, heads=1, head_dim=768,
+                         loss="sum")
+    traced = trace(_bias_grad_step, config)
+    inputs = 3 * 6_291_456
+    assert traced.forward_peak_bytes == inputs + 3_072 + 12_582_912 + 512
+    names = sorted(c.name.split(" (")[0] for c in traced.forward_live)
+    assert "sum split-reduction buffer" in names and "sum semaphores" in names
+
+
+def test_bmm_clones_an_operand_cublas_cannot_read():
+    """``prepare_batch_matrix_for_cublas`` (Blas.cpp): a stride-0 expand of k is cloned
+    (1 x 16 x 8 x 4 B = 512 B) for the call, after the (1, 64, 8) result (2,048 B)."""
+    from memcalc.tracing.tracer import _bmm_copies
+
+    meta = dict(device="meta")
+    a = torch.empty(1, 64, 16, **meta)
+    b = torch.empty(1, 16, 1, **meta).expand(1, 16, 8)
+    out = torch.empty(1, 64, 8, **meta)
+    copies = _bmm_copies(None, out, a, b)
+    assert [tuple(c.shape) for c in copies] == [(1, 16, 8)]
+    assert _bmm_copies(None, out, a, torch.empty(1, 16, 8, **meta)) == []
+    assert _bmm_copies(None, out, a, torch.empty(1, 8, 16, **meta).transpose(1, 2)) == []
+
+
+def test_mm_clones_only_an_operand_neither_dense_nor_unit_strided():
+    from memcalc.tracing.tracer import _mm_copies
+
+    meta = dict(device="meta")
+    a = torch.empty(64, 16, **meta)
+    expanded = torch.empty(16, 1, **meta).expand(16, 8)  # strides (1, 0): neither
+    assert [tuple(c.shape) for c in _mm_copies(None, None, a, expanded)] == [(16, 8)]
+    assert _mm_copies(None, None, a, torch.empty(8, 16, **meta).t()) == []
+
+
+def _linear_step(q, k, v):
+    weight = torch.ones(64, 64, device=q.device)
+    bias = torch.ones(64, device=q.device)
+    return torch.nn.functional.linear(q.reshape(-1, 64), weight, bias).view(q.shape)
+
+
+@pytest.mark.parametrize("release, lt_bytes", [("2.11", 1 << 20), ("2.13", 0)])
+def test_addmm_with_a_bias_takes_a_cublaslt_workspace_of_its_own_through_2_11(release,
+                                                                              lt_bytes):
+    """Measured on an H200 with torch 2.11: the first addmm with a bias vector allocates
+    1 MiB for cuBLASLt after the 32 MiB cuBLAS workspace; from 2.12 they are one."""
+    from memcalc.tracing import TraceOptions
+    from memcalc.tracing.sdpa_select import Release
+
+    config = make_config(impl="naive", seq_len=128, batch=1, heads=1, head_dim=64)
+    traced = trace(_linear_step, config, TraceOptions(release=Release.of(release)))
+    lt = [c for c in traced.forward_live if c.name.startswith("cuBLASLt workspace")]
+    assert sum(c.bytes for c in lt) == lt_bytes

@@ -179,3 +179,23 @@ def test_cli_runs_the_live_cases_on_a_fake_gpu(capsys, monkeypatch, tmp_path):
     second = capsys.readouterr().out
     assert second.count('"case": "oom-threshold"') == first.count('"case": "oom-threshold"') == 2
     assert second.count('"largest_allocation_bytes"') == 2  # one calibration per run
+
+
+def test_model_codes_parameter_grads_are_reset_as_the_tracer_resets_them():
+    """The first live run (an H200) kept a module's parameter grads from the warm-up: its
+    model-code figures held them all. The harness now hands the module's parameters to the
+    protocol, which sets their grads to None before the measured step."""
+    import torch
+
+    from memcalc.config import make_config
+    from memcalc.tracing import Calling, bound
+    from memcalc.validation.cuda import parameters_of
+    from memcalc.validation.modelcode import FusedQKV
+
+    config = make_config(seq_len=16)
+    module = FusedQKV()
+    module.c_proj.bias.requires_grad_(False)
+    got = parameters_of(bound(module, config, Calling()))
+    assert [tuple(p.shape) for p in got] == [(768, 256), (768,), (256, 256)]
+    assert parameters_of(lambda q, k, v: q) == ()
+    assert all(isinstance(p, torch.nn.Parameter) for p in got)

@@ -136,14 +136,17 @@ class Ledger:
         """Mark the start of a protocol phase in the history."""
         self._record("phase", None, label)
 
-    def ensure_workspace(self, thread: str, source: str = "") -> None:
-        """The thread's cuBLAS workspace, created at its first cuBLAS call."""
-        key = ("cublas_workspace", thread)
+    def ensure_workspace(self, thread: str, source: str = "", library: str = "cuBLAS",
+                         nbytes: int | None = None) -> None:
+        """The thread's cuBLAS workspace, created at its first cuBLAS call (or, with
+        ``library="cuBLASLt"``, a separate cuBLASLt workspace of ``nbytes``)."""
+        key = (f"{library}_workspace", thread) if library != "cuBLAS" else (
+            "cublas_workspace", thread)
         if key not in self.live:
-            name = f"cuBLAS workspace, {thread} thread"
-            self.alloc(key, Component(name=name, role=Role.workspace, op="cublas",
-                                      shape=(self.workspace_bytes,), dtype="uint8",
-                                      bytes=self.workspace_bytes, allocated=0,
+            size = self.workspace_bytes if nbytes is None else nbytes
+            name = f"{library} workspace, {thread} thread"
+            self.alloc(key, Component(name=name, role=Role.workspace, op=library.lower(),
+                                      shape=(size,), dtype="uint8", bytes=size, allocated=0,
                                       source=source))
 
     def reset_peak(self) -> None:

@@ -51,7 +51,7 @@ class Sym:
             if self.op == "leaf":
                 self._leaves = frozenset(self.args)
             else:
-                parts = self.args[1] if self.op in ("mul", "add") else self.args
+                parts = self.args[1] if self.op in ("mul", "add", "apply") else self.args
                 if self.op == "add":
                     parts = [t for _, t in parts]
                 self._leaves = frozenset().union(*(p.leaves for p in parts if isinstance(p, Sym)))
@@ -200,6 +200,28 @@ def _binary(op: str, a, b):
     return Sym(op, (a, b), (op, _key(a), _key(b)))
 
 
+def apply(fn, sizes: tuple, bound):
+    """``fn(*sizes)``, a size computed by a function with branches (a kernel's launch
+    configuration, say): the value now when every size is an integer, else a placeholder
+    that ``evaluate_sym`` evaluates element by element over a grid and ``bound_sym`` bounds
+    with ``bound(*bounds of sizes)``. ``fn`` must be hashable and pure (a module function,
+    or a ``functools.partial`` of one over hashable constants): it is the placeholder's
+    identity."""
+    if not any(isinstance(n, Sym) for n in sizes):
+        return fn(*sizes)
+    return Sym("apply", (fn, tuple(sizes), bound), ("apply", fn, tuple(_key(n) for n in sizes)))
+
+
+def _apply_values(fn, values: list):
+    """``fn`` over the sizes' values, element by element where they are arrays."""
+    if not any(isinstance(v, np.ndarray) for v in values):
+        return fn(*values)
+    arrays = np.broadcast_arrays(*values)
+    out = np.fromiter((fn(*map(int, row)) for row in zip(*(a.ravel() for a in arrays))),
+                      dtype=np.int64, count=arrays[0].size)
+    return out.reshape(arrays[0].shape)
+
+
 def evaluate_sym(x, env: dict, memo: dict | None = None):
     """The value of ``x`` with leaves from ``env`` (ints or numpy arrays)."""
     if not isinstance(x, Sym):
@@ -217,6 +239,8 @@ def evaluate_sym(x, env: dict, memo: dict | None = None):
         value = x.args[0]
         for c, m in x.args[1]:
             value = value + c * evaluate_sym(m, env, memo)
+    elif x.op == "apply":
+        value = _apply_values(x.args[0], [evaluate_sym(n, env, memo) for n in x.args[1]])
     else:
         a, b = evaluate_sym(x.args[0], env, memo), evaluate_sym(x.args[1], env, memo)
         value = a // b if x.op == "floordiv" else a % b
@@ -237,6 +261,8 @@ def bound_sym(x, leafmax: dict, memo: dict | None = None) -> int:
         value = abs(x.args[0]) * prod(bound_sym(f, leafmax, memo) for f in x.args[1])
     elif x.op == "add":
         value = abs(x.args[0]) + sum(abs(c) * bound_sym(m, leafmax, memo) for c, m in x.args[1])
+    elif x.op == "apply":
+        value = x.args[2](*(bound_sym(n, leafmax, memo) for n in x.args[1]))
     elif x.op == "floordiv":
         value = max(bound_sym(x.args[0], leafmax, memo), 1)
         bound_sym(x.args[1], leafmax, memo)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from memcalc.engine.program import Dims, Role, free, new
+from memcalc.engine.program import Dims, Role, cublas, free, new
+from memcalc.impls.reductions import reduced
 
 
 def with_loss(d: Dims, backward: list) -> list:
@@ -13,8 +14,9 @@ def with_loss(d: Dims, backward: list) -> list:
     ``aten/src/ATen/native/cuda/Blas.cpp``: a transient the meta trace cannot see.)"""
     if d.loss != "sum":
         return backward
+    out = (d.B, d.H, d.N, d.D)  # any layout: a dense tensor reduced whole is one run
     return [
-        new("loss", (), d.dtype, Role.temporary, "sum"),  # () out.sum()
+        *reduced("loss", (), d.dtype, Role.temporary, d, out, tuple(range(4))),  # () out.sum()
         new("dloss", (), d.dtype, Role.temporary, "ones_like"),  # () seed grad of backward()
         *backward,
         free("loss", "dloss"),
@@ -33,3 +35,16 @@ def softmax_backward(name: str, shape: tuple, dtype: str) -> list:
         new(f"{name} tmp", shape, dtype, Role.temporary, "mul"),  # grad * output
         free(f"{name} tmp"),
     ]
+
+
+def dout_copy(d: Dims, product: str, expanded: bool = True) -> list:
+    """The cuBLAS call of a ``bmm`` taking ``dout``, after its result: under ``loss="sum"``
+    ``dout`` is the stride-0 expand of the loss's grad (unless ``expanded`` is False: a
+    cast made it anew), which ``baddbmm_out_cuda_impl`` clones contiguous before asking for
+    its handle (``prepare_batch_matrix_for_cublas``, ``aten/src/ATen/native/cuda/Blas.cpp``)
+    and frees as it returns; the tracer does the same (``tracer._bmm_copies``)."""
+    if d.loss != "sum" or not expanded:
+        return [cublas()]
+    copy = f"dout copy for {product}"
+    return [new(copy, (d.B * d.H, d.N, d.D), d.dtype, Role.temporary, "clone"),  # (B*H, N, D)
+            cublas(), free(copy)]

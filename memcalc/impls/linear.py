@@ -27,6 +27,7 @@ from __future__ import annotations
 from memcalc.engine.deadline import tick
 from memcalc.impls.registry import register
 from memcalc.impls.common import with_loss
+from memcalc.impls.reductions import reduced
 from memcalc.engine.program import (Dims, Program, Role, cublas, first_unpack, free, last_save, new, release)
 
 A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
@@ -81,7 +82,7 @@ def div_backward(d: Dims, c: int, num: str, den: str, grad: str | None, tag: str
         new(f"-g*a/b/b{t}", bhcd, dt, T, "mul"),  # (B, H, c, D)
         free(f"a/b{t}", f"a/b/b{t}", f"-g{t}"),
         new(f"dnum{t}", bhcd, dt, T, "div"),  # (B, H, c, D) g / den
-        new(f"dden{t}", rows, dt, T, "sum"),  # (B, H, c, 1) sum_to den's shape
+        *reduced(f"dden{t}", rows, dt, T, d, bhcd, (3,)),  # (B, H, c, 1) sum_to den's shape
         release(num, den),
         free(f"-g*a/b/b{t}", *([grad] if grad else [])),
     ]
@@ -106,7 +107,7 @@ def linear(d: Dims) -> Program:
     forward = feature_maps(d) + [
         new("kv", (bh, d.D, d.D), dt, S, "bmm"),  # (B*H, D, D) einsum bhnd,bhnv->bhdv
         cublas(),
-        new("k_sum", (d.B, d.H, d.D), dt, S, "sum"),  # (B, H, D)
+        *reduced("k_sum", (d.B, d.H, d.D), dt, S, d, (d.B, d.H, d.M, d.D), (2,)),  # (B, H, D)
         new("num", (bh, d.N, d.D), dt, S, "bmm"),  # (B*H, N, D) einsum bhnd,bhdv->bhnv
         *normalize(d, "num", (bh, d.N, 1)),  # norm: (B*H, N, 1) einsum bhnd,bhd->bhn
         free("phi_q", "phi_k", "kv", "k_sum", "num", "norm", "den"),  # locals at return
@@ -253,7 +254,7 @@ def chunk_forward(d: Dims, i: int, c: int, last: bool) -> list:
         new(f"b{i}", (bh, c, d.D), dt, T, "bmm"),  # (B*H, c, D) q_c @ kv
         new(f"o{i}", (*bhc, d.D), dt, S, "add"),  # (B, H, c, D) saved by the div
         free(f"a{i}", f"b{i}", *prev[1:2]),
-        new(f"ns{i}", (*bhc, 1), dt, T, "sum"),  # (B, H, c, 1) S.sum(-1)
+        *reduced(f"ns{i}", (*bhc, 1), dt, T, d, (*bhc, c), (3,)),  # (B, H, c, 1) S.sum(-1)
         new(f"nb{i}", (bh, c, 1), dt, T, "bmm"),  # (B*H, c, 1) q_c @ k_sum
         new(f"n{i}", (*bhc, 1), dt, T, "add"),  # (B, H, c, 1) norm
         free(f"ns{i}", f"nb{i}", *prev[2:]),
@@ -267,7 +268,7 @@ def chunk_forward(d: Dims, i: int, c: int, last: bool) -> list:
             new(f"u{i}", (bh, d.D, d.D), dt, T, "bmm"),  # (B*H, D, D) k_c^T @ v_c
             new(f"kv{i}", (d.B, d.H, d.D, d.D), dt, S, "add"),  # (B, H, D, D) next chunk's kv
             free(f"u{i}", _state("kv", i)),
-            new(f"ks{i}", (d.B, d.H, d.D), dt, T, "sum"),  # (B, H, D) k_c.sum(2)
+            *reduced(f"ks{i}", (d.B, d.H, d.D), dt, T, d, (d.B, d.H, c, d.D), (2,)),  # (B, H, D) k_c.sum(2)
             new(f"ksum{i}", (d.B, d.H, d.D, 1), dt, S, "add"),  # (B, H, D, 1) next k_sum
             free(f"ks{i}", _state("ksum", i)),
         ]

@@ -9,7 +9,8 @@ Reference code: ``memcalc/validation/reference.py`` (``naive``, ``naive-softmax`
 from __future__ import annotations
 
 from memcalc.impls.registry import register
-from memcalc.impls.common import softmax_backward, with_loss
+from memcalc.impls.common import dout_copy, softmax_backward, with_loss
+from memcalc.impls.reductions import reduced
 from memcalc.engine.program import Dims, Program, Role, cublas, free, last_save, new, release
 
 A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
@@ -73,10 +74,12 @@ def output_backward(d: Dims, weights: str, last_use: bool = True) -> list:
     weights are released here unless another node still holds them."""
     return [
         new("dv", (d.B * d.H, d.M, d.D), d.dtype, G, "bmm"),  # (B*H, M, D) p^T @ dout
-        cublas(),
+        *dout_copy(d, "dv"),
         new("dp", (d.B * d.H, d.N, d.M), d.dtype, T, "bmm"),  # (B*H, N, M) dout @ v^T
+        *dout_copy(d, "dp"),
         *([release(weights)] if last_use else []),
     ]
+
 
 
 @register("naive", "custom softmax keeping exp_x: s.max, exp(s - m), e / e.sum")
@@ -91,7 +94,7 @@ def naive(d: Dims) -> Program:
         new("shifted", bhnm, dt, T, "sub"),  # (B, H, N, M) s - m
         new("exp_x", bhnm, dt, S, "exp"),  # (B, H, N, M) saved by ExpBackward (result) and DivBackward
         free("shifted"),
-        new("row_sum", rows, dt, S, "sum"),  # (B, H, N, 1) saved by DivBackward
+        *reduced("row_sum", rows, dt, S, d, bhnm, (3,)),  # (B, H, N, 1) saved by DivBackward
         new("p", bhnm, dt, S, "div"),  # (B, H, N, M) saved by BmmBackward
         free("row_sum"),
         *output(d, "p"),
@@ -105,7 +108,7 @@ def naive(d: Dims) -> Program:
         new("-dp*e/r/r", bhnm, dt, T, "mul"),  # (B, H, N, M) -dp * ((e / r) / r)
         free("e/r", "e/r/r", "-dp"),
         new("dp/r", bhnm, dt, T, "div"),  # (B, H, N, M) dp / r
-        new("dr", rows, dt, T, "sum"),  # (B, H, N, 1) engine's sum_to to r's shape
+        *reduced("dr", rows, dt, T, d, bhnm, (3,)),  # (B, H, N, 1) engine's sum_to to r's shape
         release("row_sum"),
         free("dp", "-dp*e/r/r"),
         # SumBackward0 expands dr; the engine's input buffer adds it to de_div
@@ -116,7 +119,7 @@ def naive(d: Dims) -> Program:
         free("de"),
         # SubBackward0: ds passes dx through; dm = -dx summed to (B, H, N, 1)
         new("-dx", bhnm, dt, T, "neg"),  # (B, H, N, M) -dx
-        new("dm", rows, dt, T, "sum"),  # (B, H, N, 1) sum_to m's shape
+        *reduced("dm", rows, dt, T, d, bhnm, (3,)),  # (B, H, N, 1) sum_to m's shape
         free("-dx"),
         # MaxBackward0: value_selecting_reduction_backward = zeros.scatter(indices, dm)
         new("zeros", bhnm, dt, T, "new_zeros"),  # (B, H, N, M)
@@ -164,8 +167,9 @@ def naive_weights(d: Dims) -> Program:
     ]
     backward = [
         new("dv", (d.B * d.H, d.M, d.D), dt, G, "bmm"),  # (B*H, M, D) p^T @ dout
-        cublas(),
+        *dout_copy(d, "dv"),
         new("dp", (d.B * d.H, d.N, d.M), dt, T, "bmm"),  # (B*H, N, M) dout @ v^T
+        *dout_copy(d, "dp"),
         *softmax_backward("dsm", bhnm, dt),  # (B, H, N, M), and dp * p inside
         new("ds", bhnm, dt, T, "div"),  # (B, H, N, M) / sqrt(D)
         free("dsm", "dp"),

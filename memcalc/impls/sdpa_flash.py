@@ -32,37 +32,17 @@ H100 SXM (132 SMs, 9.0) otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import ceil
 
 
 from memcalc.impls.accepted import Accepted
+from memcalc.impls.device import Gpu, gpu_of
 from memcalc.impls.registry import register
 from memcalc.impls.common import with_loss
 from memcalc.engine.program import Dims, Program, Role, free, new, release
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 F32 = "float32"
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """What the fused kernels read from ``cudaDeviceProp``: SM count, compute capability."""
-
-    sm_count: int
-    compute_capability: tuple[int, int]
-
-
-H100_SXM = Gpu(132, (9, 0))
-A100 = Gpu(108, (8, 0))
-
-
-def gpu_of(d: Dims) -> Gpu:
-    """The device of ``d``: its ``sm_count`` and ``compute_capability`` fields when
-    ``Dims`` has them, else an H100 SXM (see the module docstring)."""
-    sms = getattr(d, "sm_count", None) or H100_SXM.sm_count
-    cc = getattr(d, "compute_capability", None) or H100_SXM.compute_capability
-    return Gpu(sms, tuple(cc))
 
 
 def round_up(x: int, m: int) -> int:

@@ -25,7 +25,7 @@ a GPU; the emulated tracer makes both so as well (``memcalc/tracing/tracer.py``)
 from __future__ import annotations
 
 from memcalc.impls.registry import register
-from memcalc.impls.common import softmax_backward, with_loss
+from memcalc.impls.common import dout_copy, softmax_backward, with_loss
 from memcalc.engine.program import (Dims, Program, Role, cublas, first_unpack, free, last_save, new, release)
 
 A, S, O, G, T = Role.activation, Role.saved, Role.output, Role.gradient, Role.temporary
@@ -166,8 +166,9 @@ def values_backward(d: Dims) -> list:
     saved_v = "v_rep" if gqa(d) else ("v32" if upcast(d) else None)
     return [
         new("dv_bmm", (d.B * d.H, d.M, d.D), F32, dv_role, "bmm"),  # (B*H, M, D) p^T @ dout
-        cublas(),
+        *dout_copy(d, "dv", expanded=not upcast(d)),
         new("dp", (d.B * d.H, d.N, d.M), F32, T, "bmm"),  # (B*H, N, M) dout @ v^T
+        *dout_copy(d, "dp", expanded=not upcast(d)),
         *([release(saved_v)] if saved_v else []),
         *([free("dout32")] if upcast(d) else []),
         *softmax_backward("ds", (d.B, d.H, d.N, d.M), F32),  # (B, H, N, M), and dp * p inside

@@ -42,6 +42,8 @@ from memcalc.config import Config
 from memcalc.errors import one_line as _first_line
 from memcalc.engine.inputs import QKV, Input, sizes_read
 from memcalc.engine.program import Cublas, Dims, Free, Program, Release, Role, Tensor
+from memcalc.impls.device import gpu_of
+from memcalc.impls.reductions import Reduction, scratch_events
 from memcalc.impls.sdpa_cudnn import Workspace
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu, TraceError
 from memcalc.tracing.sdpa_select import Release as TorchRelease
@@ -98,7 +100,7 @@ def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
         raise TraceError("--autocast: autocast is CUDA's; --meta-paths follows the meta "
                          "device, where torch turns CUDA autocast off")
     paths = _paths(config, options)
-    tracer = Tracer(config.workspace_bytes, None, paths)
+    tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims))
     call = bound(fn, config, calling)
     inputs = calling.inputs
     result = _measure(call, config, options, inputs, paths=paths, tracer=tracer)
@@ -162,7 +164,7 @@ def output_like(call: Bound, config: Config, options: TraceOptions,
 
     if config.protocol.forward_only or config.protocol.loss != "grad":
         return None
-    scratch = Tracer(config.workspace_bytes, None, _paths(config, options))
+    scratch = Tracer(config.workspace_bytes, None, _paths(config, options), gpu_of(config.dims))
     with kept(call.fn):
         shape, dtype = output_of(config, call, scratch, inputs)
     d = config.dims
@@ -342,8 +344,10 @@ def step_events(tracer, probe) -> tuple[list, list, list]:
 def _convert(inputs: list, forward: list, backward: list, output_key) -> tuple[list, list, list]:
     """Name each allocation, give it a role (before the step: its own, or input; alive at
     the end of its phase: saved or gradient; else activation or temporary), and turn frees
-    of saved tensors into releases."""
+    of saved tensors into releases. A reduction's scratch becomes its ``Reduction``, whose
+    buffers the fitted program recomputes at each length."""
     names: dict = {}
+    inputs, forward, backward = (_reductions(events) for events in (inputs, forward, backward))
     before = [_event(e, names, _given_role(e)) for e in inputs]
     out_index = max((i for i, e in _alive(forward).items() if e[1] == output_key), default=None)
     fwd = [_event(e, names, _role(i, e, _alive(forward), out_index, Role.saved, Role.activation))
@@ -381,10 +385,27 @@ def _role(index: int, event, alive: dict, out_index, kept: Role, dropped: Role) 
     return kept if index in alive else dropped
 
 
+def _reductions(events: list) -> list:
+    """``events`` with each ``reduce`` ... ``reduce_end`` span (a kernel's own buffers,
+    allocated and freed inside it) replaced by its ``Reduction``."""
+    kept, inside = [], False
+    for e in events:
+        if e[0] == "reduce":
+            kept.append(e)
+            inside = True
+        elif e[0] == "reduce_end":
+            inside = False
+        elif not inside:
+            kept.append(e)
+    return kept
+
+
 def _event(event, names: dict, role):
     kind = event[0]
     if kind == "cublas":
         return Cublas()
+    if kind == "reduce":
+        return event[1]
     if kind == "alloc":
         c = event[2]
         name = _unique(c.name, names)
@@ -416,8 +437,20 @@ def traced_program(fn: Callable, config: Config, calling: Calling = Calling(),
     samples = [_sample_events(call, config, n, calling.inputs, options) for n in SAMPLE_LENGTHS]
     _check_same_structure(samples)
     before, forward, backward = (_fit_events([s[i] for s in samples]) for i in range(3))
-    return lambda n: Program(tuple(e(n) for e in forward), tuple(e(n) for e in backward),
-                             tuple(e(n) for e in before))
+    gpu = gpu_of(config.dims)
+    return lambda n: Program(_at(forward, n, gpu), _at(backward, n, gpu), _at(before, n, gpu))
+
+
+def _at(fitted: list, n: int, gpu) -> tuple:
+    """The fitted events at length ``n``, each reduction's scratch computed there."""
+    events = []
+    for i, fit_of in enumerate(fitted):
+        e = fit_of(n)
+        if isinstance(e, Reduction):
+            events += scratch_events(f"reduction {i}", e.scratch(gpu), "sum")
+        else:
+            events.append(e)
+    return tuple(events)
 
 
 def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...],
@@ -426,7 +459,7 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
     from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
     sample = config.replace(seq_len=n)
-    tracer = Tracer(sample.workspace_bytes, paths=_paths(sample, options))
+    tracer = Tracer(sample.workspace_bytes, paths=_paths(sample, options), gpu=gpu_of(sample.dims))
     probe = TracerProbe(tracer)
 
     def run():
@@ -448,6 +481,8 @@ def _check_same_structure(samples: list) -> None:
 def _skeleton(event) -> tuple:
     if isinstance(event, Tensor):
         return ("alloc", event.name, event.dtype, event.role, len(event.shape))
+    if isinstance(event, Reduction):
+        return ("reduce", len(event.sizes), event.dims, event.in_itemsize, event.out_itemsize)
     return (type(event).__name__, getattr(event, "names", ()))
 
 
@@ -458,6 +493,8 @@ def _fit_events(per_sample: list[list]) -> list[Callable[[int], object]]:
 
 def _fit_event(versions: list) -> Callable[[int], object]:
     first = versions[0]
+    if isinstance(first, Reduction):
+        return _fit_reduction(versions)
     if not isinstance(first, Tensor):
         return lambda n: first
     dims = [_fit_or_fail([v.shape[i] for v in versions], first) for i in range(len(first.shape))]
@@ -466,10 +503,24 @@ def _fit_event(versions: list) -> Callable[[int], object]:
                             first.op, storage_bytes=nbytes(n))
 
 
-def _fit_or_fail(values: list[int], tensor: Tensor) -> Poly:
+def _fit_reduction(versions: list) -> Callable[[int], Reduction]:
+    """A reduction whose sizes, strides and offset are polynomials in N."""
+    first = versions[0]
+    fields = [[_fit_or_fail([v.sizes[i] for v in versions], first)
+               for i in range(len(first.sizes))],
+              [_fit_or_fail([v.strides[i] for v in versions], first)
+               for i in range(len(first.strides))]]
+    offset = _fit_or_fail([v.storage_offset for v in versions], first)
+    return lambda n: first._replace(sizes=tuple(p(n) for p in fields[0]),
+                                    strides=tuple(p(n) for p in fields[1]),
+                                    storage_offset=offset(n))
+
+
+def _fit_or_fail(values: list[int], tensor) -> Poly:
     poly = fit(SAMPLE_LENGTHS, values)
     if poly is None:
-        raise TraceError(f"the size of {tensor.name} is not a polynomial in seq_len "
+        what = tensor.name if isinstance(tensor, Tensor) else "a reduction's input"
+        raise TraceError(f"the size of {what} is not a polynomial in seq_len "
                          f"(padded or rounded?): {dict(zip(SAMPLE_LENGTHS, values))}; fused "
                          f"SDPA kernels pad their buffers: solve those with --impl sdpa-flash "
                          f"or sdpa-efficient, or trace one length at a time (memcalc trace)")

@@ -33,11 +33,34 @@ from torch.utils._pytree import tree_leaves
 from memcalc.analysis.breakdown import Breakdown
 from memcalc.engine.component import Component
 from memcalc.config import Config
-from memcalc.engine.program import Role
+from memcalc.engine.program import ITEMSIZE, Role
 from memcalc.engine.replay import Ledger
 from memcalc.engine.inputs import QKV, Input
+from memcalc.impls.reductions import Reduction, accumulator_bytes
+from memcalc.impls.device import Gpu, gpu_of
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
 from memcalc.tracing.shadows import Shadows
+
+# addmm with a bias vector runs through cuBLASLt (``isInputCompliesAddmmCudaLt``, Blas.cpp),
+# which through torch 2.11 takes a workspace of its own per handle and stream, after the
+# cuBLAS one (``getCUDABlasLtWorkspace``, CublasHandlePool.cpp; ``CUBLASLT_WORKSPACE_SIZE``
+# default 1024 KiB: 1,048,576 B measured on an H200 with torch 2.11). From 2.12 it shares
+# the cuBLAS workspace by default (pytorch/pytorch#168175 and #175879, merged after 2.11
+# branched; torch 2.13's ``torch.backends.cuda`` documents the unified default).
+LT_OPS = frozenset({"addmm", "_addmm_activation"})
+LT_WORKSPACE_BYTES = 1 << 20
+LT_UNIFIED_SINCE = (2, 12)
+
+
+def _lt_addmm(out, bias, mat1, mat2, *rest, beta=1, alpha=1, **kwargs) -> bool:
+    """``isInputCompliesAddmmCudaLt`` (torch 2.11, Blas.cpp): beta 1, a contiguous bias
+    vector as long as the result's rows, a contiguous 2-D result, a floating dtype, and
+    every matrix dimension above 1."""
+    return (beta == 1 and bias.dim() == 1 and bias.is_contiguous()
+            and bias.shape[0] == mat2.shape[1] and out.dim() == 2 and out.is_contiguous()
+            and mat1.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+            and min(*mat1.shape, *mat2.shape) > 1)
+
 
 # ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp)
 CUBLAS_OPS = frozenset(
@@ -98,7 +121,7 @@ CUDA_COMPOSITES = {op.default: SAFE_SOFTMAX for op in
                    [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
 
 
-def _reduced_input(out, self, *rest, **kwargs):
+def _reduced_input(out, self):
     """``sum``'s structured impl (``aten/src/ATen/native/ReduceOps.cpp``, ``sum_out``) builds
     its iterator with ``make_reduction_from_out_ty`` (``ReduceOpsUtils.h``), which reduces
     ``self.to(out_dtype)``: a full-size copy whenever the dtypes differ (a bool or integer
@@ -110,22 +133,107 @@ def _reduced_input(out, self, *rest, **kwargs):
     return self.to(out.dtype)
 
 
+def _reduced_dims(self: torch.Tensor, dim=None) -> tuple[int, ...]:
+    """The dimensions a ``sum``/``mean`` reduces: all of them for none or ``[]``."""
+    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        return tuple(range(self.dim()))
+    dims = dim if isinstance(dim, (list, tuple)) else (dim,)
+    return tuple(d % max(self.dim(), 1) for d in dims)
+
+
+def _reduction(tracer, out, self, dim=None, *rest, **kwargs):
+    """A ``sum`` or ``mean`` as CUDA runs it: the converted copy (``_reduced_input``), then
+    what ``gpu_reduce_kernel`` takes inside itself (``memcalc.impls.reductions``: the
+    staging buffer and semaphores of an output split across blocks), freed as it returns."""
+    copy = _reduced_input(out, self)
+    source = self if copy is None else copy
+    tracer.reduction(reduction_of(source, _reduced_dims(self, dim), out.dtype), "sum")
+    return [copy] if copy is not None else []
+
+
+def reduction_of(source: torch.Tensor, dims: tuple, out_dtype) -> Reduction:
+    """The ``memcalc.impls.reductions.Reduction`` of reducing ``source`` over ``dims``."""
+    out_name = str(out_dtype).removeprefix("torch.")
+    return Reduction(tuple(source.shape), tuple(source.stride()), dims, source.element_size(),
+                     ITEMSIZE[out_name], accumulator_bytes(out_name), source.storage_offset())
+
+
+def _batch_operand_copied(t: torch.Tensor, transpose_result: bool, m: int, n: int) -> bool:
+    """``prepare_batch_matrix_for_cublas`` (``aten/src/ATen/native/cuda/Blas.cpp``): an
+    operand cuBLAS cannot read through its strides (a stride-0 expand, say) is cloned
+    contiguous for the call."""
+    stride = t.stride()
+    fast, leading = (2, 1) if transpose_result else (1, 2)
+    if stride[fast] == 1 and stride[leading] >= max(1, m):
+        return False
+    if stride[leading] == 1 and stride[fast] >= max(1, n):
+        return False
+    return not (t.is_contiguous() and stride[1] != 0 and stride[2] != 0)
+
+
+def _bmm_copies(tracer, out, batch1, batch2, *rest, **kwargs) -> list:
+    """``baddbmm_out_cuda_impl`` (``Blas.cpp``) for ``bmm``: its fresh result is read
+    transposed, so the operands are prepared swapped; each one cuBLAS cannot read is cloned
+    (``_batch_operand_copied``), held until the call returns."""
+    sizes, stride = out.shape, out.stride()
+    transpose_result = not (stride[1] == 1 and (sizes[2] == 1 or stride[2] >= max(1, sizes[1])))
+    leading = 1 if transpose_result else 2
+    m, n = sizes[2 if transpose_result else 1], sizes[leading]
+    k = (batch2 if transpose_result else batch1).shape[leading]
+    first, second = (batch2, batch1) if transpose_result else (batch1, batch2)
+    return [t.clone(memory_format=torch.contiguous_format)
+            for t, rows, cols in ((first, m, k), (second, k, n))
+            if _batch_operand_copied(t, transpose_result, rows, cols)]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """``is_non_overlapping_and_dense`` (``c10/core/Contiguity.h``): the strides, smallest
+    first over dimensions of size above 1, step exactly through the elements."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _mm_copies(tracer, out, mat1, mat2, *rest, **kwargs) -> list:
+    """``cublasCommonArgs`` (``Blas.cpp``) for ``mm``: ``prepare_matrix_for_cublas`` clones an
+    operand that is neither dense nor readable through one unit stride."""
+    def copied(t):
+        if _dense(t):
+            return False
+        (rows, cols), (s0, s1) = t.shape, t.stride()
+        return not ((s0 == 1 and s1 >= max(1, rows)) or (s1 == 1 and s0 >= max(1, cols)))
+
+    return [t.clone(memory_format=torch.contiguous_format) for t in (mat1, mat2) if copied(t)]
+
+
 # temporaries a CUDA kernel allocates and frees inside itself, after its outputs, which the
-# meta kernel does not, each ``f(out, *args, **kwargs)``: ``softmax_backward_cuda_out``
+# meta kernel does not, each ``f(tracer, out, *args, **kwargs)``: ``softmax_backward_cuda_out``
 # (aten/src/ATen/native/cuda/SoftMax.cu) computes ``Tensor tmp = grad * output``
-# (memcalc.impls.common.softmax_backward models it); ``sum`` of another dtype than its
-# result reduces a converted copy (``_reduced_input``)
+# (memcalc.impls.common.softmax_backward models it); a ``sum`` or ``mean`` reduces a
+# converted copy of another dtype and may take a split reduction's buffers (``_reduction``);
+# ``bmm`` and ``mm`` clone an operand cuBLAS cannot read (``_bmm_copies``, ``_mm_copies``)
 CUDA_TEMPORARIES = {torch.ops.aten._softmax_backward_data.default:
-                    lambda out, grad, output, *rest: grad * output,
-                    torch.ops.aten.sum.dim_IntList: _reduced_input,
-                    torch.ops.aten.sum.default: _reduced_input}
+                    lambda tracer, out, grad, output, *rest: grad * output,
+                    torch.ops.aten.bmm.default: _bmm_copies,
+                    torch.ops.aten.mm.default: _mm_copies,
+                    **{op: _reduction for op in (torch.ops.aten.sum.dim_IntList,
+                                                 torch.ops.aten.sum.default,
+                                                 torch.ops.aten.mean.dim,
+                                                 torch.ops.aten.mean.default)}}
 
 
 class Tracer(TorchDispatchMode):
     """Dispatch mode that replays a meta-device run through the allocator model."""
 
-    def __init__(self, workspace_bytes: int, capacity: int | None = None, paths=None):
+    def __init__(self, workspace_bytes: int, capacity: int | None = None, paths=None,
+                 gpu: Gpu | None = None):
         super().__init__()
+        # what CUDA kernels read of the device (SM count, compute capability): the split of
+        # a reduction across blocks depends on it (``memcalc.impls.reductions``)
+        self.gpu = gpu or gpu_of(None)
         self.ledger = Ledger(workspace_bytes, capacity, record=True)
         # each tracked storage (by its StorageImpl's address): a weak reference to its
         # Python object, which torch keeps while anything holds the storage (a view, a
@@ -174,14 +282,54 @@ class Tracer(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
                 self._track(t, op)
+        held = None
+        if func in CUDA_TEMPORARIES:  # made before the kernel asks for its cuBLAS handle
+            with self:
+                held = CUDA_TEMPORARIES[func](self, out, *args, **(kwargs or {}))
         if op in CUBLAS_OPS:
             self.ledger.ensure_workspace(_thread(), _where()[0])
             self.events.append(("cublas",))
-        if func in CUDA_TEMPORARIES:
-            with self:
-                CUDA_TEMPORARIES[func](out, *args, **(kwargs or {}))  # made, then dropped
+            if op in LT_OPS and self.separate_lt_workspace() and _lt_addmm(out, *args,
+                                                                           **(kwargs or {})):
+                self.ledger.ensure_workspace(_thread(), _where()[0], "cuBLASLt",
+                                             LT_WORKSPACE_BYTES)
+        if held is not None:
+            del held  # dropped as the kernel returns
             self.collect_frees()
         return out
+
+    def separate_lt_workspace(self) -> bool:
+        """Whether the release traced for keeps cuBLASLt's workspace apart from cuBLAS's."""
+        release = self.paths.release.torch if self.paths is not None else torch_release()
+        return tuple(release[:2]) < LT_UNIFIED_SINCE
+
+    def reduction(self, call: Reduction, op: str) -> None:
+        """Allocate and free, in the kernel's order, what a reduction takes inside itself
+        (``Reduction.scratch``): the accumulation buffer around every launch's buffer and
+        semaphores, each launch's freed before the next. Marked in the events (``reduce``
+        ... ``reduce_end``), so that a program fitted over lengths recomputes them."""
+        scratch = call.scratch(self.gpu)
+        self.events.append(("reduce", call))
+        accumulation = self._scratch_tensor(scratch.accumulation, f"{op} accumulation buffer")
+        for launch in scratch.launches:
+            parts = [self._scratch_tensor(launch.buffer, f"{op} split-reduction buffer"),
+                     self._scratch_tensor(launch.semaphores, f"{op} semaphores")]
+            del parts
+            self.collect_frees()
+        del accumulation
+        self.collect_frees()
+        self.events.append(("reduce_end",))
+
+    def _scratch_tensor(self, nbytes: int, name: str) -> torch.Tensor | None:
+        if nbytes == 0:
+            return None
+        self._quiet += 1
+        try:
+            t = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+        finally:
+            self._quiet -= 1
+        self.track(t, "empty", name)
+        return t
 
     def math_mask_add(self, scores: torch.Tensor) -> torch.Tensor:
         """The math SDPA backend's ``attn.add_(*attn_mask)`` (``attention.cpp``,
@@ -453,7 +601,7 @@ def measure(config: Config, fn: Callable, capacity: int | None = None,
     ``paths`` (``memcalc.tracing.cuda_paths.CudaPaths``): follow a GPU's code paths;
     ``state``, ``out_like``, ``inputs``: see ``run_traced``; ``tracer``: a tracer to run
     under (to read its history afterwards)."""
-    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths)
+    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths, gpu_of(config.dims))
     probe = TracerProbe(tracer)
     measured = run_traced(config, fn, tracer, probe, state, out_like,
                           inputs)

@@ -89,6 +89,9 @@ def environment(torch=None, cuda=None) -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        # model code's parameter grads are reset before the measured step (``parameters_of``);
+        # a report without this key kept them (memcalc.validation.recorded)
+        "parameter_grads": "reset",
     }
 
 
@@ -116,10 +119,21 @@ def measure(config: Config, torch=None, probe=None, device: str = "cuda",
     _release(torch)
     inputs = make_inputs(torch, config.dims, device, inputs, out_like)
     try:
-        return run_protocol(torch, fn, probe, inputs, config.protocol.forward_only)
+        return run_protocol(torch, fn, probe, inputs, config.protocol.forward_only,
+                            parameters_of(fn))
     finally:
         del inputs
         _release(torch)
+
+
+def parameters_of(fn: Callable) -> tuple:
+    """The parameters of model code's module (``fn`` bound by ``memcalc.tracing.bound``) that
+    need grad: the protocol resets their grads with the inputs' before the measured step,
+    as ``zero_grad(set_to_none=True)`` does and the tracer does. (The first live run, on an
+    H200, kept them from the warm-up: its model-code figures hold every parameter's grad.)"""
+    module = getattr(fn, "fn", fn)
+    parameters = getattr(module, "parameters", None)
+    return tuple(p for p in parameters() if p.requires_grad) if callable(parameters) else ()
 
 
 def _output_like(torch, config: Config, device: str, fn: Callable,

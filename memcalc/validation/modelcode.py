@@ -10,6 +10,7 @@ fitted on. Modules are classes built with no arguments, on the device that runs 
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -74,6 +75,10 @@ def _hf_llama(implementation: str):
     from transformers.masking_utils import create_causal_mask
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
+    # the cache argument is ``past_key_values`` through transformers 5.17, ``cache`` later
+    no_cache = {name: None for name in ("cache", "past_key_values")
+                if name in inspect.signature(create_causal_mask).parameters}
+
     class LlamaAttentionStep(nn.Module):
         def __init__(self):
             super().__init__()
@@ -87,7 +92,7 @@ def _hf_llama(implementation: str):
         def forward(self, x):
             position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
             mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None,
-                                      cache=None, position_ids=position_ids)
+                                      position_ids=position_ids, **no_cache)
             return self.attn(x, position_embeddings=self.rotary(x, position_ids),
                              attention_mask=mask)[0]
 
