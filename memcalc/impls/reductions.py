@@ -397,7 +397,8 @@ def scratch_events(name: str, scratch: Scratch, op: str) -> list:
         events.append(new(f"{name}: accumulation buffer", (scratch.accumulation,), "uint8", T,
                           op))
     for i, part in enumerate(scratch.launches):
-        buffer, semaphores = f"{name}: split-reduction buffer {i}", f"{name}: semaphores {i}"
+        nth = f" {i + 1}" if len(scratch.launches) > 1 else ""  # of a split iterator's launches
+        buffer, semaphores = f"{name}: split-reduction buffer{nth}", f"{name}: semaphores{nth}"
         if not isinstance(part.buffer, int) or part.buffer:
             events += [new(buffer, (part.buffer,), "uint8", T, op),  # (bytes,) staging
                        new(semaphores, (part.semaphores,), "uint8", T, op),  # (4 x grid.x,)
