@@ -106,3 +106,18 @@ def test_over_symbolic_sizes_the_scratch_is_evaluated_per_configuration():
     # N = 1,050 and 3,001 as measured; N = 64: 16 values a thread, no split
     values = evaluate_sym(buffer.shape[0], {"N": np.array([1050, 3001, 64])})
     assert values.tolist() == [4 * 128 * 17 * 32 * 4, 4 * 128 * 47 * 32 * 4, 0]
+
+
+@pytest.mark.parametrize("shape, itemsize", [((8, 1, 20_000, 20_000), 4),
+                                             ((8, 1, 16_000_001, 16_000_001), 4),
+                                             ((1, 3, 70_001, 70_001), 2)])
+def test_a_row_reductions_split_in_integers_is_the_general_split(shape, itemsize):
+    """Rows past 32-bit offsets are halved until each part fits: the integer shortcut
+    (``_row_parts``, what makes a sweep to 16M rows affordable) gives the parts the general
+    ``TensorIterator`` split gives."""
+    from memcalc.impls.reductions import _row_parts, _split
+
+    it = reduction_iter(shape, contiguous_strides(shape), (3,), itemsize, itemsize)
+    parts = _split(it, 0)
+    assert _row_parts(it) == parts
+    assert all(part.shape[1] < it.shape[1] for part, _ in parts)  # it was split

@@ -24,7 +24,6 @@ from math import prod
 from typing import NamedTuple
 
 from memcalc.engine.program import ITEMSIZE, Dims, Role, free, new
-from memcalc.engine.symbolic import Sym, apply
 from memcalc.impls.device import Gpu, gpu_of, max_threads_per_sm
 
 WARP = 32  # at::cuda::warp_size() on NVIDIA GPUs
@@ -160,6 +159,12 @@ def _output_vec_size(it: Iter, in_itemsize: int, storage_offset: int) -> int:
 
 
 @lru_cache(maxsize=1 << 12)
+def _on_fastest(it: Iter) -> bool:
+    """Whether the reduced dimension is the input's fastest moving (``setReduceConfig``)."""
+    r = it.num_reduce_dims
+    return r == len(it.shape) or it.in_strides[0] < it.in_strides[r]
+
+
 def launch(it: Iter, in_itemsize: int, acc_itemsize: int, storage_offset: int, sm_count: int,
            max_threads_per_sm: int) -> Launch:
     """``setReduceConfig`` (``Reduce.cuh``) for one 32-bit-indexable iterator, and the
@@ -174,7 +179,7 @@ def launch(it: Iter, in_itemsize: int, acc_itemsize: int, storage_offset: int, s
         numel *= size
     inputs_per_output = numel // num_outputs
     r = it.num_reduce_dims
-    on_fastest = r == len(it.shape) or it.in_strides[0] < it.in_strides[r]
+    on_fastest = _on_fastest(it)
     dim0, dim1 = (inputs_per_output, num_outputs) if on_fastest else (num_outputs,
                                                                       inputs_per_output)
     fastest_stride = it.in_strides[0] if on_fastest else it.in_strides[r]
@@ -250,11 +255,42 @@ def _fits_32bit(it: Iter, numel: int) -> bool:
                for strides in (it.out_strides, it.in_strides))
 
 
+def _row_parts(it: Iter) -> tuple | None:
+    """``_split`` of a row reduction (reduced run first, then rows of it, contiguous) in
+    integers: the rows are halved until a part fits, so the parts are the distinct row
+    counts of that halving, in order; None where a single row does not fit (then the
+    reduced run is split too, which ``_split`` does)."""
+    if len(it.shape) != 2 or it.num_reduce_dims != 1:
+        return None
+    inputs, rows = it.shape
+    size = it.in_strides[0]
+    if it.in_strides != (size, inputs * size):
+        return None
+    counts = _halved_rows(rows, inputs, size, it.out_strides[1])
+    return None if counts is None else tuple(
+        (it._replace(shape=(inputs, r)), 0) for r in counts)
+
+
+@lru_cache(maxsize=1 << 12)
+def _halved_rows(rows: int, inputs: int, size: int, out_size: int) -> tuple | None:
+    fits = rows * inputs <= INT32_MAX and rows * inputs * size - size + 1 <= INT32_MAX \
+        and 1 + (rows - 1) * out_size <= INT32_MAX
+    if fits:
+        return (rows,)
+    if rows == 1:
+        return None
+    first = _halved_rows(rows // 2, inputs, size, out_size)
+    rest = _halved_rows(rows - rows // 2, inputs, size, out_size)
+    return None if first is None or rest is None else tuple(dict.fromkeys(first + rest))
+
+
 @lru_cache(maxsize=1 << 12)
 def _split(it: Iter, offset: int) -> tuple:
     """``SplitUntil32Bit``: halve the dimension of largest extent until each part fits,
     first halves first (``TensorIteratorBase::split``): the distinct parts, in order, as
     ``(Iter, input byte offset mod 16)`` (all the vectorization reads of an offset)."""
+    if _on_fastest(it):
+        offset = 0  # read only to vectorize along outputs, which this reduction does not
     if _fits_32bit(it, prod(it.shape)):
         return ((it, offset),)
     dim = max(reversed(range(len(it.shape))), key=lambda d: max(
@@ -282,8 +318,8 @@ def reduction_scratch(sizes: tuple, strides: tuple, dims: tuple, in_itemsize: in
     if numel == 0:
         return Scratch(0, ())
     fits = _fits_32bit(it, numel)
-    parts = ((it, storage_offset * in_itemsize % 16),) if fits else _split(
-        it, storage_offset * in_itemsize % 16)
+    parts = ((it, storage_offset * in_itemsize % 16),) if fits else (
+        _row_parts(it) or _split(it, storage_offset * in_itemsize % 16))
     accumulation = 0
     if not fits and out_itemsize == 2:  # a half or bfloat16 result
         extent = max([out_itemsize] + [n * s for n, s in zip(it.shape, it.out_strides)])
@@ -346,7 +382,9 @@ def reduced(name: str, shape: tuple, dtype: str, role: Role, d: Dims, source: tu
     dims = tuple(i % len(source) for i in dims)
     kernel = (dims, ITEMSIZE[source_dtype or dtype], ITEMSIZE[dtype], accumulator_bytes(dtype),
               gpu_of(d))
-    if any(isinstance(n, Sym) for n in source):
+    if not all(isinstance(n, int) for n in source):  # the grid path's placeholders
+        from memcalc.engine.symbolic import apply  # numpy: not on the CLI's path
+
         bound = _bound_of(ITEMSIZE[source_dtype or dtype])
         sizes = [apply(_part_of(kernel, i), source, bound) for i in range(3)]
         scratch = Scratch(sizes[0], (Launch(sizes[1], sizes[2]),))

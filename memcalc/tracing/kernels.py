@@ -250,18 +250,8 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     it is dense and non-overlapping, else contiguous), made with ``empty_strided``, whose
     meta kernel is C++: ``empty_like``'s is torch's Python reference (``torch/_refs``),
     which imports sympy through ``torch.fx.experimental.symbolic_shapes`` (0.27 s a trace)."""
-    if _dense(t):
+    from memcalc.tracing.tracer import dense
+
+    if dense(t):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its extent once each (a permutation of contiguous)."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: (p[1], p[0])):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True

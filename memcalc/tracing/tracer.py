@@ -186,11 +186,13 @@ def _bmm_copies(tracer, out, batch1, batch2, *rest, **kwargs) -> list:
             if _batch_operand_copied(t, transpose_result, rows, cols)]
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """``is_non_overlapping_and_dense`` (``c10/core/Contiguity.h``): the strides, smallest
-    first over dimensions of size above 1, step exactly through the elements."""
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its extent once each (a permutation of contiguous):
+    ``is_non_overlapping_and_dense`` (``c10/core/Contiguity.h``)."""
     expected = 1
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: (p[1], p[0])):
+        if size == 1:
+            continue
         if stride != expected:
             return False
         expected *= size
@@ -201,7 +203,7 @@ def _mm_copies(tracer, out, mat1, mat2, *rest, **kwargs) -> list:
     """``cublasCommonArgs`` (``Blas.cpp``) for ``mm``: ``prepare_matrix_for_cublas`` clones an
     operand that is neither dense nor readable through one unit stride."""
     def copied(t):
-        if _dense(t):
+        if dense(t):
             return False
         (rows, cols), (s0, s1) = t.shape, t.stride()
         return not ((s0 == 1 and s1 >= max(1, rows)) or (s1 == 1 and s0 >= max(1, cols)))
