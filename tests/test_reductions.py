@@ -110,7 +110,10 @@ def test_over_symbolic_sizes_the_scratch_is_evaluated_per_configuration():
 
 @pytest.mark.parametrize("shape, itemsize", [((8, 1, 20_000, 20_000), 4),
                                              ((8, 1, 16_000_001, 16_000_001), 4),
-                                             ((1, 3, 70_001, 70_001), 2)])
+                                             ((1, 3, 70_001, 70_001), 2),
+                                             # the floor halves fit a level before the
+                                             # ceiling ones
+                                             ((3, 1, 2_421_787, 2_421_787), 2)])
 def test_a_row_reductions_split_in_integers_is_the_general_split(shape, itemsize):
     """Rows past 32-bit offsets are halved until each part fits: the integer shortcut
     (``_row_parts``, what makes a sweep to 16M rows affordable) gives the parts the general

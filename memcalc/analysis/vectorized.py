@@ -82,6 +82,7 @@ from memcalc.impls import get_impl
 from memcalc.analysis.quadratic import quadratic_names
 from memcalc.engine.recorder import Group as _Group, Path, record
 from memcalc.engine.symbolic import SizeDependent, Sym, bound_sym, evaluate_sym  # noqa: F401
+from memcalc.impls.reductions import forget
 
 AXES = ("batch", "heads", "seq_len", "head_dim", "kv_len", "kv_heads")
 """The shape fields a grid can vary (``Shape``'s fields)."""
@@ -266,6 +267,7 @@ class Evaluator:
             chunk = {k: v[sl] for k, v in leaves.items()}
             self._evaluate(chunk, np.arange(sl.start, sl.stop), out, path_ids, fallback,
                            frozenset())
+        forget()  # the reduction kernels' per-configuration cache (impls.reductions)
         return Figures(**out, path=path_ids, fallback=fallback)
 
     def _evaluate(self, leaves: dict, idx: np.ndarray, out: dict, path_ids: np.ndarray,

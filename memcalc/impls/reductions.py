@@ -271,17 +271,27 @@ def _row_parts(it: Iter) -> tuple | None:
         (it._replace(shape=(inputs, r)), 0) for r in counts)
 
 
-@lru_cache(maxsize=1 << 12)
 def _halved_rows(rows: int, inputs: int, size: int, out_size: int) -> tuple | None:
-    fits = rows * inputs <= INT32_MAX and rows * inputs * size - size + 1 <= INT32_MAX \
-        and 1 + (rows - 1) * out_size <= INT32_MAX
-    if fits:
+    """The distinct row counts of halving ``rows`` (first halves ``rows // 2`` first) until
+    each part fits, in the order they first occur: at the first depth ``k`` where the
+    ceiling half ``ceil(rows / 2^k)`` fits, every part is ``floor`` or ``ceil`` of
+    ``rows / 2^k``, but for the floor parts one level up, which are leaves already when
+    they fit. None when a single row does not fit."""
+    def fits(r: int) -> bool:
+        return r * inputs <= INT32_MAX and r * inputs * size - size + 1 <= INT32_MAX \
+            and 1 + (r - 1) * out_size <= INT32_MAX
+
+    if fits(rows):
         return (rows,)
-    if rows == 1:
-        return None
-    first = _halved_rows(rows // 2, inputs, size, out_size)
-    rest = _halved_rows(rows - rows // 2, inputs, size, out_size)
-    return None if first is None or rest is None else tuple(dict.fromkeys(first + rest))
+    k = 1
+    while not fits(-(-rows // (1 << k))):
+        if -(-rows // (1 << k)) == 1:
+            return None
+        k += 1
+    up_floor, up_ceil = rows // (1 << (k - 1)), -(-rows // (1 << (k - 1)))
+    if fits(up_floor):  # the floor parts one level up stop there; the ceiling ones halve
+        return tuple(dict.fromkeys((up_floor, up_ceil // 2, up_ceil - up_ceil // 2)))
+    return tuple(dict.fromkeys((rows // (1 << k), -(-rows // (1 << k)))))
 
 
 @lru_cache(maxsize=1 << 12)
@@ -393,11 +403,17 @@ def reduced(name: str, shape: tuple, dtype: str, role: Role, d: Dims, source: tu
     return [new(name, shape, dtype, role, op), *scratch_events(name, scratch, op)]
 
 
-@lru_cache(maxsize=1 << 17)
-def _scratch(kernel: tuple, source: tuple) -> Scratch:
+@lru_cache(maxsize=1 << 17)  # a grid's configurations, read once per part (``_part``);
+def _scratch(kernel: tuple, source: tuple) -> Scratch:  # emptied after it (``forget``)
     dims, in_size, out_size, acc_size, gpu = kernel
     return reduction_scratch(source, contiguous_strides(source), dims, in_size, out_size,
                              acc_size, 0, gpu)
+
+
+def forget() -> None:
+    """Empty the per-configuration cache a grid filled: a hundred thousand entries kept
+    make every later garbage collection of the process slow."""
+    _scratch.cache_clear()
 
 
 def _part(kernel: tuple, which: int, *source: int) -> int:
