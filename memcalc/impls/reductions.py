@@ -62,10 +62,8 @@ def reduction_iter(sizes: tuple, strides: tuple, dims: tuple, in_itemsize: int,
         return _trailing(sizes, len(dims), in_itemsize, out_itemsize)
     kept = [i for i in range(ndim) if i not in dims]
     out = [0] * ndim
-    step = out_itemsize
-    for i in reversed(kept):
-        out[i] = step
-        step *= sizes[i]
+    for i, stride in zip(kept, contiguous_strides(tuple(sizes[i] for i in kept))):
+        out[i] = stride * out_itemsize
     ins = [s * in_itemsize for s in strides]
     perm = _reorder(list(sizes), [out, ins])
     return _coalesce([sizes[p] for p in perm], [[out[p] for p in perm], [ins[p] for p in perm]])
