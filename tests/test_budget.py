@@ -111,14 +111,19 @@ def test_reserve_must_leave_memory():
 def test_presets_memory_matches_their_source():
     # every preset: smi_memory_bytes = the MiB figure nvidia-smi shows x 2^20; memory_bytes
     # the smallest whole MiB that PyTorch's OOM message prints as the quoted "total
-    # capacity of X GiB" (ceil((X - 0.005) x 1024) MiB), or nvidia-smi's where none is quoted
+    # capacity of X GiB" (ceil((X - 0.005) x 1024) MiB), or what a live run measured, or
+    # nvidia-smi's where neither is known
     from fractions import Fraction
 
     for g in gpu_presets().values():
         mib = int(re.search(r"memory\.total (\d+) MiB", g.smi_source).group(1))
         assert g.smi_memory_bytes == mib * MiB, g.name
         quoted = re.search(r"total capacity of (\d+\.\d\d) GiB", g.source)
-        if g.memory_kind == "torch":
+        measured = re.match(r"measured: .*total_memory = (\d+)", g.source)
+        if measured:  # read on the card itself by a live run: that figure, to the byte
+            assert g.memory_kind == "torch" and g.memory_bytes == int(measured.group(1))
+            assert g.memory_bytes < g.smi_memory_bytes, g.name
+        elif g.memory_kind == "torch":
             x = Fraction(quoted.group(1))
             assert g.memory_bytes == -(-(x - Fraction(5, 1000)) * 1024 // 1) * MiB, g.name
             assert g.memory_bytes < g.smi_memory_bytes, g.name

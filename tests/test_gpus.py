@@ -37,6 +37,7 @@ def test_every_field_of_an_entry_is_loaded_unchanged():
     # gpus.json; sm_count is cudaDeviceProp.multiProcessorCount per NVIDIA's specifications
     ("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM)", (9, 0), 132, "torch"),  # Hopper SXM5
     ("h100-pcie", "NVIDIA H100 PCIe", (9, 0), 114, "nvidia-smi"),  # Hopper, fewer SMs
+    ("h200", "NVIDIA H200", (9, 0), 132, "torch"),  # total_memory as a live run read it
     ("a100-40gb", "NVIDIA A100-SXM4-40GB", (8, 0), 108, "torch"),  # Ampere GA100
     ("l40s", "NVIDIA L40S", (8, 9), 142, "nvidia-smi"),  # Ada
     ("t4", "Tesla T4", (7, 5), 40, "torch"),  # Turing

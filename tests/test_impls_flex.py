@@ -1,6 +1,9 @@
 """``flex``: compiled FlexAttention with a BlockMask, modelled from torch's sources; the
 BlockMask's tensors checked against torch's own ``create_block_mask``."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from memcalc.analysis.predict import predict
@@ -43,8 +46,46 @@ def test_a_document_mask_is_per_batch_row():
     assert block_mask(config(mask="document:512").dims)[1].shape == (2, 1, 32, 32)
 
 
+def test_without_a_mask_the_default_mask_is_four_int32_elements_saved():
+    """``--mask none``: the compiled graph's one-block default mask, (1, 1, 1) counts and
+    (1, 1, 1, 1) indices and their transposes, saved with the logsumexp: 4 x 512-B blocks
+    + 2 x 8 x 4096 x 4 = 262,144 B; none of the BlockMask inputs."""
+    c = config(mask="none")
+    forward = events(c, "forward")
+    assert forward["q_indices"].shape == (1, 1, 1, 1) and forward["q_indices"].dtype == "int32"
+    assert predict(c).saved_bytes == 4 * 512 + 262_144 == 264_192
+    assert not {t.name for t in get_impl(c.impl).program(c.dims).inputs} & {"kv_indices"}
+
+
+RESULTS = sorted((Path(__file__).parents[1] / "validation" / "results").glob("flex-*.json"))
+
+
+def _recorded():
+    for path in RESULTS:
+        for row in json.loads(path.read_text())["rows"]:
+            yield pytest.param(row, id=f"{row['dtype'][6:]}-d{row['d']}-N{row['n']}-"
+                                       f"{'causal' if row['causal'] else 'unmasked'}")
+
+
+@pytest.mark.parametrize("row", list(_recorded()))
+def test_an_h100_recorded_each_allocation_of_the_step(row):
+    """``validation/flex_live.py`` on an H100 (torch 2.11): the allocator's own history of the
+    compiled step, allocation by allocation (requested bytes, in order), and both peaks."""
+    c = config(batch=row["b"], heads=row["h"], seq_len=row["n"], head_dim=row["d"],
+               dtype=row["dtype"].removeprefix("torch."),
+               mask="causal" if row["causal"] else "none")
+    program = get_impl(c.impl).program(c.dims)
+    for phase in ("fwd", "bwd"):
+        live = [size for action, size, _ in row[phase] if action == "alloc"]
+        made = [t.bytes for t in getattr(program, "forward" if phase == "fwd" else "backward")
+                if isinstance(t, Tensor)]
+        assert made == live
+    figures = predict(c).figures()
+    assert (figures["forward_peak_bytes"], figures["backward_peak_bytes"]) == \
+        (row["fwd_peak"], row["bwd_peak"])
+
+
 @pytest.mark.parametrize("options, refused", [
-    (dict(mask="none"), "--mask: flex: give the BlockMask's kind"),
     (dict(seq_len=100), "--seq: flex: seq_len 100 < 128"),
     (dict(mask="sliding"), "mask: not a mask"),
     (dict(impl="naive", mask="causal"), "mask: naive takes no causal mask; the masks each "

@@ -19,8 +19,9 @@ DQ = ("dq", (2, 4, 8, 16), BF16, T, "empty_like", 2048)  # (B, H, N, d): 2 x 4 x
 DK = ("dk", (2, 2, 24, 16), BF16, T, "empty_like", 3072)  # (B, Hk, M, d): 2 x 2 x 24 x 16 x 2 B
 DV = ("dv", (2, 2, 24, 16), BF16, T, "empty_like", 3072)
 # the default backward workspace: (B*H*N*d + B*H*N) x 4 B + 256 B
-# = (2 x 4 x 8 x 16 + 2 x 4 x 8) x 4 + 256 B, as an H200 measured (torch 2.11)
-WORK = 4608
+# = (2 x 4 x 8 x 16 + 2 x 4 x 8) x 4 + 256 = 4,608 B, as an H200 measured (torch 2.11),
+# + dK and dV at the 4 query heads (grouped heads): 2 x (2 x 4 x 24 x 16) x 2 B = 12,288 B
+WORK = 4608 + 12_288
 DOUT_T = ("dout_t", (2, 4, 8, 16), BF16, T, "permute", 2048)  # o's layout, as dq
 
 
@@ -32,11 +33,22 @@ def test_default_workspace_is_what_an_h200_measured():
     """256 B forward; (B*H*N*d + B*H*N) x 4 B + 256 B backward, over query heads and rows
     (dQ's shape), not the key/value ones: B=2, H=4, d=64, N=1,024 measured 256 B and
     (2 x 4 x 1024 x 64 + 2 x 4 x 1024) x 4 + 256 = 2,130,176 B on an H200 (torch 2.11)."""
-    assert Workspace().forward_bytes(D) == 256
-    assert Workspace().backward_bytes(D) == 4608  # (2 x 4 x 8 x 16 + 2 x 4 x 8) x 4 + 256 B
+    assert Workspace().forward_bytes(D.replace(Hk=4)) == 256
+    # (2 x 4 x 8 x 16 + 2 x 4 x 8) x 4 + 256 B
+    assert Workspace().backward_bytes(D.replace(Hk=4)) == 4608
     measured = Dims(B=2, H=4, N=1024, M=1024, D=64, dtype="bfloat16", causal=False,
                     loss="grad", Hk=4, chunk=64)
     assert Workspace().backward_bytes(measured) == 2_130_176
+
+
+def test_grouped_heads_add_dk_and_dv_at_every_query_head():
+    """cuDNN's dK_fullhead and dV_fullhead, (B, H, M, d) in q's dtype: Llama's 4 query heads
+    over 2 key/value heads, d = 64, bf16, N = 1,024 measured 2,130,176 + 2 x (2 x 4 x 1024 x
+    64) x 2 = 4,227,328 B on an H100 (torch 2.11); key rows, not query rows, in the term."""
+    llama = Dims(B=2, H=4, N=1024, M=1024, D=64, dtype="bfloat16", causal=False,
+                 loss="grad", Hk=2, chunk=64)
+    assert Workspace().backward_bytes(llama) == 4_227_328
+    assert Workspace().backward_bytes(D) == 4608 + 2 * (2 * 4 * 24 * 16) * 2 == 16_896
 
 
 def test_given_workspace_sizes_replace_the_estimate_even_when_zero():

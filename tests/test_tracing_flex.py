@@ -65,10 +65,20 @@ def test_a_compiled_flex_call_saves_its_logsumexp_and_the_block_mask(tmp_path, c
     assert grads["flex dq"] == (2, 4, 1000, 64)
 
 
-def test_flex_without_a_block_mask_is_one_line(tmp_path, capsys):
-    code, err = traced(tmp_path, capsys, "unmasked")
-    assert code == 2 and err.count("\n") == 1
-    assert "flex_attention without a block_mask builds its default mask" in err
+def test_flex_without_a_block_mask_equals_the_model_with_mask_none(tmp_path, capsys):
+    """No block_mask: the compiled graph builds its one-block default mask, four int32
+    elements saved (512-B blocks): what ``breakdown --impl flex --mask none`` says, on every
+    figure."""
+    from memcalc.analysis.predict import predict
+    from memcalc.config import make_config
+
+    code, data = traced(tmp_path, capsys, "unmasked")
+    assert code == 0, data
+    # 4 x 512 (the default mask) + 32,256 (logsumexp 2 x 4 x 1,000 x 4 = 32,000 B)
+    assert data["saved_bytes"] == 4 * 512 + 32_256 == 34_304
+    model = predict(make_config(impl="flex", seq_len=1000, heads=4, head_dim=64,
+                                dtype="bf16", batch=2)).figures()
+    assert {k: data[k] for k in model} == model
 
 
 def test_the_stand_in_is_only_there_while_the_file_is_imported():

@@ -13,18 +13,22 @@ from torch 2.13 (``torch/_inductor/kernel/flex/flex_attention.py``, ``IND`` belo
   ``separate_full_blocks`` by default): dense index tensors, the same sizes for every mask.
   ``Bm = Hm = 1`` (``B=None, H=None``) for causal and sliding-window masks; a document mask
   is per batch row (``Bm = B``);
-* forward (IND L346-395): ``out (B, H, N, D)`` in q's layout, ``logsumexp (B, H, N)`` float32
-  (kept for the backward) and ``max_scores (B, H, N)`` float32, allocated though nobody asks
-  for it and freed after the kernel. k and v are never expanded for grouped heads;
+* forward (IND L346-395): ``logsumexp (B, H, N)`` float32 (kept for the backward),
+  ``max_scores (B, H, N)`` float32, allocated though nobody asks for it and freed after the
+  kernel, and ``out (B, H, N, D)`` in q's layout. k and v are never expanded for grouped heads;
 * backward (IND L647-1099): ``delta = (out * grad_out).sum(-1)`` as ``(B, H, N)`` float32,
   then ``grad_query (B, H, N, D)``, ``grad_value`` and ``grad_key (B, Hk, M, D)``, written
   once by the template (float32 accumulation in registers, no float32 buffers).
 
+Without a mask (``--mask none``, not ``--causal``), ``flex_attention`` builds a one-block
+default mask inside the compiled graph (``default_mask``). Checked on an H100 (torch 2.11,
+``validation/flex_live.py``): every allocation and free of the step, causal and unmasked,
+fp16, bf16 and fp32, N = 1,024 and 4,096.
+
 Not modelled: a BlockMask built inside the step (``create_block_mask`` runs eagerly by default
 in 2.13 and builds a dense (N, M) mask, then a padded copy and an int64 copy of it: ``memcalc
 trace`` follows that code as it runs), inductor's buffer reuse between kernels (read from
-the generated code on a GPU), ``flex_attention`` without a block mask, and N < 128 (the
-flex-decoding template).
+the generated code on a GPU), and N < 128 (the flex-decoding template).
 """
 
 from __future__ import annotations
@@ -45,10 +49,6 @@ def mask_of(d: Dims) -> str:
 
 
 def check(d: Dims) -> None:
-    if mask_of(d) == "none":
-        raise ValueError("--mask: flex: give the BlockMask's kind (causal, sliding:W, "
-                         "document:L); flex_attention without one builds a default mask "
-                         "inside the compiled graph, which is not modelled")
     if d.N < BLOCK:
         raise ValueError(f"--seq: flex: seq_len {d.N} < {BLOCK} takes the flex-decoding "
                          f"template, which is not modelled")
@@ -69,23 +69,47 @@ def block_mask(d: Dims) -> list[Tensor]:
     return made  # (Bm, 1, N/128) counts and (Bm, 1, N/128, M/128) indices, and transposed
 
 
-def forward(d: Dims) -> list:
+DEFAULT_MASK = ("q_num_blocks", "q_indices", "kv_num_blocks", "kv_indices")
+
+
+def default_mask() -> list:
+    """``flex_attention`` without a block_mask builds one inside the compiled graph
+    (FA ``_create_empty_block_mask``: one block covering every row and column, no full
+    blocks, and its transpose), which the backward saves. Inductor's allocations, as an H100
+    measured them (torch 2.11): an int64 scratch element, then the four int32 elements."""
+    made = "flex_attention (default mask)"
     return [
-        new("out", (d.B, d.H, d.N, d.D), d.dtype, O, "flex_attention"),  # (B, H, N, D)
+        new("mask_scratch", (1,), "int64", T, made),  # (1,) inductor's, freed at once
+        new("kv_num_blocks", (1, 1, 1), I32, S, made),  # (1, 1, 1) ones
+        new("kv_indices", (1, 1, 1, 1), I32, S, made),  # (1, 1, 1, 1) zeros
+        new("q_num_blocks", (1, 1, 1), I32, S, made),  # (1, 1, 1) its transpose's counts
+        free("mask_scratch"),
+        new("q_indices", (1, 1, 1, 1), I32, S, made),  # (1, 1, 1, 1) and indices
+        free(*DEFAULT_MASK),  # kept for the backward
+    ]
+
+
+def forward(d: Dims, default: bool = False) -> list:
+    """The kernel's outputs in the order an H100 allocated them (torch 2.11): the logsumexp,
+    the unused max_scores, then out; ``default``: the mask is built first (above)."""
+    return [
+        *(default_mask() if default else ()),
         new("lse", (d.B, d.H, d.N), F32, S, "flex_attention"),  # (B, H, N) logsumexp
         new("max_scores", (d.B, d.H, d.N), F32, T, "flex_attention"),  # (B, H, N) unused
+        new("out", (d.B, d.H, d.N, d.D), d.dtype, O, "flex_attention"),  # (B, H, N, D)
         free("max_scores"),
         free("lse"),  # kept for the backward
     ]
 
 
-def backward(d: Dims) -> list:
+def backward(d: Dims, default: bool = False) -> list:
     return [
         new("delta", (d.B, d.H, d.N), F32, T, "sum"),  # (B, H, N) rowsum(out * grad_out)
         new("dq", (d.B, d.H, d.N, d.D), d.dtype, G, "flex_attention_backward"),  # (B, H, N, D)
         new("dv", (d.B, d.Hk, d.M, d.D), d.dtype, G, "flex_attention_backward"),  # (B, Hk, M, D)
         new("dk", (d.B, d.Hk, d.M, d.D), d.dtype, G, "flex_attention_backward"),  # (B, Hk, M, D)
         free("delta"),
+        *([release(*DEFAULT_MASK)] if default else ()),
         release("lse"),
     ]
 
@@ -98,5 +122,6 @@ def flex(d: Dims) -> Program:
     """Saved: logsumexp; the BlockMask's index tensors exist before the step; backward:
     float32 delta, dq, dk, dv at the key/value heads."""
     check(d)
-    return Program(tuple(forward(d)), tuple(with_loss(d, backward(d))),
-                   (*input_tensors(d), *block_mask(d)))
+    default = mask_of(d) == "none"
+    return Program(tuple(forward(d, default)), tuple(with_loss(d, backward(d, default))),
+                   (*input_tensors(d), *([] if default else block_mask(d))))

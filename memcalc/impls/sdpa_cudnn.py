@@ -17,7 +17,8 @@ parameter, ``Workspace``, whose default is what an H200 measured (torch 2.11 and
 bf16 and fp16, B=2, H=4, d=64, N=1,024 and 4,096, causal or not;
 ``validation/results/``): 256 B in the forward, and in the backward a float32 dQ
 accumulator (B, H, N, d) plus float32 row statistics (B, H, N) plus 256 B, what cuDNN's
-non-deterministic SDPA backward keeps in its workspace. Other shapes, head dims and cuDNN
+non-deterministic SDPA backward keeps in its workspace; with grouped key/value heads, dK and
+dV at every query head too (``full_head_grads``, as an H100 measured with Llama's GQA). Other shapes, head dims and cuDNN
 releases are that formula's extrapolation, not measurements.
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.engine.program import Dims, Program, Role, free, new, release
+from memcalc.engine.program import ITEMSIZE, Dims, Program, Role, free, new, release
 from memcalc.impls.accepted import Accepted
 from memcalc.impls.common import with_loss
 from memcalc.impls.registry import register
@@ -48,12 +49,24 @@ class Workspace:
         if self.backward is not None:
             return self.backward
         # dQ accumulator + row statistics, float32, and 256 B (H200, torch 2.11)
-        return d.B * d.H * d.N * d.D * 4 + d.B * d.H * d.N * 4 + MEASURED_EXTRA
+        return (d.B * d.H * d.N * d.D * 4 + d.B * d.H * d.N * 4 + full_head_grads(d)
+                + MEASURED_EXTRA)
+
+
+def full_head_grads(d: Dims) -> int:
+    """Grouped key/value heads: cuDNN's backward computes dK and dV at every query head,
+    in q's dtype, and sums each group into dk, dv (``dK_fullhead``, ``dV_fullhead``,
+    (B, H, M, d) each: cudnn-frontend's ``CompositeSDPABackwardNode``,
+    include/cudnn_frontend/node/scaled_dot_product_flash_attention.h); the workspace holds
+    them. Measured on an H100 (torch 2.11): Llama's 4 query heads over 2 key/value heads,
+    d = 64, bf16, exactly this much more than the formula without them."""
+    return 0 if d.Hk == d.H else 2 * d.B * d.H * d.M * d.D * ITEMSIZE[d.dtype]
 
 
 MEASURED_EXTRA = 256  # what cuDNN asked for beyond the formula in every shape measured
 DEFAULT_NOTE = ("cuDNN workspace: cuDNN sizes it at run time; taken as measured on an H200 "
-                "(torch 2.11): 256 B forward, (B*H*N*d + B*H*N) x 4 B + 256 B backward, "
+                "(torch 2.11): 256 B forward, (B*H*N*d + B*H*N) x 4 B + 256 B backward "
+                "(+ 2 x B*H*M*d x dtype size with grouped key/value heads), "
                 "extrapolated to other shapes (--cudnn-workspace sets it)")
 
 

@@ -14,6 +14,7 @@ dense mask, which the trace follows).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -33,9 +34,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     paths = active_paths("flex_attention")
     if return_aux is not None and return_aux.max_scores:
         raise NotModelled("flex_attention: return_aux max_scores is not modelled")
-    if block_mask is None:
-        raise NotModelled("flex_attention without a block_mask builds its default mask "
-                          "inside the compiled graph, which is not modelled")
     d = dims_of(query, key, paths.gpu)
     if d.N < model.BLOCK:
         raise NotModelled(f"flex_attention: {d.N} query rows < {model.BLOCK} take the "
@@ -66,19 +64,23 @@ def dims_of(q, k, gpu) -> Dims:
                  needs_grad(q, k), gpu)
 
 
+@dataclass
 class Run(Kernel):
     """One call: the model's forward and backward, the output and grads made with the
-    strides the template gives them (q's, k's, v's fill order)."""
+    strides the template gives them (q's, k's, v's fill order); ``default``: no block_mask
+    was given, so the compiled graph builds its default one (``model.default_mask``)."""
+
+    default: bool = False
 
     def forward(self) -> torch.Tensor:
-        self.replay(model.forward(self.d), {"out": lambda: empty_like(self.q)},
+        self.replay(model.forward(self.d, self.default), {"out": lambda: empty_like(self.q)},
                     not self.d.forward_only)
         return self.live.pop("out")
 
     def backward(self, grad_out: torch.Tensor) -> tuple:
         real = {n: (lambda t=t: empty_like(t)) for n, t in zip(("dq", "dk", "dv"),
                                                                (self.q, self.k, self.v))}
-        self.replay(model.backward(self.d), real, True)
+        self.replay(model.backward(self.d, self.default), real, True)
         self.kept.clear()
         return tuple(self.live.pop(n) for n in ("dq", "dk", "dv"))
 
@@ -89,8 +91,10 @@ NODE = node("FlexAttentionAutogradOp")
 
 def run(paths, q, k, v, d: Dims, block_mask) -> torch.Tensor:
     paths.kernels[BACKEND] = None
-    call = Run(BACKEND, d, None, paths, *meta_copies(paths.tracer, (q, k, v)))
-    tensors = [t for t in block_mask.as_tuple() if isinstance(t, torch.Tensor)]
+    call = Run(BACKEND, d, None, paths, *meta_copies(paths.tracer, (q, k, v)),
+               default=block_mask is None)
+    tensors = [] if block_mask is None else [t for t in block_mask.as_tuple()
+                                             if isinstance(t, torch.Tensor)]
     return launch(call, NODE, not d.forward_only, q, k, v, *tensors)
 
 
