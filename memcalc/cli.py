@@ -103,6 +103,10 @@ def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
                        help="the mask: flex's BlockMask (causal, sliding:W, document:L) or "
                             "sdpa-efficient's bool attn_mask (padding: (B, 1, 1, M); full: "
                             "(B, 1, N, M))")
+        p.add_argument("--block-mask", default=None, choices=("given", "dense"),
+                       help="flex: the BlockMask built before the step (given, default) or "
+                            "by create_block_mask run eagerly in it (dense: the N x M mask "
+                            "it builds, and its int64 copy)")
     p.add_argument("--deterministic", action="store_true",
                    help="the kernels' deterministic backward (flash-attn, flash-attn3)")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
@@ -262,6 +266,8 @@ def config_options(args) -> dict:
         flat["chunk"] = args.chunk
     if getattr(args, "mask", None) is not None:
         flat["mask"] = args.mask
+    if getattr(args, "block_mask", None) is not None:
+        flat["block_mask"] = args.block_mask
     return flat
 
 

@@ -162,6 +162,9 @@ class Config(BaseModel):
     chunk: int = Field(64, ge=1, description="chunk length of chunked implementations")
     mask: str = Field("none", description="the mask: flex's BlockMask (causal, sliding:W, "
                                           "document:L) or an attn_mask (padding, full)")
+    block_mask: Literal["given", "dense"] = Field(
+        "given", description="flex: the BlockMask built before the step (given), or by "
+                             "create_block_mask run eagerly inside it (dense)")
     device: Device = Device()
     protocol: Protocol = Protocol()
 
@@ -191,6 +194,15 @@ class Config(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_block_mask(self) -> "Config":
+        if self.block_mask == "dense" and (self.impl != "flex" or (
+                self.mask == "none" and not self.causal)):
+            raise ValueError("block_mask: dense is create_block_mask run in the step, for "
+                             "flex with a mask (--mask causal, sliding:W, document:L, or "
+                             f"--causal); got {self.impl} with mask {self.mask}")
+        return self
+
+    @model_validator(mode="after")
     def _check_gqa(self) -> "Config":
         if self.shape.key_heads != self.shape.heads and not get_impl(self.impl).gqa:
             raise ValueError(f"kv_heads: implementation {self.impl} needs kv_heads == heads "
@@ -217,6 +229,7 @@ class Config(BaseModel):
                  "head_dim": f"d={s.head_dim}"}
         options = ["" if "dtype" in left else self.dtype.value, "causal" if self.causal else "",
                    f"mask={self.mask}" if self.mask != "none" else "",
+                   "block-mask=dense" if self.block_mask == "dense" else "",
                    "forward-only" if p.forward_only else "",
                    f"loss={p.loss}" if p.loss != "grad" else "",
                    "deterministic" if p.deterministic else "",
@@ -260,7 +273,7 @@ class Config(BaseModel):
 def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, heads: int = 1,
                 head_dim: int = 16, kv_len: int | None = None, kv_heads: int | None = None,
                 dtype: str = "fp32", causal: bool = False, chunk: int = 64, mask: str = "none",
-                gpu: str | None = "h100-80gb", loss: str = "grad", forward_only: bool = False,
+                block_mask: str = "given", gpu: str | None = "h100-80gb", loss: str = "grad", forward_only: bool = False,
                 cublas_workspace_config: str | None = None, deterministic: bool = False) -> Config:
     """A ``Config`` from the flat options the CLI and the Python API share (the CLI's
     ``--seq`` is ``seq_len``); a bad value is a one-line ValueError that starts with the
@@ -276,7 +289,7 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
                          f"{', '.join(gpu_presets())} (got None)")
     try:
         return Config(
-            impl=impl, dtype=dtype, causal=causal, chunk=chunk, mask=mask,
+            impl=impl, dtype=dtype, causal=causal, chunk=chunk, mask=mask, block_mask=block_mask,
             shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
                         kv_len=kv_len, kv_heads=kv_heads),
             device=Device(gpu=gpu),

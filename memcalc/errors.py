@@ -14,7 +14,7 @@ FLAGS = {
     "impl": "--impl", "gpu": "--gpu", "loss": "--loss", "causal": "--causal",
     "cublas_workspace_config": "--cublas-workspace-config", "time_limit": "--time-limit",
     "memory_limit": "--memory-limit", "deterministic": "--deterministic",
-    "mask": "--mask",
+    "mask": "--mask", "block_mask": "--block-mask",
 }
 
 

@@ -34,6 +34,7 @@ class Dims:
     compute_capability: tuple[int, int] = (9, 0)
     deterministic: bool = False  # the kernels' deterministic backward, where one has it
     mask: str = "none"  # a BlockMask's kind (flex): none, causal, sliding:W, document:L
+    block_mask: str = "given"  # flex: the BlockMask built before the step, or "dense": in it
 
     @classmethod
     def of(cls, config) -> "Dims":
@@ -42,7 +43,8 @@ class Dims:
         s, p, gpu = config.shape, config.protocol, config.device.spec
         return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim, config.dtype.torch_name,
                    config.causal, p.loss, s.key_heads, config.chunk, p.forward_only,
-                   gpu.sm_count, gpu.compute_capability, p.deterministic, config.mask)
+                   gpu.sm_count, gpu.compute_capability, p.deterministic, config.mask,
+                   config.block_mask)
 
     def replace(self, **sizes) -> "Dims":
         """These sizes with some changed (``N``, ``M``, ...), for programs built at other

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from memcalc.engine.inputs import input_tensors
 from memcalc.engine.program import Dims, Program, Role, Tensor, free, new, release
+from memcalc.impls import flex_mask as eager
 from memcalc.impls.common import with_loss
 from memcalc.impls.registry import register
 
@@ -123,5 +124,9 @@ def flex(d: Dims) -> Program:
     float32 delta, dq, dk, dv at the key/value heads."""
     check(d)
     default = mask_of(d) == "none"
+    if d.block_mask == "dense":  # create_block_mask in the step: its tensors, saved
+        built = (*eager.build(d), *forward(d), free(*eager.OUTPUTS))
+        return Program(built, tuple(with_loss(d, [*backward(d), release(*eager.OUTPUTS)])),
+                       (*input_tensors(d), *eager.inputs(d)))
     return Program(tuple(forward(d, default)), tuple(with_loss(d, backward(d, default))),
                    (*input_tensors(d), *([] if default else block_mask(d))))

@@ -66,7 +66,10 @@ class Kernel:
         return self.paths.tracer
 
     def replay(self, events, real: dict[str, Callable], grad: bool) -> None:
-        """Apply model events: allocate (real or plain meta tensors), free, release."""
+        """Apply model events: allocate (real or plain meta tensors), free, release; what
+        died before the call (a local of the function that returned into it) is freed
+        first, as Python frees it when its last reference goes."""
+        self.tracer.collect_frees()
         for event in events:
             if isinstance(event, Tensor):
                 with self.tracer.quiet():
