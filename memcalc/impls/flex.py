@@ -36,19 +36,12 @@ from __future__ import annotations
 from memcalc.engine.inputs import input_tensors
 from memcalc.engine.program import Dims, Program, Role, Tensor, free, new, release
 from memcalc.impls import flex_mask as eager
+from memcalc.impls.flex_mask import BLOCK, batch_of, mask_of
 from memcalc.impls.common import with_loss
 from memcalc.impls.registry import register
 
 S, O, G, T, I = Role.saved, Role.output, Role.gradient, Role.temporary, Role.input
 F32, I32 = "float32", "int32"
-BLOCK = 128  # FA _DEFAULT_SPARSE_BLOCK_SIZE
-
-
-def mask_of(d: Dims) -> str:
-    """The mask's kind: ``--mask``, else ``causal`` under ``--causal``."""
-    return d.mask if d.mask != "none" else ("causal" if d.causal else "none")
-
-
 def check(d: Dims) -> None:
     if d.N < BLOCK:
         raise ValueError(f"--seq: flex: seq_len {d.N} < {BLOCK} takes the flex-decoding "
@@ -59,7 +52,7 @@ def block_mask(d: Dims) -> list[Tensor]:
     """The BlockMask's eight int32 index tensors, in the order ``create_block_mask`` makes
     them (kv, full kv, then their transposes)."""
     rows, cols = -(-d.N // BLOCK), -(-d.M // BLOCK)
-    b = d.B if mask_of(d).startswith("document") else 1  # B=None: 1
+    b = batch_of(d)  # B=None: 1, but for a document mask
     made = []
     for prefix in ("", "full_"):
         made += [Tensor(f"{prefix}kv_num_blocks", (b, 1, rows), I32, I, "create_block_mask"),

@@ -40,9 +40,14 @@ def made(name: str, shape: tuple, dtype: str, role: Role, op: str):
     return new(name, shape, dtype, role, f"{MADE}: {op}")
 
 
+def mask_of(d: Dims) -> str:
+    """The mask: ``--mask``, else ``causal`` under ``--causal``."""
+    return d.mask if d.mask != "none" else ("causal" if d.causal else "none")
+
+
 def kind_of(d: Dims) -> str:
-    mask = d.mask if d.mask != "none" else ("causal" if d.causal else "none")
-    return mask.split(":")[0]
+    """The mask's kind: ``none``, ``causal``, ``sliding`` or ``document``."""
+    return mask_of(d).split(":")[0]
 
 
 def batch_of(d: Dims) -> int:
