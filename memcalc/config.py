@@ -273,8 +273,9 @@ class Config(BaseModel):
 def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, heads: int = 1,
                 head_dim: int = 16, kv_len: int | None = None, kv_heads: int | None = None,
                 dtype: str = "fp32", causal: bool = False, chunk: int = 64, mask: str = "none",
-                block_mask: str = "given", gpu: str | None = "h100-80gb", loss: str = "grad", forward_only: bool = False,
-                cublas_workspace_config: str | None = None, deterministic: bool = False) -> Config:
+                block_mask: str = "given", gpu: str | None = "h100-80gb", loss: str = "grad",
+                forward_only: bool = False, cublas_workspace_config: str | None = None,
+                deterministic: bool = False) -> Config:
     """A ``Config`` from the flat options the CLI and the Python API share (the CLI's
     ``--seq`` is ``seq_len``); a bad value is a one-line ValueError that starts with the
     field (``kv_heads: 3 must divide heads (4)``), which the CLI names by its option."""
@@ -289,7 +290,8 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
                          f"{', '.join(gpu_presets())} (got None)")
     try:
         return Config(
-            impl=impl, dtype=dtype, causal=causal, chunk=chunk, mask=mask, block_mask=block_mask,
+            impl=impl, dtype=dtype, causal=causal, chunk=chunk, mask=mask,
+            block_mask=block_mask,
             shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
                         kv_len=kv_len, kv_heads=kv_heads),
             device=Device(gpu=gpu),

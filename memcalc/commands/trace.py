@@ -29,7 +29,6 @@ def add_arguments(parser) -> None:
                         help="follow the meta device's code paths instead of the GPU's")
 
 
-
 def run(args) -> int:
     """Load, trace, check the budget, draw if asked, print; a failure of the target is one
     line naming it as given."""

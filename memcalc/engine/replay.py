@@ -140,8 +140,7 @@ class Ledger:
                          nbytes: int | None = None) -> None:
         """The thread's cuBLAS workspace, created at its first cuBLAS call (or, with
         ``library="cuBLASLt"``, a separate cuBLASLt workspace of ``nbytes``)."""
-        key = (f"{library}_workspace", thread) if library != "cuBLAS" else (
-            "cublas_workspace", thread)
+        key = (f"{library.lower()}_workspace", thread)
         if key not in self.live:
             size = self.workspace_bytes if nbytes is None else nbytes
             name = f"{library} workspace, {thread} thread"

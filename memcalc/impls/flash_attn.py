@@ -33,8 +33,8 @@ from memcalc.engine.program import Dims, Program, Role, free, new, release
 from memcalc.impls.accepted import Accepted
 from memcalc.impls.common import with_loss
 from memcalc.impls.registry import register
-from memcalc.impls.sdpa_flash import (F32, cc_text, gpu_of, head_dims, round_up,
-                                      split_accumulators)
+from memcalc.impls.device import gpu_of
+from memcalc.impls.sdpa_flash import F32, cc_text, head_dims, round_up, split_accumulators
 from memcalc.impls.sdpa_flash import pads as flash_pads
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary

@@ -33,7 +33,8 @@ from memcalc.impls.accepted import Accepted
 from memcalc.impls.common import with_loss
 from memcalc.impls.flash_attn import BNHD, inputs
 from memcalc.impls.registry import register
-from memcalc.impls.sdpa_flash import F32, cc_text, gpu_of, round_up
+from memcalc.impls.device import gpu_of
+from memcalc.impls.sdpa_flash import F32, cc_text, round_up
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 I32 = "int32"

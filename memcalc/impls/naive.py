@@ -81,7 +81,6 @@ def output_backward(d: Dims, weights: str, last_use: bool = True) -> list:
     ]
 
 
-
 @register("naive", "custom softmax keeping exp_x: s.max, exp(s - m), e / e.sum")
 def naive(d: Dims) -> Program:
     """Custom-softmax attention (exp of the shifted scores, divided by their row sum)."""

@@ -18,8 +18,9 @@ bf16 and fp16, B=2, H=4, d=64, N=1,024 and 4,096, causal or not;
 ``validation/results/``): 256 B in the forward, and in the backward a float32 dQ
 accumulator (B, H, N, d) plus float32 row statistics (B, H, N) plus 256 B, what cuDNN's
 non-deterministic SDPA backward keeps in its workspace; with grouped key/value heads, dK and
-dV at every query head too (``full_head_grads``, as an H100 measured with Llama's GQA). Other shapes, head dims and cuDNN
-releases are that formula's extrapolation, not measurements.
+dV at every query head too (``full_head_grads``, as an H100 measured with Llama's GQA).
+Other shapes, head dims and cuDNN releases are that formula's extrapolation, not
+measurements.
 """
 
 from __future__ import annotations

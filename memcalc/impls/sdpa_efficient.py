@@ -36,7 +36,8 @@ from math import ceil
 from memcalc.impls.accepted import Accepted
 from memcalc.impls.registry import register
 from memcalc.impls.common import with_loss
-from memcalc.impls.sdpa_flash import Gpu, cc_text, gpu_of, round_up
+from memcalc.impls.device import Gpu, gpu_of
+from memcalc.impls.sdpa_flash import cc_text, round_up
 from memcalc.engine.inputs import QKV, Input, input_tensors
 from memcalc.engine.program import Dims, Program, Role, free, new, release
 

@@ -36,7 +36,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False):
     """flash-attn 2.x ``flash_attn_func``, for a trace (the signature of v2.8.3)."""
-    return flash_attn_rule(active_paths("flash_attn.flash_attn_func"), flash_attn_func, (q, k, v), dict(
+    paths = active_paths("flash_attn.flash_attn_func")
+    return flash_attn_rule(paths, flash_attn_func, (q, k, v), dict(
         dropout_p=dropout_p, causal=causal, deterministic=deterministic,
         return_attn_probs=return_attn_probs))
 
@@ -46,11 +47,11 @@ def flash_attn3_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_desca
                      softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
                      sm_margin=0, return_attn_probs=False):
     """FlashAttention-3 ``flash_attn_interface.flash_attn_func``, for a trace."""
-    return flash_attn3_rule(active_paths("flash_attn_interface.flash_attn_func"), flash_attn3_func,
-                            (q, k, v), dict(causal=causal, qv=qv, window_size=window_size,
-                                            attention_chunk=attention_chunk, softcap=softcap,
-                                            num_splits=num_splits, deterministic=deterministic,
-                                            return_attn_probs=return_attn_probs))
+    paths = active_paths("flash_attn_interface.flash_attn_func")
+    return flash_attn3_rule(paths, flash_attn3_func, (q, k, v), dict(
+        causal=causal, qv=qv, window_size=window_size, attention_chunk=attention_chunk,
+        softcap=softcap, num_splits=num_splits, deterministic=deterministic,
+        return_attn_probs=return_attn_probs))
 
 
 def _not_modelled(package: str, name: str):

@@ -21,6 +21,7 @@ import torch
 from memcalc.impls import sdpa_efficient, sdpa_flash
 from memcalc.engine.program import Dims, Free, Release, Role, Tensor
 from memcalc.impls import sdpa_cudnn as cudnn
+from memcalc.impls.device import gpu_of
 from memcalc.tracing.errors import NotModelled
 from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
 
@@ -104,7 +105,7 @@ class Kernel:
             shape = (d.B, d.H, d.N, padded)  # q_pad is contiguous (B, H, N, dp)
             make = (lambda: torch.empty(shape, dtype=self.q.dtype, device="meta")) \
                 if self.padded else (lambda: empty_like(self.q.transpose(1, 2)).transpose(1, 2))
-            events = sdpa_flash.forward(d, sdpa_flash.gpu_of(d), "cuda")
+            events = sdpa_flash.forward(d, gpu_of(d), "cuda")
         elif self.backend == EFFICIENT:
             make = lambda: torch.empty((d.B, d.N, d.H, d.D), dtype=self.q.dtype,  # noqa: E731
                                        device="meta").transpose(1, 2)
@@ -215,7 +216,7 @@ def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
                           f"{backend} backend")
     d = dims_of(call, paths.gpu)
     if backend == EFFICIENT:
-        sdpa_efficient.check(d, sdpa_flash.gpu_of(d))
+        sdpa_efficient.check(d, gpu_of(d))
         if d.Hk != d.H:
             raise NotModelled("scaled_dot_product_attention: the efficient backend with "
                               "grouped key/value heads is not modelled (memcalc's "
@@ -224,7 +225,7 @@ def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
             paths.note("efficient backend with dropout: its backward kernel's workspace is "
                        "modelled for the no-dropout kernels (kernels/cutlassB.h)")
     elif backend == FLASH:
-        sdpa_flash.check(d, sdpa_flash.gpu_of(d))
+        sdpa_flash.check(d, gpu_of(d))
     else:
         paths.note(cudnn.DEFAULT_NOTE if paths.workspace == cudnn.Workspace() else
                    f"cuDNN workspace: {paths.workspace.forward or 0} B forward, "

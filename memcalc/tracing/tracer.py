@@ -33,10 +33,10 @@ from torch.utils._pytree import tree_leaves
 from memcalc.analysis.breakdown import Breakdown
 from memcalc.engine.component import Component
 from memcalc.config import Config
-from memcalc.engine.program import ITEMSIZE, Role
+from memcalc.engine.program import ITEMSIZE, Role, Tensor
 from memcalc.engine.replay import Ledger
 from memcalc.engine.inputs import QKV, Input
-from memcalc.impls.reductions import Reduction, accumulator_bytes
+from memcalc.impls.reductions import Reduction, accumulator_bytes, scratch_events
 from memcalc.impls.device import Gpu, gpu_of
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
 from memcalc.tracing.shadows import Shadows
@@ -306,30 +306,27 @@ class Tracer(TorchDispatchMode):
         return tuple(release[:2]) < LT_UNIFIED_SINCE
 
     def reduction(self, call: Reduction, op: str) -> None:
-        """Allocate and free, in the kernel's order, what a reduction takes inside itself
-        (``Reduction.scratch``): the accumulation buffer around every launch's buffer and
-        semaphores, each launch's freed before the next. Marked in the events (``reduce``
-        ... ``reduce_end``), so that a program fitted over lengths recomputes them."""
-        scratch = call.scratch(self.gpu)
+        """Allocate and free what a reduction takes inside itself, in the order the model's
+        programs declare it (``scratch_events`` of ``Reduction.scratch``: the accumulation
+        buffer around every launch's buffer and semaphores, each launch's freed before the
+        next). Marked in the events (``reduce`` ... ``reduce_end``), so that a program
+        fitted over lengths recomputes them."""
         self.events.append(("reduce", call))
-        accumulation = self._scratch_tensor(scratch.accumulation, f"{op} accumulation buffer")
-        for launch in scratch.launches:
-            parts = [self._scratch_tensor(launch.buffer, f"{op} split-reduction buffer"),
-                     self._scratch_tensor(launch.semaphores, f"{op} semaphores")]
-            del parts
-            self.collect_frees()
-        del accumulation
-        self.collect_frees()
+        held = {}
+        for event in scratch_events(op, call.scratch(self.gpu), op):
+            if isinstance(event, Tensor):
+                # shown as the op's own ("sum split-reduction buffer"), not a tensor's
+                held[event.name] = self._scratch_tensor(event.bytes,
+                                                        event.name.replace(": ", " ", 1))
+            else:  # a Free
+                for name in event.names:
+                    del held[name]
+                self.collect_frees()
         self.events.append(("reduce_end",))
 
-    def _scratch_tensor(self, nbytes: int, name: str) -> torch.Tensor | None:
-        if nbytes == 0:
-            return None
-        self._quiet += 1
-        try:
+    def _scratch_tensor(self, nbytes: int, name: str) -> torch.Tensor:
+        with self.quiet():
             t = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-        finally:
-            self._quiet -= 1
         self.track(t, "empty", name)
         return t
 
