@@ -330,13 +330,55 @@ def test_the_efficient_kernel_gets_the_mask_padded_to_8_before_the_expand():
 
 def test_a_mask_the_kernels_cannot_take_is_one_line():
     from memcalc.tracing.cuda_paths import fused_mask
-    from memcalc.tracing.errors import NotModelled, RefusedOnGpu
+    from memcalc.tracing.errors import RefusedOnGpu
 
     q = torch.empty(2, 4, 100, 16, dtype=torch.float16, device="meta")
-    with pytest.raises(NotModelled, match="requires grad"):
-        fused_mask(torch.zeros(100, 100, device="meta", requires_grad=True), q, q, "efficient")
     with pytest.raises(RefusedOnGpu, match="invalid dtype for bias"):
         fused_mask(torch.zeros(100, 100, device="meta"), q, q, "efficient")  # fp32 mask, fp16 q
+
+
+LEARNED_BIAS = """import torch.nn.functional as F
+
+
+def attn(q, k, v, bias):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+"""
+
+
+def _learned_bias(tmp_path, capsys, *options):
+    (tmp_path / "bias.py").write_text(LEARNED_BIAS)
+    code = main(["trace", f"{tmp_path}/bias.py:attn", "--seq", "1000", "--heads", "4",
+                 "--head-dim", "64", "--dtype", "fp16", "--batch", "2", "--input", "q=B,H,N,D",
+                 "--input", "k=B,H,N,D", "--input", "v=B,H,N,D", "--input", "bias=1,H,N,N",
+                 *options, "--json"])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else err)
+
+
+def test_a_learned_bias_gets_the_efficient_kernels_grad_bias(tmp_path, capsys):
+    """A (1, H, N, N) bias that requires grad: cuDNN refuses it (sdp_utils), the efficient
+    kernel takes it and makes ``grad_bias`` after dq, dk, dv (attention_backward.cu): the
+    bias as the kernel read it, expanded to (B, H, N, M), its last dim padded to 16:
+    2 x 4 x 1000 x 1008 x 2 B = 16,128,000 B (a 16 MiB segment, unsplit). Autograd sums it
+    back to the bias's shape (ExpandBackward0): 1 x 4 x 1000 x 1000 x 2 B = 8,000,000 B.
+    At the backward peak: q, k, v, grad_out (4 x 1,024,000), the bias (8,000,000), the
+    output (1,024,000), the three accumulated grads (3 x 1,024,000), grad_bias's block
+    (16,777,216) and the sum (8,000,000) = 40,969,216 B."""
+    code, data = _learned_bias(tmp_path, capsys)
+    assert code == 0, data
+    alive = {c["name"].split(" (")[0]: c["bytes"] for c in data["components"]}
+    assert alive["efficient grad_bias"] == 2 * 4 * 1000 * 1008 * 2 == 16_128_000
+    assert alive["sum"] == 4 * 1000 * 1000 * 2 == 8_000_000
+    assert data["backward_peak_bytes"] == (4 * 1_024_000 + 8_000_000 + 1_024_000
+                                           + 3 * 1_024_000 + 16_777_216 + 8_000_000)
+    assert any("cudnn: attn_mask requires grad" in note for note in data["notes"])
+
+
+def test_a_learned_bias_with_q_k_v_that_need_no_grad_is_one_line(tmp_path, capsys):
+    code, err = _learned_bias(tmp_path, capsys, "--no-grad", "q", "--no-grad", "k",
+                              "--no-grad", "v")
+    assert code == 2 and err.count("\n") == 1
+    assert "an attn_mask that requires grad when q, k and v do not" in err
 
 
 def test_the_mask_conversion_is_the_installed_torchs_own():

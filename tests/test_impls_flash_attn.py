@@ -141,6 +141,30 @@ def test_a_file_importing_flash_attn_traces_to_the_models_figures(fn_name, impl,
     assert figures_of(traced(fn_name, c)) == figures_of(predict(c))
 
 
+@pytest.mark.parametrize("fn_name, inputs, options, grad", [
+    ("attn_qkvpacked", ("qkv=B,N,3,H,D",), dict(), ("dqkv", (2, 4096, 3, 8, 128))),
+    ("attn_qkvpacked", ("qkv=B,N,3,H,D",), dict(head_dim=100, seq_len=1000),
+     ("dqkv", (2, 1000, 3, 8, 104))),
+    ("attn_kvpacked", ("q=B,N,H,D", "kv=B,M,2,K,D"), dict(causal=True, kv_heads=2),
+     ("dkv", (2, 4096, 2, 2, 128))),
+])
+def test_the_packed_functions_make_one_grad_of_the_packed_shape(fn_name, inputs, options, grad):
+    """flash_attn_qkvpacked_func / _kvpacked_func (FlashAttnQKVPackedFunc, ...KVPackedFunc):
+    q, k, v are slices of the packed input (nothing copied) and the backward makes one dqkv
+    (B, N, 3, H, dp), or dq and one dkv (B, M, 2, Hk, dp), for mha_bwd to write through its
+    slices. At these sizes every grad and input is a whole number of 512-B blocks either
+    way (dq: 2 x 4096 x 8 x 128 x 2 B = 16 MiB; padded: 2 x 1000 x 8 x 104 x 2 B =
+    3,328,000 B), so the allocated figures are flash_attn_func's (breakdown --impl
+    flash-attn); only the segments differ, one packed block against three."""
+    c = config(**options)
+    step = traced(fn_name, c, inputs)
+    made = {p.name.split(" (")[0]: p.shape for p in step.backward_live}
+    assert made[f"flash-attn {grad[0]}"] == grad[1]
+    model = predict(c)
+    for figure in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes"):
+        assert getattr(step, figure) == getattr(model, figure), figure
+
+
 def test_the_split_kv_case_above_does_split():
     """B H ceil(N / 64) = 1 x 2 x 64 = 128 blocks < 0.8 x 2 x 132 SMs = 211.2: two splits of
     the 32 key blocks (128 x 2 / 264 = 0.97 of a wave, the first at 85 % of the best)."""

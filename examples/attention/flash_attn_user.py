@@ -4,9 +4,12 @@
 
     memcalc trace examples/attention/flash_attn_user.py:attn \\
         --input q=B,N,H,D --input k=B,M,K,D --input v=B,M,K,D --causal --dtype bf16
+
+and the packed calls with ``--input qkv=B,N,3,H,D`` (``attn_qkvpacked``) or
+``--input q=B,N,H,D --input kv=B,M,2,K,D`` (``attn_kvpacked``).
 """
 
-from flash_attn import flash_attn_func
+from flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from flash_attn_interface import flash_attn_func as flash_attn3_func
 
 
@@ -18,3 +21,13 @@ def attn(q, k, v, causal=False):
 def attn3(q, k, v, causal=False):
     """FlashAttention-3 on Hopper."""
     return flash_attn3_func(q, k, v, causal=causal)
+
+
+def attn_qkvpacked(qkv, causal=False):
+    """FlashAttention-2 on one packed (batch, seqlen, 3, heads, head_dim) projection."""
+    return flash_attn_qkvpacked_func(qkv, causal=causal)
+
+
+def attn_kvpacked(q, kv, causal=False):
+    """FlashAttention-2 on q and a packed (batch, seqlen, 2, kv_heads, head_dim) kv."""
+    return flash_attn_kvpacked_func(q, kv, causal=causal)

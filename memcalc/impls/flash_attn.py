@@ -107,18 +107,29 @@ def backward(d: Dims) -> list:
     return node_backward(d, d.loss == "sum") + (clones(d) if padded != d.D else [])
 
 
-def node_backward(d: Dims, strided_grad: bool) -> list:
-    """``FlashAttnFunc.backward``: the grads, ``mha_bwd``'s buffers. ``strided_grad``: the
-    grad's last stride is not 1 (``out.sum()``'s is an expand), so ``maybe_contiguous``
-    copies it, unless padding made a contiguous one already."""
+def grads(d: Dims, packed: str = "") -> list:
+    """The grads ``FlashAttnFunc.backward`` makes for ``mha_bwd`` to write: dq, dk, dv; for
+    ``flash_attn_qkvpacked_func`` (``packed="qkv"``) one ``dqkv`` whose slices it writes,
+    for ``flash_attn_kvpacked_func`` (``"kv"``) dq and one ``dkv`` (flash_attn_interface.py,
+    FlashAttnQKVPackedFunc / FlashAttnKVPackedFunc)."""
+    padded, _ = head_dims(d)
+    grad = T if padded != d.D else G
+    if packed == "qkv":  # (B, N, 3, H, dp)
+        return [new("dqkv", (d.B, d.N, 3, d.H, padded), d.dtype, grad, "empty")]
+    dq = new("dq", (d.B, d.N, d.H, padded), d.dtype, grad, "empty_like")  # (B, N, H, dp)
+    if packed == "kv":  # (B, M, 2, Hk, dp)
+        return [dq, new("dkv", (d.B, d.M, 2, d.Hk, padded), d.dtype, grad, "empty")]
+    return [dq, new("dk", (d.B, d.M, d.Hk, padded), d.dtype, grad, "empty_like"),  # (B, M, Hk, dp)
+            new("dv", (d.B, d.M, d.Hk, padded), d.dtype, grad, "empty_like")]  # (B, M, Hk, dp)
+
+
+def node_backward(d: Dims, strided_grad: bool, packed: str = "") -> list:
+    """``FlashAttnFunc.backward``: the grads (``grads``), ``mha_bwd``'s buffers.
+    ``strided_grad``: the grad's last stride is not 1 (``out.sum()``'s is an expand), so
+    ``maybe_contiguous`` copies it, unless padding made a contiguous one already."""
     padded, _ = head_dims(d)
     pad = padded != d.D
-    grad = T if pad else G
-    events = [
-        new("dq", (d.B, d.N, d.H, padded), d.dtype, grad, "empty_like"),  # (B, N, H, dp)
-        new("dk", (d.B, d.M, d.Hk, padded), d.dtype, grad, "empty_like"),  # (B, M, Hk, dp)
-        new("dv", (d.B, d.M, d.Hk, padded), d.dtype, grad, "empty_like"),  # (B, M, Hk, dp)
-    ]
+    events = grads(d, packed)
     if pad:  # F.pad of the grad; contiguous, so no copy below
         events.append(new("dout_pad", (d.B, d.N, d.H, padded), d.dtype, T, "constant_pad_nd"))
     copy = strided_grad and not pad

@@ -39,7 +39,7 @@ from memcalc.impls.common import with_loss
 from memcalc.impls.device import Gpu, gpu_of
 from memcalc.impls.sdpa_flash import cc_text, round_up
 from memcalc.engine.inputs import QKV, Input, input_tensors
-from memcalc.engine.program import Dims, Program, Role, free, new, release
+from memcalc.engine.program import Dims, Program, Role, Tensor, free, new, release
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 F32 = "float32"
@@ -188,10 +188,11 @@ def accumulate(d: Dims) -> list:
 
 
 def backward(d: Dims, on: str, grad_copy: bool | None = None, leaves: bool = True,
-             bias: tuple[str, ...] = ()) -> list:
+             bias: tuple[str, ...] = (), bias_grad: bool = False) -> list:
     """The efficient backward node, then AccumulateGrad into the protocol's leaves
     (``leaves=False``: the node alone, for the tracer, whose autograd runs what follows);
-    ``bias``: the saved attn_mask, released with the logsumexp."""
+    ``bias``: the saved attn_mask, released with the logsumexp; ``bias_grad``: the mask
+    requires grad (the tracer's calls only)."""
     before, after = kernel_internals(d, grad_copy) if on == "cuda" else ([], [])
     role = T if d.H > 1 else G
     rng = ["seed", "offset"] if on == "meta" else []
@@ -199,10 +200,19 @@ def backward(d: Dims, on: str, grad_copy: bool | None = None, leaves: bool = Tru
         new("dq", (d.B, d.N, d.H, d.D), d.dtype, role if d.N > 1 else G, "empty"),  # (B, N, H, D)
         new("dk", (d.B, d.M, d.H, d.D), d.dtype, role if d.M > 1 else G, "empty"),  # (B, M, H, D)
         new("dv", (d.B, d.M, d.H, d.D), d.dtype, role if d.M > 1 else G, "empty"),  # (B, M, H, D)
+        *([bias_gradient(d)] if bias_grad else []),
         *after,
         release("lse", *rng, *bias),
         *(accumulate(d) if leaves else []),
     ]
+
+
+def bias_gradient(d: Dims) -> Tensor:
+    """``grad_bias`` of ``_efficient_attention_backward`` (attention_backward.cu), made after
+    dq, dk, dv when the attn_mask requires grad: the shape of the bias the kernel read, the
+    mask expanded to (B, H, N, M), its last dim padded to a multiple of 16 ("force alignment
+    for the last dim"), sliced back to M for the caller: a dense N x M tensor per head."""
+    return new("grad_bias", (d.B, d.H, d.N, round_up(d.M, 16)), d.dtype, T, "empty")
 
 
 # --mask: a bool attn_mask, as Hugging Face passes a padding mask to sdpa

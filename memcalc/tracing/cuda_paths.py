@@ -195,11 +195,10 @@ def fused_mask(mask, q, k, backend: str):
     for the memory-efficient kernel, a mask whose strides are not multiples of 8 is padded
     to the next multiple of 8 past its last dim and sliced back (``pad_bias<8>``, before the
     expand, so nothing is widened to the heads), then expanded to (B, H, N, M) as a view.
-    The node saves it (``attn_bias``) until the backward. A mask that needs a grad, or
-    another dtype than q's on the efficient kernel, is refused."""
-    if mask.requires_grad:
-        raise NotModelled("scaled_dot_product_attention: an attn_mask that requires grad "
-                          f"(the {backend} kernel's grad_bias) is not modelled")
+    The node saves it (``attn_bias``) until the backward; a mask that needs a grad gets
+    the kernel's ``grad_bias`` (``sdpa_efficient.bias_gradient``), which autograd then sums
+    back to the mask's own shape. Another dtype than q's on the efficient kernel is refused
+    (cuDNN takes no mask that needs a grad: ``sdpa_select``)."""
     if mask.dtype == torch.bool:
         mask = torch.where(mask, 0.0, torch.scalar_tensor(float("-inf"), dtype=q.dtype,
                                                           device=mask.device))

@@ -17,6 +17,7 @@ import sys
 import types
 from importlib.machinery import ModuleSpec
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +39,27 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """flash-attn 2.x ``flash_attn_func``, for a trace (the signature of v2.8.3)."""
     paths = active_paths("flash_attn.flash_attn_func")
     return flash_attn_rule(paths, flash_attn_func, (q, k, v), dict(
+        dropout_p=dropout_p, causal=causal, deterministic=deterministic,
+        return_attn_probs=return_attn_probs))
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_qkvpacked_func`` on qkv (B, N, 3, H, D), for a trace."""
+    paths = active_paths("flash_attn.flash_attn_qkvpacked_func")
+    return flash_attn_rule(paths, flash_attn_qkvpacked_func, (qkv,), dict(
+        dropout_p=dropout_p, causal=causal, deterministic=deterministic,
+        return_attn_probs=return_attn_probs))
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_kvpacked_func`` on q (B, N, H, D) and kv (B, M, 2, Hk, D),
+    for a trace."""
+    paths = active_paths("flash_attn.flash_attn_kvpacked_func")
+    return flash_attn_rule(paths, flash_attn_kvpacked_func, (q, kv), dict(
         dropout_p=dropout_p, causal=causal, deterministic=deterministic,
         return_attn_probs=return_attn_probs))
 
@@ -71,8 +93,10 @@ def _modules() -> dict[str, types.ModuleType]:
     inner = types.ModuleType("flash_attn.flash_attn_interface")
     for module in (fa2_module, inner):
         module.flash_attn_func = flash_attn_func
-        for name in ("flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-                     "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        module.flash_attn_qkvpacked_func = flash_attn_qkvpacked_func
+        module.flash_attn_kvpacked_func = flash_attn_kvpacked_func
+        for name in ("flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+                     "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"):
             setattr(module, name, _not_modelled("flash_attn", name))
     fa2_module.flash_attn_interface = inner
     fa3_module = types.ModuleType("flash_attn_interface")
@@ -115,9 +139,13 @@ def dims_of(q, k, causal: bool, deterministic: bool, gpu) -> Dims:
                  needs_grad(q, k), gpu, deterministic)
 
 
+@dataclass
 class Run(Kernel):
     """One call: the model's forward and the backward of its node, with the real tensors it
-    hands out (the output, the grads) made with the strides the kernel gives them."""
+    hands out (the output, the grads) made with the strides the kernel gives them;
+    ``packed``: ``qkv`` or ``kv`` for the packed functions (their grads: ``fa2.grads``)."""
+
+    packed: str = ""
 
     def forward(self) -> torch.Tensor:
         d, grad = self.d, not self.d.forward_only
@@ -136,7 +164,7 @@ class Run(Kernel):
 
     def backward(self, grad_out: torch.Tensor) -> tuple:
         d, copy = self.d, grad_out.stride(-1) != 1  # maybe_contiguous
-        events = fa2.node_backward(d, copy) if self.backend == FA2 else \
+        events = fa2.node_backward(d, copy, self.packed) if self.backend == FA2 else \
             fa3.node_backward(d, copy)
         padded, _ = head_dims(d)  # empty_like of the saved q, k, v: the padded copies'
         real = {n: (lambda t=t: torch.empty((*t.shape[:-1], padded), dtype=t.dtype, device="meta"))
@@ -144,48 +172,67 @@ class Run(Kernel):
                 for n, t in zip(("dq", "dk", "dv"), (self.q, self.k, self.v))}
         self.replay(events, real, True)
         self.kept.clear()
-        grads = tuple(self.live.pop(n) for n in ("dq", "dk", "dv"))
+        names = [t.name for t in fa2.grads(d, self.packed)] if self.backend == FA2 else \
+            ["dq", "dk", "dv"]
+        grads = tuple(self.live.pop(n) for n in names)
         return tuple(g[..., : d.D] for g in grads) if self.padded else grads
 
 
-# the packages' FlashAttnFunc: saves q, k, v (or their padded copies) and the output
-NODES = {FA2: node("FlashAttnFunc"), FA3: node("FlashAttn3Func")}
+# the packages' Functions: save q, k, v (views of a packed input; or their padded copies)
+# and the output
+NODES = {FA2: node("FlashAttnFunc"), FA3: node("FlashAttn3Func"),
+         "qkv": node("FlashAttnQKVPackedFunc"), "kv": node("FlashAttnKVPackedFunc")}
 
 
-def run(paths, backend: str, q, k, v, d: Dims) -> torch.Tensor:
-    """Run ``backend``'s model on ``(q, k, v)``."""
+def run(paths, backend: str, inputs: tuple, d: Dims) -> torch.Tensor:
+    """Run ``backend``'s model on the call's inputs: ``(q, k, v)``, or a packed ``(qkv,)``
+    (B, N, 3, H, D) or ``(q, kv)`` with kv (B, M, 2, Hk, D), read through their slices."""
+    packed = {1: "qkv", 2: "kv", 3: ""}[len(inputs)]
+    q, k, v = unpacked(inputs)
     paths.kernels[backend] = None
-    call = Run(backend, d, None, paths, *meta_copies(paths.tracer, (q, k, v)))
-    return launch(call, NODES[backend], not d.forward_only, q, k, v)
+    call = Run(backend, d, None, paths, *meta_copies(paths.tracer, (q, k, v)),
+               inputs=len(inputs), packed=packed)
+    return launch(call, NODES[packed or backend], not d.forward_only, *inputs)
 
 
-def _flags(package: str, dropout=0.0, probs=False, **more):
-    """The arguments the models do not cover: one line each."""
+def unpacked(inputs: tuple) -> tuple:
+    """q, k, v of a call: given, or the slices of a packed qkv (``qkv[:, :, 0]`` ...) or kv
+    as the packed Functions take them (views: nothing copied)."""
+    if len(inputs) == 1:
+        return tuple(inputs[0][:, :, i] for i in range(3))
+    if len(inputs) == 2:
+        return (inputs[0], inputs[1][:, :, 0], inputs[1][:, :, 1])
+    return inputs
+
+
+def _flags(where: str, dropout=0.0, probs=False, **more):
+    """The arguments the models do not cover: one line each (``where``: the function)."""
     refused = {"dropout_p > 0 (its split-KV and RNG paths)": dropout > 0,
                "return_attn_probs": probs, **more}
     for what, given in refused.items():
         if given:
-            raise NotModelled(f"{package}.flash_attn_func: {what} is not modelled")
+            raise NotModelled(f"{where}: {what} is not modelled")
 
 
 @rule("flash_attn_func", "flash_attn/flash_attn_interface.py FlashAttnFunc, "
       "csrc/flash_attn/flash_api.cpp (v2.8.3)", "flash-attn's flash_attn_func allocates what "
       "memcalc's flash-attn model declares")
 def flash_attn_rule(paths, func, args, kwargs):
-    q, k, v = args[:3]
-    _flags("flash_attn", kwargs.get("dropout_p", 0.0), probs=kwargs.get("return_attn_probs"))
+    q, k, v = unpacked(args)
+    _flags(f"flash_attn.{func.__name__}", kwargs.get("dropout_p", 0.0),
+           probs=kwargs.get("return_attn_probs"))
     d = dims_of(q, k, kwargs.get("causal", False), kwargs.get("deterministic", False), paths.gpu)
     fa2.check(d, FA2)
-    paths.note(f"flash_attn_func {tuple(q.shape)} {d.dtype}{' causal' if d.causal else ''}: "
-               f"memcalc's flash-attn model (flash-attn 2.8.3)")
-    return run(paths, FA2, q, k, v, d)
+    paths.note(f"{func.__name__} {tuple(args[0].shape)} {d.dtype}"
+               f"{' causal' if d.causal else ''}: memcalc's flash-attn model (flash-attn 2.8.3)")
+    return run(paths, FA2, tuple(args), d)
 
 
 @rule("flash_attn3_func", "hopper/flash_attn_interface.py FlashAttnFunc, hopper/flash_api.cpp",
       "FlashAttention-3's flash_attn_func allocates what memcalc's flash-attn3 model declares")
 def flash_attn3_rule(paths, func, args, kwargs):
     q, k, v = args[:3]
-    _flags("flash_attn_interface", probs=kwargs.get("return_attn_probs"), **{
+    _flags("flash_attn_interface.flash_attn_func", probs=kwargs.get("return_attn_probs"), **{
         "a local window_size": tuple(kwargs.get("window_size", (-1, -1))) != (-1, -1),
         "softcap": kwargs.get("softcap", 0.0) != 0.0,
         "num_splits other than 1": kwargs.get("num_splits", 1) != 1,
@@ -195,4 +242,4 @@ def flash_attn3_rule(paths, func, args, kwargs):
     fa3.check(d)
     paths.note(f"flash_attn_interface.flash_attn_func {tuple(q.shape)} {d.dtype}"
                f"{' causal' if d.causal else ''}: memcalc's flash-attn3 model")
-    return run(paths, FA3, q, k, v, d)
+    return run(paths, FA3, (q, k, v), d)

@@ -61,6 +61,7 @@ class Kernel:
     padded: bool = False
     out_copy: bool = False
     out_stride: tuple = ()
+    inputs: int = 3  # the tensors the call takes and returns grads for: q, k, v (or packed)
 
     @property
     def tracer(self):
@@ -137,8 +138,10 @@ class Kernel:
                     if self.padded else (lambda t=t: empty_like(t))
                     for n, t in zip(names, like)}
         elif self.backend == EFFICIENT:
-            events = sdpa_efficient.backward(d, "cuda", transposed, leaves=False)
-            names = ("dq", "dk", "dv")
+            bias_grad = self.call.mask_requires_grad
+            events = sdpa_efficient.backward(d, "cuda", transposed, leaves=False,
+                                             bias_grad=bias_grad)
+            names = ("dq", "dk", "dv", *(["grad_bias"] if bias_grad else []))
             real = {n: (lambda t=t: torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]),
                                                 dtype=t.dtype, device="meta").transpose(1, 2))
                     for n, t in zip(names, (self.q, self.k, self.v))}
@@ -149,7 +152,10 @@ class Kernel:
             real = {n: (lambda t=t: empty_like(t)) for n, t in zip(names, (self.q, self.k, self.v))}
         self.replay(events, real, True)
         self.kept.clear()
-        return tuple(self.live.pop(n) for n in names)
+        grads = tuple(self.live.pop(n) for n in names)
+        if len(grads) == 4:  # grad_bias: the caller gets it sliced to the M keys
+            grads = (*grads[:3], grads[3][..., : d.M])
+        return grads
 
 
 class Node(torch.autograd.Function):
@@ -162,19 +168,22 @@ class Node(torch.autograd.Function):
     (``ScaledDotProductFlashAttentionBackward``), not this class."""
 
     @staticmethod
-    def forward(ctx, kernel: Kernel, q, k, v, *kept):
+    def forward(ctx, kernel: Kernel, *tensors):
+        """``tensors``: the call's ``kernel.inputs`` (q, k, v; a packed qkv; q and a packed
+        kv), then what else it keeps."""
+        inputs, kept = tensors[:kernel.inputs], tensors[kernel.inputs:]
         out = kernel.forward()
-        ctx.kernel, ctx.extra = kernel, len(kept)
-        ctx.save_for_backward(*((out,) if kernel.padded else (q, k, v, out)), *kept)
+        ctx.kernel, ctx.count = kernel, len(tensors)
+        ctx.save_for_backward(*((out,) if kernel.padded else (*inputs, out)), *kept)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         kernel = ctx.kernel
         del ctx.kernel
-        grads = kernel.backward(grad_out)
+        grads = kernel.backward(grad_out)  # the inputs', and the attn_mask's when it needs one
         kernel.q = kernel.k = kernel.v = None
-        return (None, *grads, *[None] * ctx.extra)
+        return (None, *grads, *[None] * (ctx.count - len(grads)))
 
 
 def node(name: str) -> type:
@@ -195,15 +204,15 @@ def meta_copies(tracer, tensors) -> list:
                 for t in tensors]
 
 
-def launch(kernel: Kernel, node_type: type, grad: bool, q, k, v, *kept) -> torch.Tensor:
-    """``kernel`` through its autograd node when a grad is needed; else its forward alone,
-    under no_grad, keeping nothing."""
+def launch(kernel: Kernel, node_type: type, grad: bool, *tensors) -> torch.Tensor:
+    """``kernel`` through its autograd node (``tensors``: its inputs, then what it keeps)
+    when a grad is needed; else its forward alone, under no_grad, keeping nothing."""
     if not grad:
         with torch.no_grad():
             out = kernel.forward()
         kernel.kept.clear()
         return out
-    return node_type.apply(kernel, q, k, v, *kept)
+    return node_type.apply(kernel, *tensors)
 
 
 def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
@@ -215,6 +224,9 @@ def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
                           f"unlike the query's ({call.q[-1]}) is not modelled for the "
                           f"{backend} backend")
     d = dims_of(call, paths.gpu)
+    if call.mask_requires_grad and torch.is_grad_enabled() and not call.requires_grad:
+        raise NotModelled("scaled_dot_product_attention: an attn_mask that requires grad "
+                          "when q, k and v do not is not modelled")
     if backend == EFFICIENT:
         sdpa_efficient.check(d, gpu_of(d))
         if d.Hk != d.H:
