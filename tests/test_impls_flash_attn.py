@@ -202,3 +202,92 @@ def test_outside_a_trace_the_stand_in_says_so_in_one_line():
     q = torch.empty(1, 8, 2, 64, device="meta")
     with pytest.raises(NotModelled, match="runs only inside a trace"):
         flash_attn_func(q, q, q)
+
+
+# --- the varlen functions: sequences packed into (total, H, D) ------------------------------
+
+VARLEN = ("q=B*N,H,D", "k=B*M,K,D", "v=B*M,K,D")
+
+
+def test_packed_sequences_hold_128_more_rows_per_sequence_in_the_backward_accumulators():
+    """attn_varlen packs 4 sequences of N = 4096 rows (B = 4 here, so the same rows as
+    flash_attn_func's batch). mha_varlen_bwd spaces the sequences 128 rows apart in
+    softmax_d (H, total + 128 b) and dq_accum (total + 128 b, H, dr): 128 x 4 x 8 x 4 B =
+    16,384 B and 128 x 4 x 8 x 128 x 4 B = 2,097,152 B more than mha_bwd's (B, H, 4096) and
+    (B, 4096, H, 128), both alive at the backward peak; the rest allocates alike (lse (H, total)
+    has the bytes of (B, H, N)), so every other figure is flash_attn_func's."""
+    c = config(batch=4)
+    step, model = traced("attn_varlen", c, VARLEN), predict(c)
+    # and the node keeps the two (5,) int32 cu_seqlens: one 512-B block each
+    assert step.backward_peak_bytes == model.backward_peak_bytes + 16_384 + 2_097_152 + 2 * 512
+    made = {p.name.split(" (")[0]: p.shape for p in step.backward_live}
+    assert made["flash-attn dq_accum"] == (4 * 4096 + 4 * 128, 8, 128)
+    assert made["flash-attn softmax_d"] == (8, 4 * 4096 + 4 * 128)
+    assert step.saved_bytes == model.saved_bytes + 2 * 512
+    assert step.forward_peak_bytes == model.forward_peak_bytes + 2 * 512
+
+
+def test_packed_sequences_padded_and_grouped_are_the_models_tensors():
+    """3,000 rows as 4 sequences of 750, H = 8 over Hk = 2, D = 100 padded to 104: the
+    backward peak's every tensor, from mha_varlen_bwd's shapes (B = 1, N = M = 3,000)."""
+    c = config(batch=1, seq_len=3000, kv_heads=2, head_dim=100)
+    made = {p.name.split(" (")[0]: (p.shape, p.bytes) for p in traced(
+        "attn_varlen", c, VARLEN).backward_live}
+    assert made["flash-attn dq_accum"] == ((3512, 8, 128), 3512 * 8 * 128 * 4)  # 3,000 + 4 x 128
+    assert made["flash-attn softmax_d"] == ((8, 3512), 8 * 3512 * 4)  # 112,384
+    assert made["flash-attn dk_expanded"] == ((3000, 8, 104), 3000 * 8 * 104 * 2)  # 4,992,000
+    assert made["flash-attn dk"] == ((3000, 2, 104), 3000 * 2 * 104 * 2)  # 1,248,000
+    assert made["flash-attn lse"] == ((8, 3000), 8 * 3000 * 4)  # (H, total_q): 96,000
+
+
+def test_the_varlen_deterministic_accumulator_splits_the_sms_over_the_sequences():
+    """nsplits = ceil(132 SMs / (b H)) with b the sequences: ceil(132 / (3 x 8)) = 6."""
+    from memcalc.gpus import gpu_preset
+    from memcalc.impls.flash_attn import dq_accum
+    from memcalc.tracing.flash_attn import dims_of
+
+    q = torch.empty(3000, 8, 64, device="meta", requires_grad=True)
+    d = dims_of(q, q, causal=False, deterministic=True, gpu=gpu_preset("h100-80gb"), varlen=3)
+    assert (d.B, d.N, d.M, d.varlen) == (1, 3000, 3000, 3)
+    assert dq_accum(d)[0].shape == (6, 3000 + 3 * 128, 8, 64)
+
+
+def test_the_packed_varlen_function_makes_one_grad_of_the_packed_shape(tmp_path):
+    """flash_attn_varlen_qkvpacked_func on qkv (total, 3, H, D): q, k, v are qkv[:, i]
+    (views) and FlashAttnVarlenQKVPackedFunc's backward one dqkv (total, 3, H, dp)."""
+    path = tmp_path / "packed.py"
+    path.write_text(
+        "import torch\nfrom flash_attn import flash_attn_varlen_qkvpacked_func\n\n"
+        "def attn(qkv, causal=False):\n"
+        "    cu = torch.tensor([0, 100, 1000], dtype=torch.int32, device=qkv.device)\n"
+        "    return flash_attn_varlen_qkvpacked_func(qkv, cu, 900, causal=causal)\n")
+    from memcalc.engine.inputs import parse_input
+    from memcalc.tracing import Calling, load_function, trace
+
+    step = trace(load_function(f"{path}:attn"), config(batch=1, seq_len=1000, head_dim=64),
+                 calling=Calling(inputs=(parse_input("qkv=N,3,H,D"),)))
+    made = {p.name.split(" (")[0]: p.shape for p in step.backward_live}
+    assert made["flash-attn dqkv"] == (1000, 3, 8, 64)
+    assert made["flash-attn dq_accum"] == (1000 + 2 * 128, 8, 64)
+
+
+@pytest.mark.parametrize("call, refused", [
+    ("flash_attn_varlen_func(q, q, q, cu, cu, 500, 500, dropout_p=0.1)", "dropout_p"),
+    ("flash_attn_varlen_func(q, q, q, cu, cu, 500, 500, block_table=cu)", "block_table"),
+    ("flash_attn_varlen_func(q, k, k, cu, cu, 1, 1)", "decoding"),
+    ("flash_attn_with_kvcache(q, q, q)", "not modelled yet"),
+])
+def test_what_the_varlen_stand_ins_refuse_is_one_line(tmp_path, call, refused):
+    from memcalc.engine.inputs import parse_input
+    from memcalc.tracing import Calling, TraceError, load_function, trace
+
+    path = tmp_path / "refused.py"
+    path.write_text(
+        "import torch\nfrom flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache"
+        "\n\ndef attn(q, k):\n"
+        "    cu = torch.tensor([0, 500, 1000], dtype=torch.int32, device=q.device)\n"
+        f"    return {call}\n")
+    c = config(batch=1, seq_len=1000, head_dim=64, kv_heads=2)
+    with pytest.raises(TraceError, match=refused):
+        trace(load_function(f"{path}:attn"), c,
+              calling=Calling(inputs=(parse_input("q=N,H,D"), parse_input("k=N,K,D"))))

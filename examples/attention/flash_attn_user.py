@@ -6,10 +6,14 @@
         --input q=B,N,H,D --input k=B,M,K,D --input v=B,M,K,D --causal --dtype bf16
 
 and the packed calls with ``--input qkv=B,N,3,H,D`` (``attn_qkvpacked``) or
-``--input q=B,N,H,D --input kv=B,M,2,K,D`` (``attn_kvpacked``).
+``--input q=B,N,H,D --input kv=B,M,2,K,D`` (``attn_kvpacked``). ``attn_varlen`` packs the B
+sequences of N rows into one (B N, H, D) batch, as ``flash_attn_varlen_func`` takes them:
+``--input q=B*N,H,D --input k=B*M,K,D --input v=B*M,K,D``.
 """
 
-from flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+import torch
+from flash_attn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                        flash_attn_varlen_func)
 from flash_attn_interface import flash_attn_func as flash_attn3_func
 
 
@@ -31,3 +35,12 @@ def attn_qkvpacked(qkv, causal=False):
 def attn_kvpacked(q, kv, causal=False):
     """FlashAttention-2 on q and a packed (batch, seqlen, 2, kv_heads, head_dim) kv."""
     return flash_attn_kvpacked_func(q, kv, causal=causal)
+
+
+def attn_varlen(q, k, v, causal=False, sequences=4):
+    """FlashAttention-2 on ``sequences`` sequences of equal length packed into q (total_q,
+    heads, head_dim) and k, v (total_k, kv_heads, head_dim), with their int32 offsets."""
+    n, m = q.shape[0] // sequences, k.shape[0] // sequences
+    cu_q = torch.arange(0, q.shape[0] + 1, n, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, k.shape[0] + 1, m, dtype=torch.int32, device=k.device)
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, n, m, causal=causal)

@@ -35,6 +35,8 @@ class Dims:
     deterministic: bool = False  # the kernels' deterministic backward, where one has it
     mask: str = "none"  # a BlockMask's kind (flex): none, causal, sliding:W, document:L
     block_mask: str = "given"  # flex: the BlockMask built before the step, or "dense": in it
+    varlen: int = 0  # flash-attn's varlen functions: the sequences packed into the N (and M)
+    # rows of one batch (B = 1); 0: a batch of B sequences of N rows each
 
     @classmethod
     def of(cls, config) -> "Dims":

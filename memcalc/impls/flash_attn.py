@@ -23,6 +23,14 @@ Source-derived (``traced=False``), read from Dao-AILab/flash-attention at v2.8.3
   192, else 256). The grads returned are slices of dq, dk, dv: when padded, not the leaves'
   layout, so ``AccumulateGrad`` clones them (``torch/csrc/autograd/functions/accumulate_grad.h``).
 
+* The varlen functions (``FlashAttnVarlenFunc`` L893-995 and its packed twins; a trace's
+  ``flash_attn_varlen_func``): the same Function on ``(total, H, D)`` tensors holding ``b``
+  sequences (``d.varlen``; B = 1, N and M the total rows), whose ``cu_seqlens`` the node
+  saves. ``mha_varlen_fwd`` (L515-755): softmax_lse unpadded ``(H, total_q)`` (L652), no
+  split-KV outside decoding (L700-706); ``mha_varlen_bwd`` (L974-1200): ``softmax_d (H,
+  total_q + 128 b)`` and ``dq_accum (total_q + 128 b, H, dr)`` (L1100-1117: 128 rows
+  apart per sequence), ``nsplits`` over ``b H``; ``dk_expanded (total_k, H, dp)`` (L1122).
+
 Inputs are ``(B, N, H, D)`` as ``flash_attn_func`` takes them, and so is ``grad_out``.
 """
 
@@ -69,20 +77,31 @@ def check(d: Dims, name: str) -> None:
         rule.refuse(name, d.D)
 
 
+def seq_first(d: Dims, rows, heads, width) -> tuple:
+    """The packages' layout: (B, rows, heads, width), or (rows, heads, width) for the varlen
+    functions, whose sequences are packed into the rows (``d.varlen``; B is 1 there)."""
+    return (rows, heads, width) if d.varlen else (d.B, rows, heads, width)
+
+
+def sequences(d: Dims):
+    """``batch_size`` as ``mha_varlen_fwd`` reads it (``cu_seqlens_q.numel() - 1``), or B."""
+    return d.varlen or d.B
+
+
 def pads(d: Dims) -> list:
     """``F.pad`` of q, k, v to a multiple of 8 inside the Function's forward (saved), in
-    the (B, N, H, dp) layout."""
-    return flash_pads(d, seq_first=True)
+    the packages' layout."""
+    return flash_pads(d, lambda rows, heads, width: seq_first(d, rows, heads, width))
 
 
 def forward(d: Dims) -> list:
     """``FlashAttnFunc.forward``: pads, ``mha_fwd``, and what the node saves."""
     padded, _ = head_dims(d)
-    accum = split_accumulators(d, gpu_of(d))
+    accum = [] if d.varlen else split_accumulators(d, gpu_of(d))  # varlen: only to decode
     saved = [t.name for t in pads(d)] + ["lse", "rng_state"]
     return pads(d) + [
-        new("out", (d.B, d.N, d.H, padded), d.dtype, O, "empty_like"),  # (B, N, H, dp)
-        new("lse", (d.B, d.H, d.N), F32, S, "empty"),  # (B, H, N) softmax_lse
+        new("out", seq_first(d, d.N, d.H, padded), d.dtype, O, "empty_like"),  # ([B,] N, H, dp)
+        lse(d),
         *accum,
         new("rng_state", (2,), "int64", S, "empty"),  # (2,) philox seed, offset: 512-B block
         *([free(*(t.name for t in reversed(accum)))] if accum else []),  # mha_fwd returns
@@ -90,15 +109,31 @@ def forward(d: Dims) -> list:
     ]
 
 
+def lse(d: Dims):
+    """softmax_lse, float32: (B, H, N) (``mha_fwd``), or unpadded (H, total_q) for the
+    varlen functions (``mha_varlen_fwd``, L652)."""
+    shape = (d.H, d.N) if d.varlen else (d.B, d.H, d.N)  # (H, N) or (B, H, N)
+    return new("lse", shape, F32, S, "empty")
+
+
+def softmax_d(d: Dims):
+    """``mha_bwd``'s float32 (B, H, round128(N)); ``mha_varlen_bwd``'s (H, total_q + 128 b),
+    128 rows apart per sequence (L1100)."""
+    if d.varlen:
+        return new("softmax_d", (d.H, d.N + 128 * d.varlen), F32, T, "empty")  # (H, N + 128 b)
+    return new("softmax_d", (d.B, d.H, round_up(d.N, 128)), F32, T, "empty")  # (B, H, r128(N))
+
+
 def dq_accum(d: Dims) -> list:
-    """``mha_bwd``'s float32 accumulator of dq; deterministic: one per split of the SMs."""
+    """``mha_bwd``'s float32 accumulator of dq, (B, round128(N), H, dr); varlen's
+    (total_q + 128 b, H, dr) (``mha_varlen_bwd`` L1110-1117); deterministic: one per split of
+    the SMs, zeroed."""
     _, rounded = head_dims(d)
-    rows = round_up(d.N, 128)
-    if not d.deterministic:
-        return [new("dq_accum", (d.B, rows, d.H, rounded), F32, T, "empty")]  # (B, r128(N), H, dr)
-    splits = -(-gpu_of(d).sm_count // (d.B * d.H))  # (nsm + b*h - 1) / (b*h)
-    return [new("dq_accum", (splits, d.B, rows, d.H, rounded), F32, T,  # (S, B, r128(N), H, dr)
-                "zeros")]
+    rows = (d.N + 128 * d.varlen,) if d.varlen else (d.B, round_up(d.N, 128))
+    if not d.deterministic:  # ([B,] rows, H, dr)
+        return [new("dq_accum", (*rows, d.H, rounded), F32, T, "empty")]
+    splits = -(-gpu_of(d).sm_count // (sequences(d) * d.H))  # (nsm + b*h - 1) / (b*h)
+    return [new("dq_accum", (splits, *rows, d.H, rounded), F32, T, "zeros")]  # (S, [B,] rows, H, dr)
 
 
 def backward(d: Dims) -> list:
@@ -114,13 +149,16 @@ def grads(d: Dims, packed: str = "") -> list:
     FlashAttnQKVPackedFunc / FlashAttnKVPackedFunc)."""
     padded, _ = head_dims(d)
     grad = T if padded != d.D else G
-    if packed == "qkv":  # (B, N, 3, H, dp)
-        return [new("dqkv", (d.B, d.N, 3, d.H, padded), d.dtype, grad, "empty")]
-    dq = new("dq", (d.B, d.N, d.H, padded), d.dtype, grad, "empty_like")  # (B, N, H, dp)
-    if packed == "kv":  # (B, M, 2, Hk, dp)
-        return [dq, new("dkv", (d.B, d.M, 2, d.Hk, padded), d.dtype, grad, "empty")]
-    return [dq, new("dk", (d.B, d.M, d.Hk, padded), d.dtype, grad, "empty_like"),  # (B, M, Hk, dp)
-            new("dv", (d.B, d.M, d.Hk, padded), d.dtype, grad, "empty_like")]  # (B, M, Hk, dp)
+    def packs(rows, count, heads):  # ([B,] rows, count, heads, dp)
+        return (*seq_first(d, rows, count, heads), padded)
+    if packed == "qkv":  # ([B,] N, 3, H, dp)
+        return [new("dqkv", packs(d.N, 3, d.H), d.dtype, grad, "empty")]
+    dq = new("dq", seq_first(d, d.N, d.H, padded), d.dtype, grad, "empty_like")  # ([B,] N, H, dp)
+    if packed == "kv":  # ([B,] M, 2, Hk, dp)
+        return [dq, new("dkv", packs(d.M, 2, d.Hk), d.dtype, grad, "empty")]
+    dk = seq_first(d, d.M, d.Hk, padded)  # ([B,] M, Hk, dp)
+    return [dq, new("dk", dk, d.dtype, grad, "empty_like"),
+            new("dv", dk, d.dtype, grad, "empty_like")]
 
 
 def node_backward(d: Dims, strided_grad: bool, packed: str = "") -> list:
@@ -130,16 +168,17 @@ def node_backward(d: Dims, strided_grad: bool, packed: str = "") -> list:
     padded, _ = head_dims(d)
     pad = padded != d.D
     events = grads(d, packed)
-    if pad:  # F.pad of the grad; contiguous, so no copy below
-        events.append(new("dout_pad", (d.B, d.N, d.H, padded), d.dtype, T, "constant_pad_nd"))
+    if pad:  # F.pad of the grad; contiguous, so no copy below: ([B,] N, H, dp)
+        events.append(new("dout_pad", seq_first(d, d.N, d.H, padded), d.dtype, T,
+                          "constant_pad_nd"))
     copy = strided_grad and not pad
-    if copy:
-        events.append(new("dout_c", (d.B, d.N, d.H, d.D), d.dtype, T, "contiguous"))
-    events += [new("softmax_d", (d.B, d.H, round_up(d.N, 128)), F32, T, "empty"),  # (B, H, r128(N))
-               *dq_accum(d)]
+    if copy:  # ([B,] N, H, D)
+        events.append(new("dout_c", seq_first(d, d.N, d.H, d.D), d.dtype, T, "contiguous"))
+    events += [softmax_d(d), *dq_accum(d)]
     if d.Hk != d.H:
-        events += [new("dk_expanded", (d.B, d.M, d.H, padded), d.dtype, T, "empty"),  # (B, M, H, dp)
-                   new("dv_expanded", (d.B, d.M, d.H, padded), d.dtype, T, "empty")]  # (B, M, H, dp)
+        expanded = seq_first(d, d.M, d.H, padded)  # ([B,] M, H, dp)
+        events += [new("dk_expanded", expanded, d.dtype, T, "empty"),
+                   new("dv_expanded", expanded, d.dtype, T, "empty")]
     expanded = ["dv_expanded", "dk_expanded"] if d.Hk != d.H else []
     events += [free(*expanded, "dq_accum"),  # mha_bwd returns
                *([free("dout_c")] if copy else []),  # _flash_attn_backward returns
@@ -155,8 +194,8 @@ def clones(d: Dims) -> list:
     buffer dies with it."""
     events = []
     for name, heads, rows in (("v", d.Hk, d.M), ("k", d.Hk, d.M), ("q", d.H, d.N)):
-        events += [new(f"{name}.grad", (d.B, rows, heads, d.D), d.dtype, G, "clone"),
-                   free(f"d{name}")]  # (B, rows, heads, D)
+        events += [new(f"{name}.grad", seq_first(d, rows, heads, d.D), d.dtype, G, "clone"),
+                   free(f"d{name}")]  # ([B,] rows, heads, D)
     return events
 
 

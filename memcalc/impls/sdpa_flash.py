@@ -119,18 +119,17 @@ def cc_text(gpu: Gpu) -> str:
     return ".".join(map(str, gpu.compute_capability))
 
 
-def pads(d: Dims, seq_first: bool = False) -> list:
+def pads(d: Dims, shape=None) -> list:
     """``pad_last_dim<8>`` of q, k, v: new tensors only when D % 8 != 0, saved by the node;
-    ``seq_first``: in (B, N, H, dp), the flash-attn packages' layout (their ``F.pad``)."""
+    ``shape(rows, heads, width)``: their layout, (B, H, N, dp) unless given (the flash-attn
+    packages' ``F.pad`` keeps theirs: ``flash_attn.seq_first``)."""
     padded, _ = head_dims(d)
     if padded == d.D:
         return []
-
-    def shape(heads, rows):  # (B, H, N, dp), or (B, N, H, dp) seq_first
-        return (d.B, rows, heads, padded) if seq_first else (d.B, heads, rows, padded)
-    return [new("q_pad", shape(d.H, d.N), d.dtype, S, "constant_pad_nd"),
-            new("k_pad", shape(d.Hk, d.M), d.dtype, S, "constant_pad_nd"),
-            new("v_pad", shape(d.Hk, d.M), d.dtype, S, "constant_pad_nd")]
+    shape = shape or (lambda rows, heads, width: (d.B, heads, rows, width))  # (B, H, N, dp)
+    return [new("q_pad", shape(d.N, d.H, padded), d.dtype, S, "constant_pad_nd"),
+            new("k_pad", shape(d.M, d.Hk, padded), d.dtype, S, "constant_pad_nd"),
+            new("v_pad", shape(d.M, d.Hk, padded), d.dtype, S, "constant_pad_nd")]
 
 
 def split_accumulators(d: Dims, gpu: Gpu) -> list:

@@ -64,6 +64,44 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         return_attn_probs=return_attn_probs))
 
 
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """flash-attn 2.x ``flash_attn_varlen_func`` on q (total_q, H, D) and k, v (total_k, Hk,
+    D) holding ``cu_seqlens_q.numel() - 1`` sequences, for a trace."""
+    paths = active_paths("flash_attn.flash_attn_varlen_func")
+    return flash_attn_varlen_rule(paths, flash_attn_varlen_func, (q, k, v), dict(
+        cu_seqlens=(cu_seqlens_q, cu_seqlens_k), max_seqlen_q=max_seqlen_q, dropout_p=dropout_p,
+        causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs,
+        block_table=block_table))
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_varlen_qkvpacked_func`` on qkv (total, 3, H, D)."""
+    paths = active_paths("flash_attn.flash_attn_varlen_qkvpacked_func")
+    return flash_attn_varlen_rule(paths, flash_attn_varlen_qkvpacked_func, (qkv,), dict(
+        cu_seqlens=(cu_seqlens,), max_seqlen_q=max_seqlen, dropout_p=dropout_p, causal=causal,
+        deterministic=deterministic, return_attn_probs=return_attn_probs))
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_varlen_kvpacked_func`` on q (total_q, H, D) and kv
+    (total_k, 2, Hk, D)."""
+    paths = active_paths("flash_attn.flash_attn_varlen_kvpacked_func")
+    return flash_attn_varlen_rule(paths, flash_attn_varlen_kvpacked_func, (q, kv), dict(
+        cu_seqlens=(cu_seqlens_q, cu_seqlens_k), max_seqlen_q=max_seqlen_q,
+        dropout_p=dropout_p, causal=causal, deterministic=deterministic,
+        return_attn_probs=return_attn_probs))
+
+
 def flash_attn3_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
                      k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
                      softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
@@ -95,9 +133,10 @@ def _modules() -> dict[str, types.ModuleType]:
         module.flash_attn_func = flash_attn_func
         module.flash_attn_qkvpacked_func = flash_attn_qkvpacked_func
         module.flash_attn_kvpacked_func = flash_attn_kvpacked_func
-        for name in ("flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-                     "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"):
-            setattr(module, name, _not_modelled("flash_attn", name))
+        module.flash_attn_varlen_func = flash_attn_varlen_func
+        module.flash_attn_varlen_qkvpacked_func = flash_attn_varlen_qkvpacked_func
+        module.flash_attn_varlen_kvpacked_func = flash_attn_varlen_kvpacked_func
+        module.flash_attn_with_kvcache = _not_modelled("flash_attn", "flash_attn_with_kvcache")
     fa2_module.flash_attn_interface = inner
     fa3_module = types.ModuleType("flash_attn_interface")
     fa3_module.flash_attn_func = flash_attn3_func
@@ -130,13 +169,16 @@ def stand_ins():
 
 # --- the calls, as the trace's CUDA rules run them -----------------------------------------
 
-def dims_of(q, k, causal: bool, deterministic: bool, gpu) -> Dims:
-    """The model's sizes for a call on ``(B, N, H, D)`` tensors, on the emulated GPU."""
-    def heads_first(t):  # (B, N, H, D) -> (B, H, N, D)
-        return (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+def dims_of(q, k, causal: bool, deterministic: bool, gpu, varlen: int = 0) -> Dims:
+    """The model's sizes for a call on ``(B, N, H, D)`` tensors, or on ``(total, H, D)``
+    ones holding ``varlen`` sequences (B = 1, N and M the totals), on the emulated GPU."""
+    def heads_first(t):  # (B, N, H, D) -> (B, H, N, D); (total, H, D) -> (1, H, total, D)
+        b, n, h, dim = (1, *t.shape) if varlen else t.shape
+        return (b, h, n, dim)
 
-    return sized(heads_first(q), heads_first(k), str(q.dtype).removeprefix("torch."), causal,
-                 needs_grad(q, k), gpu, deterministic)
+    d = sized(heads_first(q), heads_first(k), str(q.dtype).removeprefix("torch."), causal,
+              needs_grad(q, k), gpu, deterministic)
+    return d.replace(varlen=varlen)
 
 
 @dataclass
@@ -151,7 +193,7 @@ class Run(Kernel):
         d, grad = self.d, not self.d.forward_only
         padded, _ = head_dims(d)
         self.padded = self.backend == FA2 and padded != d.D
-        shape = (d.B, d.N, d.H, padded)
+        shape = (*self.q.shape[:-1], padded)  # q's, padded: ([B,] N, H, dp)
         make = (lambda: torch.empty(shape, dtype=self.q.dtype, device="meta")) \
             if self.padded else (lambda: empty_like(self.q))  # empty_like(q): q's strides
         events = fa2.forward(d) if self.backend == FA2 else fa3.forward(d)
@@ -181,27 +223,32 @@ class Run(Kernel):
 # the packages' Functions: save q, k, v (views of a packed input; or their padded copies)
 # and the output
 NODES = {FA2: node("FlashAttnFunc"), FA3: node("FlashAttn3Func"),
-         "qkv": node("FlashAttnQKVPackedFunc"), "kv": node("FlashAttnKVPackedFunc")}
+         "qkv": node("FlashAttnQKVPackedFunc"), "kv": node("FlashAttnKVPackedFunc"),
+         "varlen": node("FlashAttnVarlenFunc"), "varlen qkv": node("FlashAttnVarlenQKVPackedFunc"),
+         "varlen kv": node("FlashAttnVarlenKVPackedFunc")}
 
 
-def run(paths, backend: str, inputs: tuple, d: Dims) -> torch.Tensor:
+def run(paths, backend: str, inputs: tuple, d: Dims, kept: tuple = ()) -> torch.Tensor:
     """Run ``backend``'s model on the call's inputs: ``(q, k, v)``, or a packed ``(qkv,)``
-    (B, N, 3, H, D) or ``(q, kv)`` with kv (B, M, 2, Hk, D), read through their slices."""
+    ([B,] N, 3, H, D) or ``(q, kv)`` with kv ([B,] M, 2, Hk, D), read through their
+    slices; ``kept``: what else the node saves (the varlen functions' cu_seqlens)."""
     packed = {1: "qkv", 2: "kv", 3: ""}[len(inputs)]
     q, k, v = unpacked(inputs)
     paths.kernels[backend] = None
     call = Run(backend, d, None, paths, *meta_copies(paths.tracer, (q, k, v)),
                inputs=len(inputs), packed=packed)
-    return launch(call, NODES[packed or backend], not d.forward_only, *inputs)
+    function = " ".join(w for w in ("varlen" if d.varlen else "", packed) if w) or backend
+    return launch(call, NODES[function], not d.forward_only, *inputs, *kept)
 
 
 def unpacked(inputs: tuple) -> tuple:
-    """q, k, v of a call: given, or the slices of a packed qkv (``qkv[:, :, 0]`` ...) or kv
-    as the packed Functions take them (views: nothing copied)."""
+    """q, k, v of a call: given, or the slices of a packed qkv (``qkv[:, :, 0]`` ...; the
+    varlen functions' ``qkv[:, 0]``: the pack is the third dim from the end either way) or
+    kv as the packed Functions take them (views: nothing copied)."""
     if len(inputs) == 1:
-        return tuple(inputs[0][:, :, i] for i in range(3))
+        return tuple(inputs[0][..., i, :, :] for i in range(3))
     if len(inputs) == 2:
-        return (inputs[0], inputs[1][:, :, 0], inputs[1][:, :, 1])
+        return (inputs[0], inputs[1][..., 0, :, :], inputs[1][..., 1, :, :])
     return inputs
 
 
@@ -226,6 +273,30 @@ def flash_attn_rule(paths, func, args, kwargs):
     paths.note(f"{func.__name__} {tuple(args[0].shape)} {d.dtype}"
                f"{' causal' if d.causal else ''}: memcalc's flash-attn model (flash-attn 2.8.3)")
     return run(paths, FA2, tuple(args), d)
+
+
+@rule("flash_attn_varlen_func", "flash_attn/flash_attn_interface.py FlashAttnVarlenFunc, "
+      "csrc/flash_attn/flash_api.cpp mha_varlen_fwd/_bwd (v2.8.3)", "flash-attn's "
+      "flash_attn_varlen_func allocates what memcalc's flash-attn model declares for "
+      "packed sequences")
+def flash_attn_varlen_rule(paths, func, args, kwargs):
+    q, k, v = unpacked(args)
+    cu_seqlens, where = kwargs["cu_seqlens"], f"flash_attn.{func.__name__}"
+    sequences = cu_seqlens[0].numel() - 1  # mha_varlen_fwd: batch_size
+    _flags(where, kwargs.get("dropout_p", 0.0), kwargs.get("return_attn_probs"), **{
+        "block_table (a paged KV cache)": kwargs.get("block_table") is not None,
+        "max_seqlen_q = 1 with grouped heads (decoding: q regrouped, split-KV)":
+            kwargs["max_seqlen_q"] == 1 and q.shape[-2] != k.shape[-2]})
+    if q.dim() != 3 or sequences < 1:
+        raise NotModelled(f"{where}: q must be (total, heads, head_dim) and cu_seqlens hold "
+                          f"at least 2 offsets, not q {tuple(q.shape)} and "
+                          f"{cu_seqlens[0].numel()} offsets")
+    d = dims_of(q, k, kwargs.get("causal", False), kwargs.get("deterministic", False),
+                paths.gpu, sequences)
+    fa2.check(d, FA2)
+    paths.note(f"{func.__name__} {tuple(args[0].shape)} {d.dtype}, {sequences} sequences"
+               f"{' causal' if d.causal else ''}: memcalc's flash-attn model (flash-attn 2.8.3)")
+    return run(paths, FA2, tuple(args), d, tuple(cu_seqlens))
 
 
 @rule("flash_attn3_func", "hopper/flash_attn_interface.py FlashAttnFunc, hopper/flash_api.cpp",
