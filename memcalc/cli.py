@@ -109,6 +109,22 @@ def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
                             "it builds, and its int64 copy)")
     p.add_argument("--deterministic", action="store_true",
                    help="the kernels' deterministic backward (flash-attn, flash-attn3)")
+    parallel_options(p)
+
+
+def parallel_options(p: argparse.ArgumentParser, cp: bool = True) -> None:
+    """Several GPUs: ``--tp`` (heads over ranks) and, with ``cp``, ``--cp`` and
+    ``--cp-method`` (the sequence over ranks; ``memcalc sweep`` lists ``--cp`` itself)."""
+    if cp:
+        p.add_argument("--cp", type=whole, default=None, metavar="P",
+                       help="context-parallel ranks: the sequence split over P GPUs as "
+                            "PyTorch's ring attention splits it (sdpa-flash, --causal; N a "
+                            "multiple of 2P); figures are the busiest rank's")
+    p.add_argument("--cp-method", default=None, metavar="METHOD",
+                   help="how context-parallel ranks exchange K/V: allgather (PyTorch's "
+                        "default) or alltoall")
+    p.add_argument("--tp", type=whole, default=None, metavar="T",
+                   help="tensor-parallel ranks: the heads (and key/value heads) split over T")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
                    help='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"')
 
@@ -268,6 +284,9 @@ def config_options(args) -> dict:
         flat["mask"] = args.mask
     if getattr(args, "block_mask", None) is not None:
         flat["block_mask"] = args.block_mask
+    for option in ("cp", "cp_method", "tp"):
+        if getattr(args, option, None) is not None:
+            flat[option] = getattr(args, option)
     return flat
 
 

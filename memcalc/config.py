@@ -18,6 +18,7 @@ from memcalc.engine.allocator import KiB
 from memcalc.engine.dims import Dims
 from memcalc.gpus import GPU, gpu_preset
 from memcalc.impls import IMPLS, canonical, get_impl
+from memcalc.impls.ring import refusal
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -165,6 +166,12 @@ class Config(BaseModel):
     block_mask: Literal["given", "dense"] = Field(
         "given", description="flex: the BlockMask built before the step (given), or by "
                              "create_block_mask run eagerly inside it (dense)")
+    cp: int = Field(1, ge=1, description="context-parallel ranks the sequence is split over "
+                                         "(PyTorch's ring attention; the busiest rank's step)")
+    cp_method: Literal["allgather", "alltoall", "ulysses"] = Field(
+        "allgather", description="how context-parallel ranks exchange K/V: allgather "
+                                 "(PyTorch's default) or alltoall")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks the heads are split over")
     device: Device = Device()
     protocol: Protocol = Protocol()
 
@@ -203,6 +210,22 @@ class Config(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_tp(self) -> "Config":
+        s = self.shape
+        if s.heads % self.tp or s.key_heads % self.tp:
+            raise ValueError(f"tp: {self.tp} ranks must divide the heads ({s.heads}) and the "
+                             f"key/value heads ({s.key_heads}): each rank holds a share of both")
+        return self
+
+    @model_validator(mode="after")
+    def _check_cp(self) -> "Config":
+        refused = refusal(self.impl, get_impl(self.impl).user_code, self.cp, self.cp_method,
+                          self.causal, self.shape)
+        if refused:
+            raise ValueError(refused)
+        return self
+
+    @model_validator(mode="after")
     def _check_gqa(self) -> "Config":
         if self.shape.key_heads != self.shape.heads and not get_impl(self.impl).gqa:
             raise ValueError(f"kv_heads: implementation {self.impl} needs kv_heads == heads "
@@ -233,6 +256,8 @@ class Config(BaseModel):
                    "forward-only" if p.forward_only else "",
                    f"loss={p.loss}" if p.loss != "grad" else "",
                    "deterministic" if p.deterministic else "",
+                   f"tp={self.tp}" if self.tp > 1 else "",
+                   f"cp={self.cp} {self.cp_method}" if self.cp > 1 else "",
                    f"chunk={self.chunk}" if self.chunk != Config.model_fields["chunk"].default
                    else "",
                    f"CUBLAS_WORKSPACE_CONFIG={p.cublas_workspace_config}"
@@ -275,7 +300,8 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
                 dtype: str = "fp32", causal: bool = False, chunk: int = 64, mask: str = "none",
                 block_mask: str = "given", gpu: str | None = "h100-80gb", loss: str = "grad",
                 forward_only: bool = False, cublas_workspace_config: str | None = None,
-                deterministic: bool = False) -> Config:
+                deterministic: bool = False, cp: int = 1, cp_method: str = "allgather",
+                tp: int = 1) -> Config:
     """A ``Config`` from the flat options the CLI and the Python API share (the CLI's
     ``--seq`` is ``seq_len``); a bad value is a one-line ValueError that starts with the
     field (``kv_heads: 3 must divide heads (4)``), which the CLI names by its option."""
@@ -291,7 +317,7 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
     try:
         return Config(
             impl=impl, dtype=dtype, causal=causal, chunk=chunk, mask=mask,
-            block_mask=block_mask,
+            block_mask=block_mask, cp=cp, cp_method=cp_method, tp=tp,
             shape=Shape(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
                         kv_len=kv_len, kv_heads=kv_heads),
             device=Device(gpu=gpu),

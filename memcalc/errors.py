@@ -14,7 +14,8 @@ FLAGS = {
     "impl": "--impl", "gpu": "--gpu", "loss": "--loss", "causal": "--causal",
     "cublas_workspace_config": "--cublas-workspace-config", "time_limit": "--time-limit",
     "memory_limit": "--memory-limit", "deterministic": "--deterministic",
-    "mask": "--mask", "block_mask": "--block-mask",
+    "mask": "--mask", "block_mask": "--block-mask", "cp": "--cp", "cp_method": "--cp-method",
+    "tp": "--tp",
 }
 
 

@@ -49,6 +49,8 @@ class Breakdown(Result):
     backward_live: tuple[Component, ...]
     saved: tuple[Component, ...]
     reserved_peak_bytes: int
+    rank: int | None = None  # under context parallelism: the busiest rank, shown
+    rank_peaks: tuple[int, ...] = ()  # and every rank's max_memory_allocated
     _budget: object = PrivateAttr(None)  # the Budget ``fits`` uses, when given
 
     @computed_field
@@ -183,8 +185,10 @@ class Breakdown(Result):
         """The budget and the fit, when given (``with_budget``), then the caveats."""
         from memcalc.output.results import caveats
 
+        from memcalc.output.results import rank_note
+
         judged = [self.budget.describe(), self.fit().describe()] if self.has_budget else []
-        return [*judged, *caveats([self.config.impl])]
+        return [*rank_note(self), *judged, *caveats([self.config.impl])]
 
     def headline(self) -> str:
         from memcalc.output.results import breakdown_headline

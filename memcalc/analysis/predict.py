@@ -19,6 +19,7 @@ from memcalc.engine.component import Component
 from memcalc.engine.program import Role, Tensor
 from memcalc.engine.replay import Ledger, collector_paused, replay, step_inputs
 from memcalc.impls import get_impl
+from memcalc.impls.ring import step_program
 
 
 _SHARED: ContextVar[dict | None] = ContextVar("shared_predictions", default=None)
@@ -70,9 +71,38 @@ def _replayed(config: Config, capacity: int | None, ledger: Ledger | None) -> Br
 
 
 def _replayed_in(config: Config, ledger: Ledger) -> Breakdown:
+    """One GPU's step; under context parallelism, every rank's (each in a ledger of its
+    own: a rank that runs out is the step's ``OutOfMemory``), the busiest one's shown:
+    the highest ``max_memory_allocated``, then ``max_memory_reserved``, then the lowest
+    rank."""
     d = config.dims
+    if d.cp == 1:
+        return _rank_replayed(config, d, ledger)
+    ranks = [_rank_replayed(config, d.replace(cp_rank=r), _like(ledger, config))
+             for r in range(d.cp)]
+    busiest = max(range(d.cp), key=lambda r: (ranks[r].peak_bytes,
+                                              ranks[r].reserved_peak_bytes, -r))
+    return _rank_replayed(config, d.replace(cp_rank=busiest), ledger).model_copy(
+        update=dict(rank=busiest, rank_peaks=tuple(b.peak_bytes for b in ranks)))
+
+
+def rank_breakdown(config: Config, rank: int, ledger: Ledger | None = None) -> Breakdown:
+    """Rank ``rank``'s step under ``--cp`` (``predict`` shows the busiest), replayed in
+    ``ledger`` (a recording one, to read its history)."""
+    return _rank_replayed(config, config.dims.replace(cp_rank=rank),
+                          ledger or Ledger(config.workspace_bytes))
+
+
+def _like(ledger: Ledger, config: Config) -> Ledger:
+    """A new ledger of ``ledger``'s capacity and mirroring (another rank's device)."""
+    other = Ledger(config.workspace_bytes, ledger.allocator.capacity)
+    other.allocator.may_mirror = ledger.allocator.may_mirror
+    return other
+
+
+def _rank_replayed(config: Config, d, ledger: Ledger) -> Breakdown:
     peaks: dict[str, tuple[Component, ...]] = {}
-    step = replay(ledger, d, get_impl(config.impl).program(d),
+    step = replay(ledger, d, step_program(get_impl(config.impl), d),
                   lambda phase: peaks.update({phase: ledger.peak_live}))
     forward = peaks["forward"]
     if d.forward_only:  # under no_grad nothing is kept for a backward: the tracer's roles
@@ -95,7 +125,7 @@ def tensor_sizes(config: Config) -> dict[str, int]:
     """The requested bytes of every tensor the step declares, by name (inputs included;
     the first declaration of a name wins)."""
     d = config.dims
-    program = get_impl(config.impl).program(d)
+    program = step_program(get_impl(config.impl), d)
     sizes: dict[str, int] = {}
     for t in (*step_inputs(program, d), *program.forward, *program.backward):
         if isinstance(t, Tensor):

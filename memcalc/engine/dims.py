@@ -13,7 +13,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Dims:
     """``B`` batch, ``H`` query heads, ``Hk`` key/value heads, ``N`` query rows, ``M`` key
-    rows, ``D`` head dim, the dtype's torch name, ``chunk`` (chunked implementations), the
+    rows, ``D`` head dim (one rank's: ``H`` and ``Hk`` over ``--tp`` ranks, ``N`` and ``M``
+    over ``--cp``), the dtype's torch name, ``chunk`` (chunked implementations), the
     protocol's loss and forward-only flag, and the device facts fused kernels read.
 
     The sizes may be integers or any number-like objects with the same arithmetic (the
@@ -37,16 +38,21 @@ class Dims:
     block_mask: str = "given"  # flex: the BlockMask built before the step, or "dense": in it
     varlen: int = 0  # flash-attn's varlen functions: the sequences packed into the N (and M)
     # rows of one batch (B = 1); 0: a batch of B sequences of N rows each
+    cp: int = 1  # context-parallel ranks; N and M are then one rank's rows (memcalc.impls.ring)
+    cp_method: str = "allgather"  # how the ranks exchange K/V: allgather or alltoall
+    cp_rank: int = 0  # the rank whose step the program is
 
     @classmethod
     def of(cls, config) -> "Dims":
         """The sizes of a ``memcalc.config.Config`` (what ``Config.dims`` returns; this module
         imports nothing of memcalc's, so every layer can use it)."""
-        s, p, gpu = config.shape, config.protocol, config.device.spec
-        return cls(s.batch, s.heads, s.seq_len, s.keys, s.head_dim, config.dtype.torch_name,
-                   config.causal, p.loss, s.key_heads, config.chunk, p.forward_only,
-                   gpu.sm_count, gpu.compute_capability, p.deterministic, config.mask,
-                   config.block_mask)
+        s, p, gpu, cp, tp = (config.shape, config.protocol, config.device.spec, config.cp,
+                             config.tp)
+        return cls(s.batch, s.heads // tp, s.seq_len // cp, s.keys // cp, s.head_dim,
+                   config.dtype.torch_name, config.causal, p.loss, s.key_heads // tp,
+                   config.chunk, p.forward_only, gpu.sm_count, gpu.compute_capability,
+                   p.deterministic, config.mask, config.block_mask, cp=cp,
+                   cp_method=config.cp_method)
 
     def replace(self, **sizes) -> "Dims":
         """These sizes with some changed (``N``, ``M``, ...), for programs built at other

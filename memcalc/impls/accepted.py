@@ -72,3 +72,11 @@ class Accepted:
 def every(field: str) -> Accepted:
     """The rule of an implementation that declares none for ``field``: every value."""
     return Accepted(field)
+
+
+def context_parallel(cp: int, field: str = "seq_len") -> Accepted:
+    """Under ``cp`` context-parallel ranks, the sequence lengths PyTorch's load-balanced
+    sharding takes: multiples of 2 x cp (``memcalc.impls.ring``)."""
+    return Accepted(field, step=2 * cp, kernel=f"context parallelism over {cp} ranks",
+                    step_source="each rank holds two chunks of N / 2P rows: "
+                                "torch/distributed/tensor/experimental/_context_parallel")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from memcalc.impls.accepted import Accepted, every
+from memcalc.impls.accepted import Accepted, context_parallel, every
 from memcalc.engine.dims import Dims
 from memcalc.engine.inputs import QKV, Input
 from memcalc.engine.status import detail
@@ -44,9 +44,12 @@ class Impl:
     source: str = "PyTorch's CUDA kernel sources"  # where a source-derived one is read from
     inputs: tuple[Input, ...] = QKV  # what its step is called with (the live runs' too)
     masks: tuple[str, ...] = ()  # the kinds of Dims.mask (--mask) it reads
+    user_code: bool = False  # a user's function registered by ``memcalc trace``
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
+        if d.cp > 1 and field in ("seq_len", "kv_len") and not self.user_code:
+            return context_parallel(d.cp, field)
         return next((a for a in self.accepted(d) if a.field == field), every(field))
 
     def program(self, d: Dims) -> Program:

@@ -56,7 +56,21 @@ def _traced(get_impl, name: str) -> bool:
 
 def breakdown_title(b) -> str:
     c = b.config
-    return f"{c.impl}: {c.label()} on {c.device.spec.label}; peak in {b.peak_phase}"
+    rank = f", rank {b.rank} of {c.cp}" if b.rank is not None else ""
+    return f"{c.impl}: {c.label()}{rank} on {c.device.spec.label}; peak in {b.peak_phase}"
+
+
+def rank_note(b) -> list[str]:
+    """Under context parallelism: which rank is shown, and why."""
+    if b.rank is None:
+        return []
+    c, peaks = b.config, b.rank_peaks
+    ties = [r for r, p in enumerate(peaks) if p == peaks[b.rank]]
+    tied = f" (tied with rank{'s' if len(ties) > 2 else ''} " \
+           f"{', '.join(str(r) for r in ties if r != b.rank)})" if len(ties) > 1 else ""
+    return [f"rank {b.rank} of {c.cp} shown, the busiest{tied}: each rank holds "
+            f"{c.dims.N:,} of the {c.shape.seq_len:,} rows; max_memory_allocated by rank: "
+            f"{', '.join(f'{p:,}' for p in peaks)} B"]
 
 
 def component_columns(peak: int, with_source: bool = False) -> list[Column]:

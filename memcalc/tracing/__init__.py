@@ -87,28 +87,34 @@ def trace(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
 
 
 def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
-           budget=None, history: list | None = None, calling: Calling = Calling()):
+           budget=None, history: list | None = None, calling: Calling = Calling(),
+           rank: int | None = None):
     """``trace`` with its notes (SDPA backends and why, what is not modelled, which of
     several returned values was the output) and, given a ``memcalc.analysis.budget.Budget``, whether
     the step fits in it (a capped direct trace). ``history``: a list to extend with the
-    allocator ledger's history (for plots)."""
+    allocator ledger's history (for plots). Under ``--cp``, every rank is traced and the
+    busiest shown, or only ``rank`` when given."""
     from memcalc.analysis.budget import fit
     from memcalc.tracing.report import Traced
-    from memcalc.tracing.tracer import Tracer
 
     if calling.autocast and not options.cuda:
         raise TraceError("--autocast: autocast is CUDA's; --meta-paths follows the meta "
                          "device, where torch turns CUDA autocast off")
-    paths = _paths(config, options)
-    tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims))
+    if config.cp > 1 and not options.cuda:
+        raise TraceError("--cp: context parallelism runs NCCL's collectives, on the GPU's "
+                         "code paths; not with --meta-paths")
     call = bound(fn, config, calling)
     inputs = calling.inputs
-    result = _measure(call, config, options, inputs, paths=paths, tracer=tracer)
+    if rank is not None:
+        result, paths, tracer = _rank_traced(call, config, options, inputs, rank)
+    else:
+        result, paths, tracer, rank = _busiest_traced(call, config, options, inputs)
     if history is not None:
         history.extend(tracer.ledger.history)
     checked = {}
     if budget is not None:
-        replay = lambda capacity: _measure(call, config, options, inputs, capacity)  # noqa: E731
+        replay = lambda capacity: _measure(call, config, options, inputs, capacity,  # noqa: E731
+                                           rank=rank)
         checked = dict(budget=budget, fit=fit(config, budget.budget_bytes, result, replay))
     notes = (*(paths.notes if paths else ()), *_returned(call))
     return Traced(breakdown=result, gpu=config.device.spec.label, cuda_paths=options.cuda,
@@ -126,22 +132,52 @@ def _returned(call: Bound) -> tuple[str, ...]:
             "(the rest is dropped before it)",)
 
 
-def _paths(config: Config, options: TraceOptions):
-    """The CUDA dispatch layer for ``config``'s GPU, or None with ``cuda=False``."""
+def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
+                    inputs: tuple[Input, ...]) -> tuple:
+    """Every rank's step, the busiest one's shown as ``memcalc.analysis.predict`` shows
+    it: ``(breakdown, paths, tracer, rank)``."""
+    ranks = [_rank_traced(call, config, options, inputs, r) for r in range(config.cp)]
+    busiest = max(range(config.cp), key=lambda r: (ranks[r][0].peak_bytes,
+                                                   ranks[r][0].reserved_peak_bytes, -r))
+    result, paths, tracer = ranks[busiest]
+    if config.cp > 1:
+        result = result.model_copy(update=dict(
+            rank=busiest, rank_peaks=tuple(b.peak_bytes for b, _, _ in ranks)))
+    return result, paths, tracer, busiest
+
+
+def _rank_traced(call: Bound, config: Config, options: TraceOptions,
+                 inputs: tuple[Input, ...], rank: int) -> tuple:
+    """``(breakdown, paths, tracer)`` of one rank's step (the only one's without ``--cp``)."""
+    from memcalc.tracing.tracer import Tracer
+
+    paths = _paths(config, options, rank)
+    tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims))
+    return _measure(call, config, options, inputs, paths=paths, tracer=tracer), paths, tracer
+
+
+def _paths(config: Config, options: TraceOptions, rank: int = 0):
+    """The CUDA dispatch layer for ``config``'s GPU, or None with ``cuda=False``; under
+    ``--cp``, as rank ``rank`` (``context_parallel.py``)."""
     if not options.cuda:
         return None
     from memcalc.tracing.cuda_paths import CudaPaths
 
-    return CudaPaths(config.device.spec, options.release, options.workspace)
+    paths = CudaPaths(config.device.spec, options.release, options.workspace)
+    if config.cp > 1:
+        from memcalc.tracing.context_parallel import Ranks
+
+        paths.cp = Ranks(config.cp, rank, config.cp_method)
+    return paths
 
 
 def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[Input, ...],
-             capacity: int | None = None, paths=None, tracer=None) -> Breakdown:
+             capacity: int | None = None, paths=None, tracer=None, rank: int = 0) -> Breakdown:
     """One direct trace of the bound call's step (see ``trace``)."""
     from memcalc.tracing.state import kept, on_meta
     from memcalc.tracing.tracer import measure
 
-    paths = paths or _paths(config, options)
+    paths = paths or _paths(config, options, rank)
 
     def run():
         with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
@@ -548,7 +584,8 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling(),
 
     # tracing the same function again replaces its earlier registration, on purpose
     reads = None if calling.inputs is QKV else sizes_read(calling.inputs)
-    add(Impl(name, f"traced from {label}", build, gqa=True, traced=True, reads=reads),
+    add(Impl(name, f"traced from {label}", build, gqa=True, traced=True, reads=reads,
+             user_code=True),
         replace=True)
     return name
 

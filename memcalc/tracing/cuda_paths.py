@@ -18,7 +18,7 @@ known on meta is collected in ``notes`` and shown with the result.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -69,6 +69,7 @@ class CudaPaths:
     tracer: object = None  # the emulated backend's Tracer, set when tracing starts
     notes: dict[str, None] = field(default_factory=dict)  # ordered set of lines
     kernels: dict[str, None] = field(default_factory=dict)  # fused SDPA backends run
+    cp: object = None  # context_parallel.Ranks: this trace is one rank's of several
 
     @property
     def cc(self) -> tuple[int, int]:
@@ -86,8 +87,16 @@ class CudaPaths:
         from memcalc.tracing.tracer import torch_release
 
         autocast = Autocast(self.tracer, torch_release())
-        with Mode(self), enabled_on_meta(autocast), autocast:
+        with Mode(self), enabled_on_meta(autocast), autocast, self.ranks():
             yield
+
+    def ranks(self):
+        """Under context parallelism, the fake process group this rank runs in."""
+        if self.cp is None:
+            return nullcontext()
+        from memcalc.tracing.context_parallel import fake_group
+
+        return fake_group(self.cp)
 
     def observe(self, func, args=(), kwargs=None) -> None:
         """What the trace cannot see inside ``func`` (``observe``), and the checks a GPU
@@ -185,6 +194,10 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
     if mask is not None:
         mask = fused_mask(mask, q, k, choice.backend)
     paths.kernels[choice.backend] = None
+    if paths.cp is not None:
+        from memcalc.tracing import context_parallel
+
+        return context_parallel.run(paths, choice.backend, q, k, v, call)
     return kernels.run(paths, choice.backend, q, k, v, call, mask)
 
 
@@ -328,7 +341,7 @@ def observe(paths: CudaPaths, func) -> None:
     """Name what the trace cannot see inside ``func`` on a GPU."""
     namespace = func.namespace
     op = func.overloadpacket.__name__
-    if namespace not in ("aten", "prim", "prims"):
+    if namespace not in ("aten", "prim", "prims", "_c10d_functional"):  # collectives.py
         paths.note(UNMODELLED["custom"].format(op=f"{namespace}::{op}"))
     elif op in REDUCTIONS:
         paths.note(UNMODELLED["reduction"].format(op=f"aten::{op}"))

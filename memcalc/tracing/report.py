@@ -46,9 +46,10 @@ class Traced(Result):
         return self.breakdown.tables()
 
     def footnotes(self) -> list[str]:
-        from memcalc.output.results import caveats
+        from memcalc.output.results import caveats, rank_note
 
-        return [self.summary(), *caveats([self.breakdown.config.impl], self.kernels)]
+        return [self.summary(), *rank_note(self.breakdown),
+                *caveats([self.breakdown.config.impl], self.kernels)]
 
     def csv_table(self):
         return self.breakdown.csv_table()

@@ -38,6 +38,7 @@ from memcalc.engine.replay import Ledger
 from memcalc.engine.inputs import QKV, Input
 from memcalc.impls.reductions import Reduction, accumulator_bytes, scratch_events
 from memcalc.impls.device import Gpu, gpu_of
+from memcalc.tracing.collectives import Collectives
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
 from memcalc.tracing.shadows import Shadows
 
@@ -117,8 +118,18 @@ def _safe_softmax_where_out(x, dim, dtype=None):
 SAFE_SOFTMAX_WHERE_OUT = (2, 6)
 SAFE_SOFTMAX = (_safe_softmax_where_out if torch_release() >= SAFE_SOFTMAX_WHERE_OUT
                 else _safe_softmax_eq)
-CUDA_COMPOSITES = {op.default: SAFE_SOFTMAX for op in
-                   [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None}
+
+
+def _log_sigmoid_forward(x):
+    """``log_sigmoid_forward_cuda`` (``aten/src/ATen/native/cuda/Activation.cpp``): the
+    result and an empty buffer ("only used by CPU dispatch"), where the meta kernel makes
+    the buffer full size."""
+    return torch.empty_like(x), x.new_empty((0,))
+
+
+CUDA_COMPOSITES = {**{op.default: SAFE_SOFTMAX for op in
+                      [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None},
+                   torch.ops.aten.log_sigmoid_forward.default: _log_sigmoid_forward}
 
 
 def _reduced_input(out, self):
@@ -252,6 +263,8 @@ class Tracer(TorchDispatchMode):
         self.mask_adds = 0
         # values of the small integer and bool tensors, for code that reads them
         self.shadows = Shadows()
+        # functional collectives as NCCL runs them (``collectives.py``)
+        self.collectives = Collectives(paths.release.torch if paths else torch_release())
         # ("alloc", key, component) | ("free", key) | ("cublas",) | ("mark", what):
         # the run as a program, for memcalc/trace.py
         self.events: list[tuple] = []
@@ -268,6 +281,12 @@ class Tracer(TorchDispatchMode):
         if self._quiet:
             return func(*args, **(kwargs or {}))
         self.collect_frees()
+        alias = self.collectives.wrap(func, args)
+        if alias is not None:
+            return alias
+        if self.collectives.in_flight:
+            self.collectives.wait_for(args, kwargs)
+            self.collect_frees()
         if func in CUDA_COMPOSITES:
             with self:
                 return CUDA_COMPOSITES[func](*args, **(kwargs or {}))
@@ -279,6 +298,7 @@ class Tracer(TorchDispatchMode):
         if answer is not NotImplemented:
             return answer
         out = func(*args, **(kwargs or {}))
+        self.collectives.issued(func, args, kwargs, out)
         self.shadows.follow(func, args, kwargs or {}, out)
         op = func.overloadpacket.__name__
         for t in tree_leaves(out):

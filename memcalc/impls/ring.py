@@ -1,0 +1,412 @@
+"""Context parallelism: what one rank allocates in PyTorch's ring attention.
+
+``torch/distributed/tensor/experimental/_context_parallel/_attention.py`` (torch 2.13),
+``_templated_ring_attention`` and ``_templated_ring_attention_backward``, as
+``context_parallel`` runs a fused SDPA kernel on each of ``P`` ranks. The sequence is
+sharded with causal load balancing: each rank holds two chunks of ``N / 2P`` rows (``n =
+N / P`` in all), so N is a multiple of 2P. Step ``i`` of ``P`` attends the rank's q to the
+K/V of rank ``rank - i``: all of both at step 0 (causal), then the first half of K/V
+(``i <= rank``) or the second half of q (``i > rank``, a "partial" step).
+
+Per step, written here in the order torch's code runs it:
+
+* the K/V exchange: ``torch.cat`` of k and v flattened, then the rotater. ``allgather``
+  (the default, ``_AllGatherRotater``) gathers every rank's K/V once, P x the cat, held
+  through the loop; ``alltoall`` (``_AllToAllRotater``) receives one rank's per step. A
+  collective's input stays alive until its output is waited for (ProcessGroupNCCL's
+  stash, torch 2.8 on: ``memcalc/tracing/collectives.py``);
+* the kernel (``memcalc/impls/sdpa_flash.py``'s model) at the step's rows;
+* ``_SDPAMerger``: the step's output in float32, merged with the running one through
+  ``sigmoid``/``logsigmoid`` temporaries, a partial step's result ``torch.cat`` into the
+  full rows (``_partial_update``).
+
+The backward keeps float32 grad_q/grad_k/grad_v accumulators, runs the kernel's backward
+per step, and sends the running dK/dV on (always ``all_to_all``: ``_AllToAllRotater``).
+
+Python frees a tensor when its last reference goes; ``Frame`` follows the references of
+torch's code (its variables, the merger's and the rotaters' fields, the stashes), so that
+each tensor dies where it dies in torch. ``memcalc trace --cp`` runs torch's own code
+(``memcalc/tracing/context_parallel.py``); tests/test_impls_ring.py checks every
+allocation and free of this model against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, new, release
+from memcalc.impls import sdpa_flash
+from memcalc.impls.accepted import context_parallel
+from memcalc.impls.device import gpu_of
+
+F32 = "float32"
+T, S, O, G = Role.temporary, Role.saved, Role.output, Role.gradient
+METHODS = ("allgather", "alltoall")
+
+
+@dataclass
+class Frame:
+    """Torch's code run over names: ``hold(variable, *tensors)`` binds a variable (or an
+    object's field) to tensors, dropping what it held; a tensor dies when nothing holds it,
+    and its free is declared before the next allocation, deaths in the order the tensors
+    were made (as the tracer collects them)."""
+
+    events: list = field(default_factory=list)
+    holders: dict = field(default_factory=dict)  # tensor -> the variables holding it
+    bound: dict = field(default_factory=dict)  # variable -> the tensors it holds
+    dead: list = field(default_factory=list)
+
+    def new(self, name: str, shape: tuple, dtype: str, op: str, role: Role = T) -> str:
+        """Allocate ``name`` and bind the variable of the same name to it."""
+        self.flush()
+        self.events.append(new(name, shape, dtype, role, op))
+        self.holders[name] = set()
+        self.hold(name, name)
+        return name
+
+    def kernel(self, events: list, returned: tuple[str, ...]) -> None:
+        """A kernel's events as the model declares them; what it returns (``returned``)
+        lives on as the caller binds it, everything else dies inside."""
+        for event in events:
+            if isinstance(event, Tensor):
+                self.new(event.name, event.shape, event.dtype, event.op)
+            elif isinstance(event, Free):
+                self.drop(*[n for n in event.names if n not in returned])
+
+    def hold(self, variable: str, *tensors: str) -> None:
+        before = self.bound.pop(variable, ())
+        self.bound[variable] = tensors
+        for t in tensors:
+            self.holders.setdefault(t, set()).add(variable)
+        for t in before:
+            self._let_go(t, variable)
+
+    def drop(self, *variables: str) -> None:
+        for variable in variables:
+            for t in self.bound.pop(variable, ()):
+                self._let_go(t, variable)
+
+    def _let_go(self, tensor: str, variable: str) -> None:
+        holding = self.holders.get(tensor)
+        if holding is None or variable in self.bound and tensor in self.bound[variable]:
+            return
+        holding.discard(variable)
+        if not holding:
+            del self.holders[tensor]
+            self.dead.append(tensor)
+
+    def flush(self) -> None:
+        if self.dead:
+            order = {e.name: i for i, e in enumerate(self.events) if isinstance(e, Tensor)}
+            self.events.append(free(*sorted(self.dead, key=order.__getitem__)))
+            self.dead = []
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One rank's sizes: ``d`` the rank's own (``N`` its ``n`` rows), ``P`` ranks, this
+    one ``rank``, K/V exchanged by ``method``."""
+
+    d: Dims
+    P: int
+    rank: int
+    method: str = "allgather"
+
+    @property
+    def kv(self) -> int:
+        """Elements of k and v flattened and concatenated: 2 B Hk n D."""
+        return 2 * self.d.B * self.d.Hk * self.d.N * self.d.D
+
+    def rows(self, i: int) -> tuple[int, int, bool]:
+        """Step ``i``'s q rows, K/V rows, and whether it is partial (``_templated_ring_attention``:
+        step 0 whole and causal; ``i <= rank`` the first half of K/V; else half of q)."""
+        n = self.d.N
+        if i == 0:
+            return n, n, False
+        return (n, n // 2, False) if i <= self.rank else (n // 2, n, True)
+
+    def step_dims(self, i: int) -> Dims:
+        nq, nk, _ = self.rows(i)
+        return self.d.replace(N=nq, M=nk, causal=i == 0)
+
+
+def _named(events: list, step: int) -> list:
+    """A kernel's events under names of their step (``step 2: lse``)."""
+    def name(n):
+        return f"step {step}: {n}"
+    out = []
+    for e in events:
+        if isinstance(e, Tensor):
+            out.append(e.replace(name=name(e.name)))
+        elif isinstance(e, Free):
+            out.append(free(*map(name, e.names)))
+    return out
+
+
+# --- the forward -------------------------------------------------------------------------
+
+def exchange(f: Frame, ring: Ring, i: int, cat: str) -> None:
+    """``rotater.exchange_buffers(cat)``: allgather gathers once (step 0); alltoall sends
+    each step's. The collective's input is stashed until the wait."""
+    d = ring.d
+    if ring.method == "allgather":
+        if i == 0:
+            f.new("gathered K/V", (ring.P * ring.kv,), d.dtype, "all_gather_into_tensor")
+            f.hold("rotater._aggregated_buffer", "gathered K/V")
+            f.drop("gathered K/V")
+            f.hold("stash 0", cat)
+        return
+    name = f"K/V from rank {(ring.rank - i - 1) % ring.P}"
+    f.new(name, (ring.kv,), d.dtype, "all_to_all_single")
+    f.hold("rotater._buffer", name)
+    f.drop(name)
+    f.hold(f"stash {i}", cat)
+
+
+def next_buffer(f: Frame, ring: Ring, i: int) -> str:
+    """``rotater.next_buffer()``: the wait (its input unstashed) and the K/V of step ``i``."""
+    if ring.method == "allgather":
+        f.drop("stash 0")
+        return "gathered K/V"
+    f.drop(f"stash {i - 1}")
+    return f"K/V from rank {(ring.rank - i) % ring.P}"
+
+
+def step_kv(f: Frame, i: int) -> None:
+    """``q, k, v, partial = ...``: the step's k and v are views of the buffer ``key`` and
+    ``value`` view (the inputs at step 0); they keep it until the next step's."""
+    f.hold("k", *f.bound.get("key", ()))
+    f.hold("v", *f.bound.get("value", ()))
+
+
+def rotate_forward(f: Frame, ring: Ring, i: int) -> None:
+    """The loop's head: this step's K/V, and the send of it to the next rank."""
+    if i > 0:
+        buffer = next_buffer(f, ring, i)
+        f.hold("next_kv", buffer)
+        f.hold("key", buffer)
+        f.hold("value", buffer)
+    if i < ring.P - 1:
+        cat = f.new(f"step {i}: cat K/V", (ring.kv,), ring.d.dtype, "cat")  # next_kv = cat
+        f.hold("next_kv", cat)
+        f.drop(cat)
+        exchange(f, ring, i, cat)
+        f.drop("next_kv")  # next_kv = rotater.exchange_buffers(next_kv): None
+
+
+def kernel_forward(f: Frame, ring: Ring, i: int) -> None:
+    """``out, logsumexp, *rest = op(q, k, v)``: the kernel's model; what it returns
+    replaces the previous step's."""
+    d = ring.step_dims(i)
+    step_kv(f, i)
+    events = _named(sdpa_flash.forward(d, gpu_of(d), "cuda")[:-1], i)  # less free(*saved)
+    out, lse, rng, offset = (f"step {i}: {n}" for n in ("out", "lse", "rng_state",
+                                                         "philox_offset"))
+    f.kernel(events, (out, lse, rng, offset))
+    f.hold("out", out)
+    f.hold("logsumexp", lse)
+    f.hold("rest", rng, offset)
+    f.drop(out, lse, rng, offset)
+
+
+def merge(f: Frame, ring: Ring, i: int) -> None:
+    """``sdpa_merger.step(out, logsumexp, partial)`` (``_SDPAMerger._merge_one``)."""
+    d, (nq, _, partial) = ring.d, ring.rows(i)
+    rows, row = (d.B, d.H, nq, d.D), (d.B, d.H, nq, 1)  # (B, H, nq, D), (B, H, nq, 1)
+    block = f.new(f"step {i}: out float32", rows, F32, "_to_copy")  # out.to(torch.float32)
+    if i == 0:
+        f.hold("merger._out", block)
+        f.hold("merger._lse", f"step {i}: lse")
+        f.drop(block)
+        return
+    new = f.new  # out - sigmoid(block_lse - lse) * (out - block_out)
+    t1 = new(f"step {i}: lse difference", row, F32, "sub")
+    t2 = new(f"step {i}: sigmoid", row, F32, "sigmoid")
+    f.drop(t1)
+    t3 = new(f"step {i}: out difference", rows, F32, "sub")
+    t4 = new(f"step {i}: weighted difference", rows, F32, "mul")
+    f.drop(t2, t3)
+    merged = new(f"step {i}: merged out", rows, F32, "sub")
+    f.drop(t4)
+    u1 = new(f"step {i}: lse difference, negated", row, F32, "sub")  # lse - logsigmoid(lse - block_lse)
+    u2 = new(f"step {i}: logsigmoid", row, F32, "log_sigmoid_forward")
+    f.drop(u1)
+    lse = new(f"step {i}: merged lse", row, F32, "sub")
+    f.drop(u2)
+    if partial:  # _partial_update: torch.cat of the first half and the merged second
+        f.new(f"step {i}: lse, whole", (d.B, d.H, d.N, 1), F32, "cat")
+        f.hold("merger._lse", f"step {i}: lse, whole")
+        f.drop(f"step {i}: lse, whole")
+        f.new(f"step {i}: out, whole", (d.B, d.H, d.N, d.D), F32, "cat")
+        f.hold("merger._out", f"step {i}: out, whole")
+        f.drop(f"step {i}: out, whole")
+    else:
+        f.hold("merger._out", merged)
+        f.hold("merger._lse", lse)
+    f.drop(merged, lse, block)
+
+
+def forward(ring: Ring) -> list:
+    """``_templated_ring_attention`` then ``_SDPAMerger.results``: the output in q's dtype
+    and the merged logsumexp, which the node saves with the last step's philox tensors."""
+    d, f = ring.d, Frame()
+    for i in range(ring.P):
+        rotate_forward(f, ring, i)
+        kernel_forward(f, ring, i)
+        merge(f, ring, i)
+    f.new("out", (d.B, d.H, d.N, d.D), d.dtype, "_to_copy", O)  # merger._out.to(q's dtype)
+    lse = f.bound["merger._lse"][0]
+    rng, offset = f.bound["rest"]
+    f.hold("saved", lse, rng, offset)
+    f.drop(*[v for v in list(f.bound) if v not in ("saved", "out")])
+    f.flush()
+    return _saved(f.events, (lse, rng, offset)) + [free(lse, rng, offset)]
+
+
+def _saved(events: list, names: tuple) -> list:
+    """The tensors the node saves, as ``saved``: autograd holds them to the backward."""
+    return [e.replace(role=S) if isinstance(e, Tensor) and e.name in names else e
+            for e in events]
+
+
+# --- the backward ------------------------------------------------------------------------
+
+def rotate_backward(f: Frame, ring: Ring, i: int) -> None:
+    """The K/V of step ``i`` again (``kv_rotater``, the forward's method); the cat sent on
+    stays bound to ``next_kv`` until the next step's replaces it."""
+    if i > 0:
+        buffer = next_buffer(f, ring, i)
+        f.hold("buffer", buffer)
+        f.hold("key", buffer)
+        f.hold("value", buffer)
+    if i != ring.P - 1:
+        cat = f.new(f"step {i}: cat K/V", (ring.kv,), ring.d.dtype, "cat")
+        f.hold("next_kv", cat)
+        f.drop(cat)
+        exchange(f, ring, i, cat)
+
+
+def kernel_backward(f: Frame, ring: Ring, i: int) -> None:
+    """``grad_query_, grad_key_, grad_value_ = op(...)``: the kernel's backward on the
+    step's rows; a partial step reads the second half of the logsumexp made contiguous."""
+    d, (nq, _, partial) = ring.step_dims(i), ring.rows(i)
+    # q, k, v, out_, dout, lse = (...): the tuple is made (a partial step's lse made
+    # contiguous, (B, H, n/2)), then bound left to right
+    half = f.new(f"step {i}: lse half", (d.B, d.H, nq), F32, "clone") if partial else None
+    step_kv(f, i)
+    if half:
+        f.hold("lse", half)
+        f.drop(half)
+    else:
+        f.drop("lse")  # lse = logsumexp, the saved one
+    copy = not transposed_contiguous(ring.d, nq)  # dout and out: (B, H, n, D)-contiguous
+    events = [e for e in sdpa_flash.backward(d, "cuda", copy, copy)
+              if not isinstance(e, Release)]
+    grads = tuple(f"step {i}: {n}" for n in ("dq", "dk", "dv"))
+    f.kernel(_named(events, i), grads)
+    for variable, grad in zip(("grad_query_", "grad_key_", "grad_value_"), grads):
+        f.hold(variable, grad)
+    f.drop(*grads)
+
+
+def transposed_contiguous(d: Dims, rows: int) -> bool:
+    """Whether ``rows`` of a (B, H, n, D)-contiguous tensor (all, or its second chunk),
+    transposed to (B, rows, H, D), is contiguous: ``_flash_attention_backward`` copies it
+    otherwise (strides (H n D, D, n D, 1) against (rows H D, H D, D, 1), sizes 1 aside)."""
+    heads_ok = d.H == 1 or rows == 1 and d.N == 1
+    return heads_ok and (d.B == 1 or rows == d.N)
+
+
+def accumulate(f: Frame, ring: Ring, i: int) -> None:
+    """dK/dV: from step 1 on, the running sums arrive from the previous rank (the wait
+    unstashes what was sent); a step on half the K/V adds into the first half by
+    ``_partial_update`` (a cat); then their cat is sent on. dQ: added in place, or by
+    ``_partial_update`` into the second half on a partial step."""
+    d, (_, _, partial) = ring.d, ring.rows(i)
+    kv = (d.B, d.Hk, d.N, d.D)  # (B, Hk, n, D)
+    if i > 0:
+        received = f"dK/dV from rank {(ring.rank - i) % ring.P}"
+        f.drop(f"dkv stash {i - 1}")
+        f.hold("next_grad_kv", received)
+        f.hold("grad_key", received)
+        f.hold("grad_value", received)
+        if i <= ring.rank:
+            f.hold("grad_key", f.new(f"step {i}: grad_key", kv, F32, "cat"))
+            f.drop(f"step {i}: grad_key")
+            f.hold("grad_value", f.new(f"step {i}: grad_value", kv, F32, "cat"))
+            f.drop(f"step {i}: grad_value")
+    cat = f.new(f"step {i}: cat dK/dV", (ring.kv,), F32, "cat")
+    f.hold("next_grad_kv", cat)
+    f.drop(cat)
+    sent = f"dK/dV from rank {(ring.rank - i - 1) % ring.P}"
+    f.new(sent, (ring.kv,), F32, "all_to_all_single")
+    f.hold("dkv_rotater._buffer", sent)
+    f.drop(sent)
+    f.hold(f"dkv stash {i}", cat)
+    if partial:
+        f.hold("grad_query", f.new(f"step {i}: grad_query", (d.B, d.H, d.N, d.D), F32, "cat"))
+        f.drop(f"step {i}: grad_query")
+
+
+def backward(ring: Ring) -> list:
+    """``_templated_ring_attention_backward``: float32 accumulators, the steps, then the
+    grads in q's dtype: dq made whole, dK/dV received from the last rank and converted,
+    k's and v's grads views of it (``AccumulateGrad`` keeps them as they are)."""
+    d, f = ring.d, Frame()
+    q, kv = (d.B, d.H, d.N, d.D), (d.B, d.Hk, d.N, d.D)
+    for variable, shape in (("grad_query", q), ("grad_key", kv), ("grad_value", kv)):
+        f.new(f"{variable} (float32)", shape, F32, "zeros_like")  # zeros_like(..., float32)
+        f.hold(variable, f"{variable} (float32)")
+        f.drop(f"{variable} (float32)")
+    for i in range(ring.P):
+        rotate_backward(f, ring, i)
+        kernel_backward(f, ring, i)
+        accumulate(f, ring, i)
+    f.hold("grad_query", f.new("q.grad", q, d.dtype, "_to_copy", G))  # .to(query.dtype)
+    f.drop(f"dkv stash {ring.P - 1}")  # next_grad_kv = dkv_rotater.next_buffer().to(...)
+    f.hold("next_grad_kv", f.new("k.grad, v.grad", (ring.kv,), d.dtype, "_to_copy", G))
+    f.drop(*[v for v in list(f.bound) if v not in ("q.grad", "k.grad, v.grad")])
+    f.flush()
+    saved = [e.name for e in forward(ring) if isinstance(e, Tensor) and e.role is S]
+    return f.events + [release(*saved)]
+
+
+def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shape) -> str:
+    """Why ``cp`` ranks cannot run this step as modelled (one line naming the option), or
+    ""; ``shape`` is the whole sequence's (``memcalc.config.Shape``); ``user_code``: a
+    user's function, whose SDPA calls run torch's own ring attention (``trace --cp``)."""
+    if cp == 1:
+        return ""
+    if method not in METHODS:
+        return (f"cp_method: {method} (DeepSpeed-Ulysses' all-to-all of heads) is not "
+                f"modelled yet; PyTorch's: {' or '.join(METHODS)}")
+    if impl != "sdpa-flash" and not user_code:
+        return (f"cp: context parallelism is modelled over sdpa-flash (PyTorch's ring "
+                f"attention calling the flash kernel per step), not {impl}")
+    if not causal and not user_code:
+        return ("cp: PyTorch's context parallelism balances the load of causal attention "
+                "only (torch 2.13: \"Load balancing requires `is_causal=True`\"); add --causal")
+    if not context_parallel(cp).accepts(shape.seq_len):
+        return (f"seq_len: under {cp} ranks N is a multiple of 2 x {cp} = {2 * cp}, each rank "
+                f"holding two chunks of N / {2 * cp} rows (got N = {shape.seq_len:,})")
+    if shape.kv_len not in (None, shape.seq_len):
+        return "kv_len: under context parallelism the keys are the queries' rows (no --kv-len)"
+    if not user_code and (shape.key_heads != shape.heads or shape.head_dim % 8):
+        return ("cp: grouped key/value heads, and a head dim not a multiple of 8, are not "
+                "modelled under context parallelism")
+    return ""
+
+
+def program(d: Dims):
+    """Rank ``d.cp_rank``'s step of ``d.cp`` under context parallelism over the flash
+    kernel; ``d`` holds the rank's own rows."""
+    from memcalc.engine.program import Program
+    from memcalc.impls.common import with_loss
+
+    ring = Ring(d, d.cp, d.cp_rank, d.cp_method)
+    return Program(tuple(forward(ring)), tuple(with_loss(d, backward(ring))))
+
+
+def step_program(impl, d: Dims):
+    """The program of ``impl``'s step at ``d``: one GPU's, or one rank's under ``--cp``."""
+    return program(d) if d.cp > 1 and not impl.user_code else impl.program(d)

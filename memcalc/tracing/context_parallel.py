@@ -1,0 +1,145 @@
+"""Context parallelism in a trace: one rank's ``scaled_dot_product_attention`` run as
+PyTorch's own ring attention (``torch/distributed/tensor/experimental/_context_parallel/
+_attention.py``, ``_templated_ring_attention`` and its backward), for rank ``rank`` of
+``world`` on a fake process group (``torch.testing._internal.distributed.fake_pg``), as
+``context_parallel`` runs it under DTensor.
+
+Torch's code runs as written: the K/V exchange (``_AllGatherRotater`` or
+``_AllToAllRotater``, ``torch.cat`` of k and v, the functional collectives, whose CUDA
+behaviour is ``collectives.py``'s), the load-balanced causal steps (the rank's two chunks,
+``chunk(2)`` of q or of k/v), the float32 merge of each step's output and logsumexp
+(``_SDPAMerger``), the backward's float32 gradient accumulators and rotating dK/dV. Each
+step's kernel call (``aten._scaled_dot_product_flash_attention`` and the others) is memcalc's
+model of that kernel (``kernels.Kernel``), as in a one-GPU trace.
+
+Autograd sees one node, the kernel's (``ScaledDotProductFlashAttentionBackward0``): it saves
+the rank's q, k, v, the merged output and logsumexp, and the last step's philox tensors
+(``tools/autograd/derivatives.yaml``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from memcalc.tracing.errors import NotModelled
+from memcalc.tracing.kernels import FLASH, Kernel, dims_of, meta_copies
+from memcalc.tracing.sdpa_select import Call
+
+METHODS = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This trace is rank ``rank`` of ``world`` context-parallel ranks, exchanging K/V by
+    ``method`` (``allgather``: torch's default, or ``alltoall``)."""
+
+    world: int
+    rank: int
+    method: str = "allgather"
+
+
+def _attention():
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
+
+
+@contextmanager
+def fake_group(ranks: Ranks):
+    """A fake process group in which this process is ``ranks.rank`` of ``ranks.world``, and
+    torch's rotate method set to ``ranks.method``, for the whole step; as they were after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise NotModelled("--cp: a process group is already set up in this process")
+    cp = _attention()
+    method = cp._cp_options.rotate_method
+    dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank, world_size=ranks.world)
+    cp._cp_options.rotate_method = getattr(cp._RotateMethod, METHODS[ranks.method])
+    try:
+        yield
+    finally:
+        cp._cp_options.rotate_method = method
+        dist.destroy_process_group()
+
+
+def _kernel(paths, backend: str, q, k, v, is_causal) -> Kernel:
+    """The model of ``backend`` for one step's q, k, v (views of the rank's tensors)."""
+    call = Call(tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                str(q.dtype).removeprefix("torch."), is_causal=bool(is_causal),
+                requires_grad=True, itemsize=q.element_size())
+    return Kernel(backend, dims_of(call, paths.gpu), call, paths,
+                  *meta_copies(paths.tracer, (q, k, v)))
+
+
+def flash_step(paths):
+    """``aten._scaled_dot_product_flash_attention`` as the ring calls it: the kernel's
+    forward, returning its output, logsumexp and the rest of the op's outputs."""
+    def step(q, k, v, is_causal=False, **_):
+        kernel = _kernel(paths, FLASH, q, k, v, is_causal)
+        out, kept = kernel.forward(), kernel.kept
+        return (out, kept.pop("lse"), None, None, q.shape[2], k.shape[2],
+                kept.pop("rng_state"), kept.pop("philox_offset"), None)
+    return step
+
+
+def flash_step_backward(paths):
+    """``aten._scaled_dot_product_flash_attention_backward``: the kernel's backward on one
+    step's q, k, v, given the merged output and logsumexp (their layout decides its copies)."""
+    def step(grad_out, query, key, value, out, logsumexp, is_causal=False, **_):
+        kernel = _kernel(paths, FLASH, query, key, value, is_causal)
+        kernel.out_copy = not out.transpose(1, 2).is_contiguous()
+        kernel.out_stride = out.stride()
+        return kernel.backward(grad_out)
+    return step
+
+
+def ring_forward(paths, causal: bool, q, k, v) -> tuple:
+    """``_templated_ring_attention`` with the flash kernel's model at each step: the merged
+    output, logsumexp, and the last step's other outputs."""
+    return _attention()._templated_ring_attention(dist.group.WORLD, 2, flash_step(paths),
+                                                  q, k, v, is_causal=causal)
+
+
+class RingFlash(torch.autograd.Function):
+    """The flash node under context parallelism: the ring forward, then the ring backward;
+    saves what ``_scaled_dot_product_flash_attention``'s node saves."""
+
+    @staticmethod
+    def forward(ctx, paths, causal, q, k, v):
+        out, lse, *rest = ring_forward(paths, causal, q, k, v)
+        ctx.paths, ctx.causal = paths, causal
+        ctx.save_for_backward(q, k, v, out, lse, rest[4], rest[5])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        dq, dk, dv, *_ = _attention()._templated_ring_attention_backward(
+            dist.group.WORLD, 2, flash_step_backward(ctx.paths), grad_out, "grad_out", q, k,
+            v, out, lse, ctx.causal, philox_seed=seed, philox_offset=offset)
+        return None, None, dq, dk, dv
+
+
+NODES = {FLASH: RingFlash}
+
+
+def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on this rank's q, k, v under context parallelism."""
+    if backend not in NODES:
+        raise NotModelled(f"--cp: context parallelism with the {backend} backend is not "
+                          f"modelled yet (sdpa-flash is)")
+    if call.mask is not None or call.dropout > 0:
+        raise NotModelled("--cp: torch's context parallelism takes no attn_mask, and "
+                          "dropout is not modelled")
+    paths.note(f"context parallelism: torch's ring attention ({paths.cp.method}), rank "
+               f"{paths.cp.rank} of {paths.cp.world} on a fake process group, the "
+               f"{backend} kernel's model at each step")
+    if not call.requires_grad:
+        with torch.no_grad():
+            return ring_forward(paths, call.is_causal, q, k, v)[0]
+    return NODES[backend].apply(paths, call.is_causal, q, k, v)

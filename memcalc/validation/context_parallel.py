@@ -1,0 +1,47 @@
+"""``memcalc validate --cases cp``: context parallelism checked without a GPU.
+
+For each configuration of the grid below and each of its ranks, the model's figures
+(``memcalc.impls.ring``, ``memcalc.analysis.predict.rank_breakdown``) against a trace of
+PyTorch's own ring attention for that rank (``_templated_ring_attention`` and its backward
+on a fake process group: ``memcalc.tracing.context_parallel``), through the same tracer and
+allocator model as every emulated check; tolerance 0. The flash kernel inside each step is
+memcalc's model of it in both (it cannot run on the meta device): what is checked is what
+the ring adds, its exchange, merge and accumulators.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+from memcalc.config import Config, make_config
+from memcalc.validation.compare import Check, figures_of
+
+# ranks, rows per rank, dtype, method: small sizes (every rank is traced); the reference
+# code of sdpa-flash pins the flash backend (sdpa_kernel), as the model has it
+RANKS = (2, 3, 4, 8)
+ROWS = (256, 1000)
+DTYPES = ("bf16", "fp16")
+METHODS = ("allgather", "alltoall")
+
+
+def grid() -> list[Config]:
+    """The configurations: every (P, rows per rank, dtype, method), causal, B=1, H=4, d=64."""
+    return [make_config(impl="sdpa-flash", batch=1, heads=4, head_dim=64, dtype=dtype,
+                        causal=True, seq_len=P * rows, cp=P, cp_method=method)
+            for P, rows, dtype, method in product(RANKS, ROWS, DTYPES, METHODS)]
+
+
+def checks(progress=None) -> tuple[Check, ...]:
+    """One check per (configuration, rank)."""
+    from memcalc.analysis.predict import rank_breakdown
+    from memcalc.tracing import traced
+    from memcalc.validation.reference import reference_fn
+
+    pairs = [(c, rank) for c in grid() for rank in range(c.cp)]
+    if progress is not None:
+        pairs = progress(pairs, len(pairs), "validate (context parallel)")
+    return tuple(Check(config=c, predicted=figures_of(rank_breakdown(c, rank)),
+                       measured=figures_of(traced(reference_fn(c), c, rank=rank).breakdown),
+                       case=f"cp rank {rank}", detail=f"rank {rank} of {c.cp}")
+                 for c, rank in pairs)
+

@@ -1,0 +1,138 @@
+"""Context parallelism (``memcalc.impls.ring``): one rank's step of PyTorch's ring attention,
+against ``memcalc trace --cp`` running torch's own ``_templated_ring_attention`` on a fake
+process group, allocation by allocation; and the figures of ``breakdown --cp``."""
+
+import pytest
+
+from memcalc.analysis.predict import predict
+from memcalc.config import make_config
+
+MiB = 1 << 20
+
+
+def config(**options):
+    sizes = dict(impl="sdpa-flash", batch=1, heads=32, head_dim=128, dtype="bf16", causal=True,
+                 seq_len=131072)
+    return make_config(**{**sizes, **options})
+
+
+def test_the_busiest_rank_holds_the_gathered_kv_of_the_whole_sequence():
+    """The issue's case: 4 ranks of 32,768 rows each. At the backward peak of rank 1 (ranks
+    1-3 tie; rank 0's partial steps are smaller), every tensor alive, in MiB:
+    gathered K/V, every rank's k and v: 2 x 32 x 131,072 x 128 x 2 B = 2,048;
+    step 0's float32 cat of dK/dV, still stashed, and the dK/dV received: 2 x 1,024
+    (2 x 32 x 32,768 x 128 x 4 B each); the float32 grad_q/grad_k/grad_v: 3 x 512;
+    step 1's cat of K/V (bf16, 2 x 32 x 32,768 x 128 x 2 B): 512; step 1's dq_accum (32,768
+    x 32 x 128 x 4 B): 512; q, k, v, grad_out, out: 5 x 256 (32 x 32,768 x 128 x 2 B);
+    step 0's dq, dk, dv: 3 x 256; step 1's dout and out copies and dq: 3 x 256; step 1's
+    dk, dv over half the keys: 2 x 128; the merged logsumexp and step 1's softmax_d, 32 x
+    32,768 x 4 B: 2 x 4; the philox tensors: 2 x 512 B."""
+    b = predict(config(cp=4))
+    mib = 2048 + 2 * 1024 + 3 * 512 + 512 + 512 + 5 * 256 + 3 * 256 + 3 * 256 + 2 * 128 + 2 * 4
+    assert b.backward_peak_bytes == mib * MiB + 2 * 512 == 10_208_936_960
+    assert b.rank == 1 and b.rank_peaks[1:] == (b.backward_peak_bytes,) * 3
+    gathered = {c.name: c.bytes for c in b.backward_live}["gathered K/V"]
+    assert gathered == 2 * 32 * 131072 * 128 * 2
+    assert b.peak_bytes < predict(config()).peak_bytes  # 12,918,457,344 on one GPU
+
+
+def test_alltoall_receives_one_ranks_kv_at_a_time():
+    """_AllToAllRotater: no gathered buffer; the K/V of one rank (2 x 32 x 32,768 x 128 x 2 B
+    = 512 MiB) per step."""
+    live = {c.name: c.bytes for c in predict(config(cp=4, cp_method="alltoall")).backward_live}
+    assert "gathered K/V" not in live
+    assert live["K/V from rank 0"] == 512 * MiB
+
+
+def test_tensor_parallelism_is_one_gpu_with_its_share_of_the_heads():
+    """--tp 4 over 32 heads (8 key/value heads): each rank is a step of 8 heads over 2."""
+    for impl in ("sdpa-flash", "naive"):
+        split = predict(config(impl=impl, seq_len=4096, kv_heads=8 if impl != "naive" else None,
+                               tp=4))
+        alone = predict(config(impl=impl, seq_len=4096, heads=8,
+                               kv_heads=2 if impl != "naive" else None))
+        for figure in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                       "reserved_peak_bytes"):
+            assert getattr(split, figure) == getattr(alone, figure), (impl, figure)
+
+
+BASE = "breakdown --impl sdpa-flash --causal --seq 1024 --heads 32 --head-dim 128 --dtype bf16"
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (BASE.replace("--causal ", "") + " --cp 4", "--cp: PyTorch's context parallelism balances"),
+    (BASE.replace("sdpa-flash", "naive") + " --cp 4",
+     "--cp: context parallelism is modelled over sdpa-flash"),
+    (BASE.replace("1024", "1004") + " --cp 4", "--seq: under 4 ranks N is a multiple of 2 x 4"),
+    (BASE + " --cp 4 --cp-method ulysses", "--cp-method: ulysses"),
+    (BASE + " --cp 4 --kv-heads 8", "--cp: grouped key/value heads"),
+    (BASE + " --tp 3", "--tp: 3 ranks must divide the heads"),
+])
+def test_what_the_model_refuses_is_one_line(argv, refused, capsys):
+    from memcalc.cli import main
+
+    assert main(argv.split()) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"memcalc: error: {refused}") and err.count("\n") == 1
+
+
+# --- against torch's own ring attention --------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+SDPA = "examples/attention/sdpa_cp.py:attn"
+
+GRID = [dict(cp=2, seq_len=512), dict(cp=2, seq_len=512, cp_method="alltoall"),
+        dict(cp=3, seq_len=768), dict(cp=3, seq_len=768, cp_method="alltoall"),
+        dict(cp=4, seq_len=1024), dict(cp=4, seq_len=1024, cp_method="alltoall"),
+        dict(cp=2, seq_len=512, heads=1, batch=2), dict(cp=3, seq_len=3000, head_dim=64),
+        dict(cp=2, seq_len=512, loss="sum"), dict(cp=2, seq_len=512, dtype="fp16")]
+
+
+def _sequence(entries):
+    """The measured step's allocations and frees (frees between two allocations as one
+    sorted group: the tracer takes a batch of deaths in the order the tensors were made)."""
+    start = [i for i, e in enumerate(entries) if (e.kind, e.label) == ("phase", "forward")][-1]
+    out, frees = [], []
+    for e in entries[start:]:
+        if e.kind == "phase":
+            continue
+        if e.kind == "free":
+            frees.append(e.component.bytes)
+            continue
+        if frees:
+            out.append(("free", tuple(sorted(frees))))
+            frees = []
+        out.append((e.kind, e.component.bytes))
+    return out
+
+
+@pytest.mark.parametrize("options", GRID)
+def test_each_ranks_allocations_and_frees_are_torchs(options):
+    """Every rank: the model's ledger history (each allocation's bytes, each free, in order)
+    is the trace's of torch's ring attention up to its last allocation (after it, the
+    protocol's end frees the rest)."""
+    from memcalc.analysis.predict import rank_breakdown
+    from memcalc.engine.replay import Ledger
+    from memcalc.tracing import load_function, traced
+
+    c = config(**{"heads": 8, "gpu": "a100-80gb", **options})
+    for rank in range(c.cp):
+        history: list = []
+        traced(load_function(SDPA), c, history=history, rank=rank)
+        ledger = Ledger(c.workspace_bytes, record=True)
+        rank_breakdown(c, rank, ledger)
+        model, trace = _sequence(ledger.history), _sequence(history)
+        last = max(i for i, (kind, _) in enumerate(model) if kind == "alloc")
+        assert trace[:last + 1] == model[:last + 1], (rank, options)
+
+
+def test_the_trace_shows_the_busiest_rank_as_the_model_does():
+    from memcalc.tracing import load_function, traced
+    from memcalc.validation.compare import figures_of
+
+    c = config(heads=8, gpu="a100-80gb", cp=4, seq_len=8192)
+    step = traced(load_function(SDPA), c).breakdown
+    model = predict(c)
+    assert (step.rank, step.rank_peaks) == (model.rank, model.rank_peaks)
+    assert figures_of(step) == figures_of(model)
