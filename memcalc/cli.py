@@ -84,10 +84,11 @@ def impl_option(p: argparse.ArgumentParser, default: str | None = None,
                         f"(default: {every})")
 
 
-def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
+def step_options(p: argparse.ArgumentParser, chunk: bool = True, cp: bool = True) -> None:
     """The single-valued options besides the sizes (``memcalc sweep`` lists the sizes);
     ``chunk``: ``--chunk`` and ``--mask``, for commands that run memcalc's implementations
-    (a traced target's own code has neither: it builds its chunks and masks)."""
+    (a traced target's own code has neither: it builds its chunks and masks); ``cp``:
+    ``--cp`` (``memcalc sweep`` takes a list of its own)."""
     p.add_argument("--kv-len", type=whole, default=None, help="key/value length (default: --seq)")
     p.add_argument("--kv-heads", type=whole, default=None, help="key/value heads (GQA; default: --heads)")
     p.add_argument("--causal", action="store_true", help="causal mask")
@@ -109,7 +110,7 @@ def step_options(p: argparse.ArgumentParser, chunk: bool = True) -> None:
                             "it builds, and its int64 copy)")
     p.add_argument("--deterministic", action="store_true",
                    help="the kernels' deterministic backward (flash-attn, flash-attn3)")
-    parallel_options(p)
+    parallel_options(p, cp)
 
 
 def parallel_options(p: argparse.ArgumentParser, cp: bool = True) -> None:

@@ -199,7 +199,8 @@ def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | 
 
 
 def _series(sweep) -> dict[tuple, list]:
-    """The sweep's rows by series (impl, dtype, batch, heads, head_dim), in seq_len order."""
+    """The sweep's rows by series (impl, dtype, batch, heads, head_dim, cp), in seq_len
+    order."""
     out: dict[tuple, list] = {}
     for r in sweep.rows:
         out.setdefault(r.series, []).append(r)
@@ -208,9 +209,10 @@ def _series(sweep) -> dict[tuple, list]:
 
 def _series_names(sweep, series) -> dict[tuple, str]:
     """Each series named by the implementation and whatever else varies in the sweep."""
-    fields = ("impl", "dtype", "batch", "heads", "head_dim")
-    prefix = {"impl": "", "dtype": "", "batch": "B=", "heads": "H=", "head_dim": "d="}
-    varying = [0] + [i for i in range(1, 5) if len({k[i] for k in series}) > 1]
+    fields = ("impl", "dtype", "batch", "heads", "head_dim", "cp")
+    prefix = {"impl": "", "dtype": "", "batch": "B=", "heads": "H=", "head_dim": "d=",
+              "cp": "cp="}
+    varying = [0] + [i for i in range(1, 6) if len({k[i] for k in series}) > 1]
     return {k: " ".join(f"{prefix[fields[i]]}{k[i]}" for i in varying) for k in series}
 
 
@@ -225,7 +227,8 @@ def _solved_by_series(sweep, series, report, time_limit) -> dict[tuple, object]:
     given = {r.impl: r for r in report.results} if report is not None else {}
     if report is not None:
         _check_report(sweep, report)
-    one_shape = all(len(sweep.axes[k]) == 1 for k in ("dtype", "batch", "heads", "head_dim"))
+    one_shape = all(len(sweep.axes.get(k, (1,))) == 1
+                    for k in ("dtype", "batch", "heads", "head_dim", "cp"))
     out = {}
     for key in series:
         if one_shape and key[0] in given:
@@ -259,9 +262,10 @@ def _check_report(sweep, report) -> None:
 
 
 def _series_config(base, key):
-    """``base`` with one series' implementation, dtype and shape."""
-    impl, dtype, batch, heads, head_dim = key
-    return base.replace(impl=impl, dtype=dtype, batch=batch, heads=heads, head_dim=head_dim)
+    """``base`` with one series' implementation, dtype, shape and ranks."""
+    impl, dtype, batch, heads, head_dim, cp = key
+    return base.replace(impl=impl, dtype=dtype, batch=batch, heads=heads, head_dim=head_dim,
+                        cp=cp)
 
 
 def _style(i: int, count: int) -> tuple:

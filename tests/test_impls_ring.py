@@ -136,3 +136,13 @@ def test_the_trace_shows_the_busiest_rank_as_the_model_does():
     model = predict(c)
     assert (step.rank, step.rank_peaks) == (model.rank, model.rank_peaks)
     assert figures_of(step) == figures_of(model)
+
+
+def test_validate_cases_cp_checks_every_rank_against_torch(capsys):
+    """memcalc validate --cases cp: each (configuration, rank) of the grid, the model's five
+    figures against the trace of torch's ring attention; 0 mismatches."""
+    from memcalc.validation import validate
+    from memcalc.validation.context_parallel import grid
+
+    report = validate(cases=("cp",))
+    assert len(report.checks) == sum(c.cp for c in grid()) and report.mismatches == 0

@@ -77,7 +77,7 @@ def test_growth_is_against_the_first_given_length_of_each_series(toys):
         (32, 512, 1_376_256, 1_376_256, 1),
         (32, 256, 425_984, 1_376_256, Fraction(13, 42)),  # 425,984 / 1,376,256: both / 32,768
     ]
-    assert s.rows[3].series == (TOY, "fp32", 1, 1, 32)
+    assert s.rows[3].series == (TOY, "fp32", 1, 1, 32, 1)  # ..., head_dim, cp
     table = s.tables()[0]
     at = [c.header for c in table.columns].index("x first")
     growth = [cells[at] for cells in table.cells()]

@@ -107,3 +107,22 @@ def test_bad_input(capsys, argv, option):
 def test_ranges(capsys):
     code, out, _ = run(capsys, "sweep", "--seq", "256:1024:256", "--json")
     assert [r["seq_len"] for r in json.loads(out)["rows"]] == [256, 512, 768, 1024]
+
+
+def test_a_list_of_context_parallel_ranks_is_one_series_each():
+    """sweep --cp 1,4: each number of ranks its own series (the busiest rank's figures, as
+    breakdown --cp gives them); a length not a multiple of 2P is skipped for that P."""
+    from memcalc.analysis.predict import predict
+    from memcalc.config import make_config
+
+    base = make_config(impl="sdpa-flash", batch=1, heads=8, head_dim=64, dtype="bf16",
+                       causal=True, seq_len=4096)
+    s = sweep(base, Budget.of(Device()), (4096, 8192, 8196), cps=(1, 4))
+    rows = {(r.cp, r.seq_len): r for r in s.rows}
+    assert set(rows) == {(1, 4096), (1, 8192), (1, 8196), (4, 4096), (4, 8192)}, s.skipped
+    for (cp, n), row in rows.items():
+        b = predict(base.replace(seq_len=n, cp=cp))
+        assert (row.peak_bytes, row.reserved_peak_bytes) == (b.peak_bytes, b.reserved_peak_bytes)
+    assert [(k.sizes, k.reason.split(":")[0]) for k in s.skipped] == \
+        [({"cp": 4, "seq_len": 8196}, "seq_len")]  # 8196 = 8 x 1024 + 4
+    assert "cp" in [c.header for c in s.long_columns()]

@@ -5,7 +5,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.engine.replay import Ledger  # noqa: E402
 from memcalc.tracing.context_parallel import Ranks, fake_group  # noqa: E402
 from memcalc.tracing.tracer import Tracer  # noqa: E402
 

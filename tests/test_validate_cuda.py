@@ -150,7 +150,8 @@ def test_cli_without_cuda_says_so(capsys):
     (["--backend", "cuda", "--max-seconds", "nan"], "--max-seconds: a positive number"),
     (["--backend", "cuda", "--cases", "grid,bogus"], "--cases: unknown kind of case 'bogus'"),
     (["--max-seconds", "60"], "--max-seconds: only with --backend cuda"),
-    (["--cases", "grid"], "--cases: only with --backend cuda"),
+    (["--cases", "fused"], "--cases fused: a live case (--backend cuda)"),
+    (["--backend", "cuda", "--cases", "cp"], "--cases cp: context parallelism runs live on"),
 ])
 def test_cli_rejects_bad_live_options(capsys, argv, message):
     assert main(["validate", *argv]) == 2

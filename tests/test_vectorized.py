@@ -148,3 +148,16 @@ def test_bad_axes():
         evaluate(Config(), depth=[3])
     with pytest.raises(ValueError, match="kv_heads"):
         evaluate(Config(), heads=4, kv_heads=3)
+
+
+def test_an_evaluator_shared_by_bases_of_other_shapes_keeps_none_of_their_sizes():
+    """Evaluators are cached by everything but the shape: one first built for a base with
+    kv_len = 512 served a base without one that kv_len at every length, and causal
+    sdpa-flash refused the lengths other than 512 (kv_len != seq_len)."""
+    from memcalc.config import make_config
+
+    options = dict(impl="sdpa-flash", dtype="bf16", causal=True, batch=1, heads=2, head_dim=64)
+    evaluate(make_config(**options, seq_len=512, kv_len=512), seq_len=np.array([512]))
+    base = make_config(**options, seq_len=512)
+    figures = evaluate(base, seq_len=np.array([1024]))
+    assert int(figures.peak_bytes[0]) == predict(base.replace(seq_len=1024)).peak_bytes

@@ -5,11 +5,16 @@ runs it across the ranks:
 
     memcalc trace examples/attention/sdpa_cp.py:attn --causal --cp 4 --seq 131072 \\
         --heads 32 --head-dim 128 --dtype bf16 --batch 1
+
+The flash backend is pinned: it is the kernel memcalc models under context parallelism
+(on an H100, torch 2.13 would take cuDNN, which ``trace --cp`` refuses in one line).
 """
 
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def attn(q, k, v, causal=True):
     """One rank's attention over its shard of q, k, v (B, H, N / P, D)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)

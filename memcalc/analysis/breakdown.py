@@ -51,6 +51,7 @@ class Breakdown(Result):
     reserved_peak_bytes: int
     rank: int | None = None  # under context parallelism: the busiest rank, shown
     rank_peaks: tuple[int, ...] = ()  # and every rank's max_memory_allocated
+    rank_reserved: tuple[int, ...] = ()  # and max_memory_reserved
     _budget: object = PrivateAttr(None)  # the Budget ``fits`` uses, when given
 
     @computed_field

@@ -72,18 +72,25 @@ def _replayed(config: Config, capacity: int | None, ledger: Ledger | None) -> Br
 
 def _replayed_in(config: Config, ledger: Ledger) -> Breakdown:
     """One GPU's step; under context parallelism, every rank's (each in a ledger of its
-    own: a rank that runs out is the step's ``OutOfMemory``), the busiest one's shown:
-    the highest ``max_memory_allocated``, then ``max_memory_reserved``, then the lowest
-    rank."""
+    own: a rank that runs out is the step's ``OutOfMemory``), the busiest one's shown
+    (``busiest``)."""
     d = config.dims
     if d.cp == 1:
         return _rank_replayed(config, d, ledger)
     ranks = [_rank_replayed(config, d.replace(cp_rank=r), _like(ledger, config))
              for r in range(d.cp)]
-    busiest = max(range(d.cp), key=lambda r: (ranks[r].peak_bytes,
-                                              ranks[r].reserved_peak_bytes, -r))
-    return _rank_replayed(config, d.replace(cp_rank=busiest), ledger).model_copy(
-        update=dict(rank=busiest, rank_peaks=tuple(b.peak_bytes for b in ranks)))
+    rank = busiest(ranks)
+    return _rank_replayed(config, d.replace(cp_rank=rank), ledger).model_copy(
+        update=dict(rank=rank, rank_peaks=tuple(b.peak_bytes for b in ranks),
+                    rank_reserved=tuple(b.reserved_peak_bytes for b in ranks)))
+
+
+def busiest(ranks: list[Breakdown]) -> int:
+    """The rank whose step must fit first: the highest ``max_memory_reserved`` (the fit is
+    judged on it: the allocator's segments, not only the tensors), then the highest
+    ``max_memory_allocated``, then the lowest rank."""
+    return max(range(len(ranks)), key=lambda r: (ranks[r].reserved_peak_bytes,
+                                                 ranks[r].peak_bytes, -r))
 
 
 def rank_breakdown(config: Config, rank: int, ledger: Ledger | None = None) -> Breakdown:

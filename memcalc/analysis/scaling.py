@@ -61,6 +61,7 @@ class SweepRow(BaseModel):
     quadratic_bytes: int
     fits: bool
     first_peak_bytes: int  # the peak of the first row of this row's series
+    cp: int = 1  # context-parallel ranks (figures: the busiest rank's)
 
     @computed_field
     @property
@@ -74,7 +75,7 @@ class SweepRow(BaseModel):
 
     @property
     def series(self) -> tuple:
-        return self.impl, self.dtype, self.batch, self.heads, self.head_dim
+        return self.impl, self.dtype, self.batch, self.heads, self.head_dim, self.cp
 
 
 def growth(peak: int, first: int) -> Fraction:
@@ -106,7 +107,7 @@ MEANS = {  # what a sweep's column (or a pivot's figure) is
 }
 CSV_KEYS = ("impl", "dtype", "batch", "heads", "seq_len", "head_dim", "peak_bytes", "saved_bytes",
             "forward_peak_bytes", "backward_peak_bytes", "reserved_peak_bytes",
-            "quadratic_bytes", "growth", "fits", "status", "reason")
+            "quadratic_bytes", "growth", "fits", "status", "reason")  # and cp, when swept
 
 
 class Skipped(BaseModel):
@@ -204,7 +205,8 @@ class Sweep(Result):
         return nbytes if self.unit == "bytes" else mib(nbytes)
 
     def _varying(self) -> list[str]:
-        return [k for k in ("impl", "dtype", "batch", "heads", "head_dim") if len(self.axes[k]) > 1]
+        return [k for k in ("impl", "dtype", "cp", "batch", "heads", "head_dim")
+                if len(self.axes.get(k, ())) > 1]
 
     def long_columns(self) -> list[Column]:
         u = "bytes" if self.unit == "bytes" else "MiB"
@@ -254,12 +256,12 @@ class Sweep(Result):
         u = "bytes" if self.unit == "bytes" else "MiB"
         groups: dict[tuple, dict[int, dict[int, SweepRow]]] = {}
         for r in self._table_rows():
-            g = groups.setdefault((r.impl, r.dtype, r.batch, r.heads), {})
+            g = groups.setdefault((r.impl, r.dtype, r.batch, r.heads, r.cp), {})
             g.setdefault(r.seq_len, {})[r.head_dim] = r
         out = []
         dims = [d for d in self.axes["head_dim"]]
         kept = set(self.shown_lengths())
-        for (impl, dtype, batch, heads), table in groups.items():
+        for (impl, dtype, batch, heads, cp), table in groups.items():
             table = {n: row for n, row in table.items() if n in kept}
             def cell(row, d, key=key):
                 r = row[1].get(d)
@@ -269,7 +271,7 @@ class Sweep(Result):
                 return value if r.fits else f"{shown(value)} OOM"
             cols = [Column("seq_len \\ head_dim", lambda row: row[0], "right", phrase=True)]
             cols += [Column(str(d), (lambda d: lambda row: cell(row, d))(d), "right") for d in dims]
-            config = self.base.replace(impl=impl, dtype=dtype, batch=batch, heads=heads)
+            config = self.base.replace(impl=impl, dtype=dtype, batch=batch, heads=heads, cp=cp)
             label = config.label(leave_out=("seq_len", "head_dim"))
             title = f"{FIGURE_TITLE[figure]} ({u}): {impl}: {label}"
             out.append((title, cols, sorted(table.items())))
@@ -285,7 +287,7 @@ class Sweep(Result):
     def csv_table(self) -> Table:
         """Every row, every figure in bytes (the layout does not apply), then a row for
         each refusal (``skipped``: its sizes, no figures, the reason)."""
-        return record_table(CSV_KEYS, self.records())
+        return record_table(self._csv_keys(), self.records())
 
     def headline(self) -> str:
         fitting, n = sum(self.columns["fits"]), len(self)
@@ -299,12 +301,16 @@ class Sweep(Result):
         CSV's rows and ``to_dataframe``'s."""
         rows = [{**r, "status": "computed"} for r in self.to_dict()["rows"]]
         rows += [{**s.to_dict(), "status": "skipped"} for s in self.skipped]
-        return [{k: row.get(k) for k in CSV_KEYS} for row in rows]
+        return [{k: row.get(k) for k in self._csv_keys()} for row in rows]
+
+    def _csv_keys(self) -> tuple[str, ...]:
+        """``CSV_KEYS``, and ``cp`` when the sweep is over context-parallel ranks."""
+        return CSV_KEYS + (("cp",) if "cp" in self.axes else ())
 
     def to_dict(self) -> dict:
         c = self.columns
         peaks = [max(f, b) for f, b in zip(c["forward_peak_bytes"], c["backward_peak_bytes"])]
-        names = [k for k in c if k != "first_peak_bytes"]
+        names = [k for k in c if k != "first_peak_bytes" and (k != "cp" or "cp" in self.axes)]
         rows = [{**dict(zip(names, values)), "peak_bytes": peak,
                  "growth": growth_number(peak, first)}
                 for values, peak, first in zip(zip(*(c[k] for k in names)), peaks,
@@ -319,15 +325,17 @@ class Sweep(Result):
 def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterable[int] = (),
           batch: Iterable[int] = (), heads: Iterable[int] = (), impls: Iterable[str] = (),
           dtypes: Iterable[str] = (), pivot: Figure | None = None,
-          unit: Literal["MiB", "bytes"] = "MiB", progress=None) -> Sweep:
+          unit: Literal["MiB", "bytes"] = "MiB", progress=None, cps: Iterable[int] = ()) -> Sweep:
     """Every combination of the given values (``base``'s where none are given) for each
-    implementation and dtype, exact, with the OOM mark for ``budget``. An implementation
+    implementation, dtype and number of context-parallel ranks (``cps``), exact, with the
+    OOM mark for ``budget``. An implementation
     that rejects a dtype, or some of the sizes, is listed under ``skipped`` with them; its
     other configurations stay.
     ``progress(items, total, description)`` wraps the loop over implementations and dtypes
     (``memcalc.output.progress``)."""
     s = base.shape
     axes = {"impl": tuple(impls) or (base.impl,), "dtype": tuple(dtypes) or (base.dtype.value,),
+            **({"cp": tuple(cps)} if tuple(cps) not in ((), (1,)) else {}),
             "batch": tuple(batch) or (s.batch,), "heads": tuple(heads) or (s.heads,),
             "head_dim": tuple(head_dim) or (s.head_dim,)}
     if hasattr(seq_len, "__len__"):  # a range of a hundred million: refused before it is made
@@ -340,20 +348,23 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
     columns: dict[str, list] = {k: [] for k in SweepRow.model_fields}
     skipped: list[Skipped] = []
     errors: list[Exception] = []
-    series = list(product(axes["impl"], axes["dtype"]))
+    ranks = axes.get("cp", (base.cp,))
+    series = list(product(axes["impl"], axes["dtype"], *([ranks] if len(ranks) > 1 else [])))
     if progress is not None and len(series) > 1:
         series = progress(series, len(series), "sweep")
-    for impl, dtype in series:
+    for impl, dtype, *cp in series:
+        cp = cp[0] if cp else ranks[0]
         say(f"{impl} {dtype}: the figures of each configuration")
         try:
-            config = _series_base(base, impl, dtype, axes)
+            config = _series_base(base, impl, dtype, axes, cp)
             runs = _evaluated(config, axes)
         except Exception as error:  # noqa: BLE001 - refused (or broken) wherever it is tried
             runs = [([], error)]
         for points, outcome in runs:
             if isinstance(outcome, Exception):
                 errors.append(outcome)
-                skipped.append(Skipped(impl=impl, dtype=dtype, sizes=_varying(points, axes),
+                sizes = {**({"cp": cp} if len(ranks) > 1 else {}), **_varying(points, axes)}
+                skipped.append(Skipped(impl=impl, dtype=dtype, sizes=sizes,
                                        reason=refusal(outcome, impl)))
                 continue
             arrays = tuple(np.array(v, dtype=np.int64) for v in zip(*points))
@@ -373,7 +384,7 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
 GRID = ("batch", "heads", "head_dim", "seq_len")  # the order of a sweep's configurations
 
 
-def _series_base(base: Config, impl: str, dtype: str, axes: dict) -> Config:
+def _series_base(base: Config, impl: str, dtype: str, axes: dict, cp: int = 1) -> Config:
     """``base`` as ``impl`` in ``dtype``, at the first point of the grid it takes (the grid
     sets every configuration's sizes, but the figures are evaluated from a configuration
     the implementation takes: ``base``'s own sizes may be refused, a head dim of 512 for
@@ -382,7 +393,7 @@ def _series_base(base: Config, impl: str, dtype: str, axes: dict) -> Config:
 
     def taken(point: tuple) -> Config:
         sizes = dict(zip(GRID, point))
-        config = base.replace(impl=impl, dtype=dtype, **sizes)
+        config = base.replace(impl=impl, dtype=dtype, cp=cp, **sizes)
         evaluate(config, **{k: np.array([v], dtype=np.int64) for k, v in sizes.items()})
         return config
 
@@ -455,6 +466,7 @@ def _add_series(columns: dict[str, list], config: Config, figures, shape_axes, l
     n = len(fits)
     columns["impl"] += [config.impl] * n
     columns["dtype"] += [config.dtype.value] * n
+    columns["cp"] += [config.cp] * n
     for name, values in zip(("batch", "heads", "head_dim", "seq_len"), shape_axes):
         columns[name] += values.tolist()
     for name in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes",

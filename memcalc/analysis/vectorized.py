@@ -262,6 +262,10 @@ class Evaluator:
         # the fields that vary over the whole grid stay symbolic in every chunk, so that
         # chunks share programs and paths
         self.varying = frozenset(k for k, v in leaves.items() if v.min() != v.max())
+        if self.base.cp > 1 or self.base.tp > 1:  # the grid's sizes are the whole step's,
+            # not a rank's (Dims.of divides them): each configuration replayed as it is
+            self._scalar(leaves, np.arange(n), out, path_ids, fallback, "parallel")
+            return Figures(**out, path=path_ids, fallback=fallback)
         for start in range(0, n, CHUNK):
             sl = slice(start, min(n, start + CHUNK))
             chunk = {k: v[sl] for k, v in leaves.items()}
@@ -461,7 +465,11 @@ class Evaluator:
         return predict(self._config(rep)).figures() == path.figures
 
     def _config(self, env: dict) -> Config:
-        return self.base.replace(**{_FIELDS[k]: v for k, v in env.items()})
+        """The configuration at one point: the grid's sizes, key/value length and heads
+        following the queries' where the grid has none (the evaluator is shared by bases
+        that differ in shape: one built from a base with a kv_len must not keep it)."""
+        sizes = {"kv_len": None, "kv_heads": None, **{_FIELDS[k]: v for k, v in env.items()}}
+        return self.base.replace(**sizes)
 
     def _scalar(self, leaves: dict, idx: np.ndarray, out: dict, path_ids: np.ndarray,
                 fallback: dict, reason: str) -> None:

@@ -50,7 +50,10 @@ def add_arguments(p) -> None:
     p.add_argument("--heads", default="1", metavar="LIST", help="heads (default 1)")
     impl_option(p, "naive")
     p.add_argument("--dtype", default="fp32", metavar="LIST", help=f"a list of {DTYPE_HELP}")
-    step_options(p)
+    step_options(p, cp=False)
+    p.add_argument("--cp", default="1", metavar="LIST",
+                   help="context-parallel ranks (default 1): a list sweeps each, the busiest "
+                        "rank's figures (sdpa-flash, --causal; seq lengths multiples of 2P)")
     budget_options(p)
     p.add_argument("--pivot", default=None, metavar="FIGURE",
                    help="one figure as a table with a row per seq_len and a column per "
@@ -75,24 +78,25 @@ def run(args) -> int:
 
     lists = {option: int_ranges(getattr(args, key), option) for option, key in (
         ("--seq", "seq"), ("--head-dim", "head_dim"), ("--batch", "batch"), ("--heads", "heads"))}
+    cps = [n for r in int_ranges(args.cp, "--cp") for n in r]
     dtypes = name_list(args.dtype, "--dtype")
     impls = impl_list(args.impl or ["naive"])
     impls = impls if impls is not None else impl_choices()
-    rows = len(impls) * len(dtypes) * prod(sum(map(len, r)) for r in lists.values())
+    rows = len(impls) * len(dtypes) * len(cps) * prod(sum(map(len, r)) for r in lists.values())
     check_rows(rows)
     seq, dims, batch, heads = ([n for r in ranges for n in r] for ranges in lists.values())
     check_chunk(args, impls)
     if args.pivot is not None and args.pivot not in FIGURE_KEY:
         raise unknown("--pivot", args.pivot, list(FIGURE_KEY), "figure")
     dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
-    options = {**config_options(args), "dtype": dtypes[0]}
+    options = {**config_options(args), "dtype": dtypes[0], "cp": cps[0]}
     base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
                                   "seq_len": seq})
     check_output(args.plot, "--plot")
     with status(f"sweeping {rows:,} configurations"):  # a million rows: seconds
         result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
                        pivot=args.pivot, unit="bytes" if args.bytes else "MiB",
-                       progress=progress)
+                       progress=progress, cps=cps)
     if args.plot:  # before printing, so that a failure to write it prints nothing else
         from memcalc.plots import plot_peaks
 

@@ -4,7 +4,7 @@ import math
 import os
 
 from memcalc.cli import check_output, emit, format_options, impl_option, naming
-from memcalc.names import CASE_KINDS, unknown
+from memcalc.names import CASE_KINDS, EMULATED_KINDS, unknown
 
 HELP = "compare predictions with the emulated trace or a live GPU run"
 
@@ -24,8 +24,10 @@ def add_arguments(parser) -> None:
                         help="--backend cuda: stop starting new configurations after this "
                              "many seconds (rerun with the same --out to resume)")
     parser.add_argument("--cases", default=None,
-                        help=f"--backend cuda: comma-separated kinds of cases, of "
-                             f"{','.join(CASE_KINDS)} (default: all, in that order)")
+                        help=f"comma-separated kinds of cases: with --backend cuda, of "
+                             f"{','.join(CASE_KINDS)} (default: all, in that order); "
+                             f"emulated, of {','.join(EMULATED_KINDS)} (default: grid; cp: "
+                             f"context parallelism, every rank against torch's ring attention)")
     format_options(parser)
 
 
@@ -58,10 +60,23 @@ def parse_cases(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
     kinds = tuple(k.strip() for k in text.split(","))
+    known = (*CASE_KINDS, *[k for k in EMULATED_KINDS if k not in CASE_KINDS])
     for kind in kinds:
-        if kind not in CASE_KINDS:
-            raise unknown("--cases", kind, CASE_KINDS, "kind of case")
+        if kind not in known:
+            raise unknown("--cases", kind, known, "kind of case")
     return kinds
+
+
+def check_cases(kinds: tuple[str, ...] | None, live: bool) -> None:
+    """Which kinds each backend runs: context parallelism needs several GPUs to run live."""
+    for kind in kinds or ():
+        if live and kind not in CASE_KINDS:
+            raise ValueError(f"--cases {kind}: context parallelism runs live on several GPUs: "
+                             f"torchrun --nproc-per-node P validation/cp_live.py (the README, "
+                             f"'Several GPUs'); emulated here without --backend cuda")
+        if not live and kind not in EMULATED_KINDS:
+            raise ValueError(f"--cases {kind}: a live case (--backend cuda); emulated runs "
+                             f"{' and '.join(EMULATED_KINDS)}")
 
 
 def run(args) -> int:
@@ -76,9 +91,9 @@ def run(args) -> int:
     if args.out and not (os.path.isdir(args.out) or args.out.endswith("/")):
         check_output(args.out, "--out")
     live = args.backend == "cuda"
-    for option, value in (("--max-seconds", seconds), ("--cases", kinds)):
-        if value is not None and not live:
-            raise ValueError(f"{option}: only with --backend cuda")
+    if seconds is not None and not live:
+        raise ValueError("--max-seconds: only with --backend cuda")
+    check_cases(kinds, live)
     from memcalc.output.progress import progress
 
     report = validate(backend=args.backend, impls=impls, grid=args.grid,

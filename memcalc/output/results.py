@@ -64,14 +64,15 @@ def rank_note(b) -> list[str]:
     """Under context parallelism: which rank is shown, and why."""
     if b.rank is None:
         return []
-    c, peaks = b.config, b.rank_peaks
-    ties = [r for r, p in enumerate(peaks) if p == peaks[b.rank]]
-    tied = f" (tied with rank{'s' if len(ties) > 2 else ''} " \
-           f"{', '.join(str(r) for r in ties if r != b.rank)})" if len(ties) > 1 else ""
-    return [f"rank {b.rank} of {c.cp} shown, the busiest{tied}: each rank holds "
-            f"{c.dims.N:,} of the {c.shape.seq_len:,} rows; max_memory_allocated by rank: "
-            f"{', '.join(f'{p:,}' for p in peaks)} B"]
-
+    c = b.config
+    key = list(zip(b.rank_reserved, b.rank_peaks))
+    ties = [r for r, k in enumerate(key) if k == key[b.rank] and r != b.rank]
+    tied = f" (as busy: rank{'s' * (len(ties) > 1)} {', '.join(map(str, ties))})" if ties else ""
+    return [f"rank {b.rank} of {c.cp} shown, the busiest{tied}: the highest "
+            f"max_memory_reserved, then max_memory_allocated; each rank holds "
+            f"{c.dims.N:,} of the {c.shape.seq_len:,} rows. By rank, reserved: "
+            f"{', '.join(f'{p:,}' for p in b.rank_reserved)} B; allocated: "
+            f"{', '.join(f'{p:,}' for p in b.rank_peaks)} B"]
 
 def component_columns(peak: int, with_source: bool = False) -> list[Column]:
     """Columns of the components table; ``peak`` gives the share column, ``with_source``

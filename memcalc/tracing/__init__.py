@@ -136,14 +136,16 @@ def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
                     inputs: tuple[Input, ...]) -> tuple:
     """Every rank's step, the busiest one's shown as ``memcalc.analysis.predict`` shows
     it: ``(breakdown, paths, tracer, rank)``."""
+    from memcalc.analysis.predict import busiest
+
     ranks = [_rank_traced(call, config, options, inputs, r) for r in range(config.cp)]
-    busiest = max(range(config.cp), key=lambda r: (ranks[r][0].peak_bytes,
-                                                   ranks[r][0].reserved_peak_bytes, -r))
-    result, paths, tracer = ranks[busiest]
+    rank = busiest([b for b, _, _ in ranks])
+    result, paths, tracer = ranks[rank]
     if config.cp > 1:
         result = result.model_copy(update=dict(
-            rank=busiest, rank_peaks=tuple(b.peak_bytes for b, _, _ in ranks)))
-    return result, paths, tracer, busiest
+            rank=rank, rank_peaks=tuple(b.peak_bytes for b, _, _ in ranks),
+            rank_reserved=tuple(b.reserved_peak_bytes for b, _, _ in ranks)))
+    return result, paths, tracer, rank
 
 
 def _rank_traced(call: Bound, config: Config, options: TraceOptions,

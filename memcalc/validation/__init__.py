@@ -37,11 +37,16 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
         raise ValueError(f"unknown backend {backend!r}; known: emulated, cuda")
     from memcalc.validation import emulated as runner
 
-    configs = list(configs)
-    if progress is not None:
+    kinds = cases or ("grid",)
+    configs = list(configs) if "grid" in kinds else []
+    if progress is not None and configs:
         configs = progress(configs, len(configs), f"validate ({backend})")
     checks = tuple(runner.check(c) for c in configs)
-    if shipped:  # the model code's fitted programs (memcalc oom --trace) too
+    if "cp" in kinds:
+        from memcalc.validation.context_parallel import checks as cp_checks
+
+        checks += cp_checks(progress)
+    if shipped and "grid" in kinds:  # the model code's fitted programs (oom --trace) too
         from memcalc.validation.modelcode import fitted_checks
 
         checks += fitted_checks()

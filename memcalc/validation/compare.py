@@ -144,7 +144,8 @@ def _label(check: Check) -> str:
     an OOM case is run under."""
     c = check.config
     cap = f" cap={check.capacity_bytes}" if check.capacity_bytes else ""
-    return f"{c.impl}: {c.label()} on {c.device.gpu or 'live'}{cap}"
+    rank = f", {check.detail}" if check.case.startswith("cp rank") else ""
+    return f"{c.impl}: {c.label()}{rank} on {c.device.gpu or 'live'}{cap}"
 
 
 def _worst(check: Check) -> str:
