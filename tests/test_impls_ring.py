@@ -62,7 +62,7 @@ BASE = "breakdown --impl sdpa-flash --causal --seq 1024 --heads 32 --head-dim 12
 @pytest.mark.parametrize("argv, refused", [
     (BASE.replace("--causal ", "") + " --cp 4", "--cp: PyTorch's context parallelism balances"),
     (BASE.replace("sdpa-flash", "naive") + " --cp 4",
-     "--cp: context parallelism is modelled over sdpa-flash"),
+     "--cp: context parallelism is modelled over sdpa-flash and sdpa-cudnn"),
     (BASE.replace("1024", "1004") + " --cp 4", "--seq: under 4 ranks N is a multiple of 2 x 4"),
     (BASE + " --cp 4 --cp-method ulysses", "--cp-method: ulysses"),
     (BASE + " --cp 4 --kv-heads 8", "--cp: grouped key/value heads"),
@@ -86,7 +86,10 @@ GRID = [dict(cp=2, seq_len=512), dict(cp=2, seq_len=512, cp_method="alltoall"),
         dict(cp=3, seq_len=768), dict(cp=3, seq_len=768, cp_method="alltoall"),
         dict(cp=4, seq_len=1024), dict(cp=4, seq_len=1024, cp_method="alltoall"),
         dict(cp=2, seq_len=512, heads=1, batch=2), dict(cp=3, seq_len=3000, head_dim=64),
-        dict(cp=2, seq_len=512, loss="sum"), dict(cp=2, seq_len=512, dtype="fp16")]
+        dict(cp=2, seq_len=512, loss="sum"), dict(cp=2, seq_len=512, dtype="fp16"),
+        dict(cp=3, seq_len=768, impl="sdpa-cudnn"),
+        dict(cp=4, seq_len=1024, impl="sdpa-cudnn", cp_method="alltoall"),
+        dict(cp=2, seq_len=512, impl="sdpa-cudnn", loss="sum", heads=1, batch=2)]
 
 
 def _sequence(entries):
@@ -111,15 +114,17 @@ def _sequence(entries):
 def test_each_ranks_allocations_and_frees_are_torchs(options):
     """Every rank: the model's ledger history (each allocation's bytes, each free, in order)
     is the trace's of torch's ring attention up to its last allocation (after it, the
-    protocol's end frees the rest)."""
+    protocol's end frees the rest), over the flash kernel and over cuDNN's (the reference
+    code pins the backend)."""
     from memcalc.analysis.predict import rank_breakdown
     from memcalc.engine.replay import Ledger
-    from memcalc.tracing import load_function, traced
+    from memcalc.tracing import traced
+    from memcalc.validation.reference import reference_fn
 
-    c = config(**{"heads": 8, "gpu": "a100-80gb", **options})
+    c = config(**{"heads": 8, **options})
     for rank in range(c.cp):
         history: list = []
-        traced(load_function(SDPA), c, history=history, rank=rank)
+        traced(reference_fn(c), c, history=history, rank=rank)
         ledger = Ledger(c.workspace_bytes, record=True)
         rank_breakdown(c, rank, ledger)
         model, trace = _sequence(ledger.history), _sequence(history)

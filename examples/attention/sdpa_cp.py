@@ -6,8 +6,8 @@ runs it across the ranks:
     memcalc trace examples/attention/sdpa_cp.py:attn --causal --cp 4 --seq 131072 \\
         --heads 32 --head-dim 128 --dtype bf16 --batch 1
 
-The flash backend is pinned: it is the kernel memcalc models under context parallelism
-(on an H100, torch 2.13 would take cuDNN, which ``trace --cp`` refuses in one line).
+The flash backend is pinned, to compare with ``memcalc breakdown --impl sdpa-flash --cp P``;
+unpinned, torch 2.13 takes cuDNN on an H100 (``--impl sdpa-cudnn``).
 """
 
 import torch.nn.functional as F

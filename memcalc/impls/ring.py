@@ -15,7 +15,8 @@ Per step, written here in the order torch's code runs it:
   through the loop; ``alltoall`` (``_AllToAllRotater``) receives one rank's per step. A
   collective's input stays alive until its output is waited for (ProcessGroupNCCL's
   stash, torch 2.8 on: ``memcalc/tracing/collectives.py``);
-* the kernel (``memcalc/impls/sdpa_flash.py``'s model) at the step's rows;
+* the kernel (``memcalc/impls/sdpa_flash.py``'s or ``sdpa_cudnn.py``'s model) at the step's
+  rows;
 * ``_SDPAMerger``: the step's output in float32, merged with the running one through
   ``sigmoid``/``logsigmoid`` temporaries, a partial step's result ``torch.cat`` into the
   full rows (``_partial_update``).
@@ -35,13 +36,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, new, release
-from memcalc.impls import sdpa_flash
+from memcalc.impls import sdpa_cudnn, sdpa_flash
 from memcalc.impls.accepted import context_parallel
 from memcalc.impls.device import gpu_of
 
 F32 = "float32"
 T, S, O, G = Role.temporary, Role.saved, Role.output, Role.gradient
 METHODS = ("allgather", "alltoall")
+KERNELS = ("sdpa-flash", "sdpa-cudnn")  # the kernels the ring calls that are modelled here
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Ring:
     P: int
     rank: int
     method: str = "allgather"
+    kernel: str = "sdpa-flash"
 
     @property
     def kv(self) -> int:
@@ -199,14 +202,37 @@ def kernel_forward(f: Frame, ring: Ring, i: int) -> None:
     replaces the previous step's."""
     d = ring.step_dims(i)
     step_kv(f, i)
-    events = _named(sdpa_flash.forward(d, gpu_of(d), "cuda")[:-1], i)  # less free(*saved)
-    out, lse, rng, offset = (f"step {i}: {n}" for n in ("out", "lse", "rng_state",
-                                                         "philox_offset"))
+    events, rest = kernel_forward_events(ring.kernel, d)
+    out, lse, rng, offset = (f"step {i}: {n}" for n in ("out", "lse", *rest))
+    events = _named(events, i)
     f.kernel(events, (out, lse, rng, offset))
     f.hold("out", out)
     f.hold("logsumexp", lse)
     f.hold("rest", rng, offset)
     f.drop(out, lse, rng, offset)
+
+
+def kernel_forward_events(kernel: str, d: Dims) -> tuple[list, tuple[str, str]]:
+    """The kernel's forward as its model declares it, less the final free of what its node
+    saves (the ring keeps those as Python values), and the names of its philox seed and
+    offset. Under context parallelism the logsumexp is always made (``compute_log_sumexp``
+    forced on: ``_scaled_dot_product_ring_cudnn_attention``)."""
+    if kernel == "sdpa-cudnn":
+        return sdpa_cudnn.forward(d, True, sdpa_cudnn.Workspace())[:-1], ("seed", "offset")
+    return sdpa_flash.forward(d, gpu_of(d), "cuda")[:-1], ("rng_state", "philox_offset")
+
+
+def kernel_backward_events(ring: Ring, d: Dims, rows: int) -> list:
+    """The kernel's backward on a step of ``rows`` query rows, given the merged output and
+    the step's grad, (B, H, n, D)-contiguous or their second chunks: flash copies their
+    transposes unless contiguous; cuDNN copies the grad to the output's strides when they
+    differ (the stride-0 expand of ``loss="sum"``)."""
+    if ring.kernel == "sdpa-cudnn":
+        events = sdpa_cudnn.backward(d, d.loss == "sum", sdpa_cudnn.Workspace())
+    else:
+        copy = not transposed_contiguous(ring.d, rows)
+        events = sdpa_flash.backward(d, "cuda", copy, copy)
+    return [e for e in events if not isinstance(e, Release)]
 
 
 def merge(f: Frame, ring: Ring, i: int) -> None:
@@ -228,7 +254,8 @@ def merge(f: Frame, ring: Ring, i: int) -> None:
     f.drop(t2, t3)
     merged = new(f"step {i}: merged out", rows, F32, "sub")
     f.drop(t4)
-    u1 = new(f"step {i}: lse difference, negated", row, F32, "sub")  # lse - logsigmoid(lse - block_lse)
+    # lse - logsigmoid(lse - block_lse)
+    u1 = new(f"step {i}: lse difference, negated", row, F32, "sub")
     u2 = new(f"step {i}: logsigmoid", row, F32, "log_sigmoid_forward")
     f.drop(u1)
     lse = new(f"step {i}: merged lse", row, F32, "sub")
@@ -299,9 +326,7 @@ def kernel_backward(f: Frame, ring: Ring, i: int) -> None:
         f.drop(half)
     else:
         f.drop("lse")  # lse = logsumexp, the saved one
-    copy = not transposed_contiguous(ring.d, nq)  # dout and out: (B, H, n, D)-contiguous
-    events = [e for e in sdpa_flash.backward(d, "cuda", copy, copy)
-              if not isinstance(e, Release)]
+    events = kernel_backward_events(ring, d, nq)
     grads = tuple(f"step {i}: {n}" for n in ("dq", "dk", "dv"))
     f.kernel(_named(events, i), grads)
     for variable, grad in zip(("grad_query_", "grad_key_", "grad_value_"), grads):
@@ -380,9 +405,9 @@ def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shap
     if method not in METHODS:
         return (f"cp_method: {method} (DeepSpeed-Ulysses' all-to-all of heads) is not "
                 f"modelled yet; PyTorch's: {' or '.join(METHODS)}")
-    if impl != "sdpa-flash" and not user_code:
-        return (f"cp: context parallelism is modelled over sdpa-flash (PyTorch's ring "
-                f"attention calling the flash kernel per step), not {impl}")
+    if impl not in KERNELS and not user_code:
+        return (f"cp: context parallelism is modelled over {' and '.join(KERNELS)} (PyTorch's "
+                f"ring attention calling the kernel per step), not {impl}")
     if not causal and not user_code:
         return ("cp: PyTorch's context parallelism balances the load of causal attention "
                 "only (torch 2.13: \"Load balancing requires `is_causal=True`\"); add --causal")
@@ -397,16 +422,20 @@ def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shap
     return ""
 
 
-def program(d: Dims):
-    """Rank ``d.cp_rank``'s step of ``d.cp`` under context parallelism over the flash
-    kernel; ``d`` holds the rank's own rows."""
+def program(d: Dims, kernel: str = "sdpa-flash"):
+    """Rank ``d.cp_rank``'s step of ``d.cp`` under context parallelism over ``kernel``;
+    ``d`` holds the rank's own rows."""
     from memcalc.engine.program import Program
     from memcalc.impls.common import with_loss
 
-    ring = Ring(d, d.cp, d.cp_rank, d.cp_method)
+    ring = Ring(d, d.cp, d.cp_rank, d.cp_method, kernel)
     return Program(tuple(forward(ring)), tuple(with_loss(d, backward(ring))))
 
 
 def step_program(impl, d: Dims):
-    """The program of ``impl``'s step at ``d``: one GPU's, or one rank's under ``--cp``."""
-    return program(d) if d.cp > 1 and not impl.user_code else impl.program(d)
+    """The program of ``impl``'s step at ``d``: one GPU's, or one rank's under ``--cp``
+    (the kernel's own checks first: its one-GPU program at the rank's sizes)."""
+    if d.cp == 1 or impl.user_code:
+        return impl.program(d)
+    impl.program(d)
+    return program(d, impl.name)

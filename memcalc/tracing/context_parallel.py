@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from memcalc.tracing.errors import NotModelled
-from memcalc.tracing.kernels import FLASH, Kernel, dims_of, meta_copies
+from memcalc.tracing.kernels import CUDNN, FLASH, Kernel, dims_of, meta_copies
 from memcalc.tracing.sdpa_select import Call
 
 METHODS = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}
@@ -76,43 +76,50 @@ def _kernel(paths, backend: str, q, k, v, is_causal) -> Kernel:
                   *meta_copies(paths.tracer, (q, k, v)))
 
 
-def flash_step(paths):
-    """``aten._scaled_dot_product_flash_attention`` as the ring calls it: the kernel's
-    forward, returning its output, logsumexp and the rest of the op's outputs."""
+# what each kernel's op returns after (out, logsumexp), and which of them the node saves:
+# aten._scaled_dot_product_flash_attention / _cudnn_attention (native_functions.yaml)
+REST = {FLASH: ("rng_state", "philox_offset"), CUDNN: ("seed", "offset")}
+
+
+def kernel_step(paths, backend: str):
+    """The kernel's op as the ring calls it at each step: its model's forward, returning
+    the output, the logsumexp and the op's other outputs (cum_seq_q, cum_seq_k, max_q,
+    max_k, philox_seed, philox_offset, debug_attn_mask)."""
     def step(q, k, v, is_causal=False, **_):
-        kernel = _kernel(paths, FLASH, q, k, v, is_causal)
+        kernel = _kernel(paths, backend, q, k, v, is_causal)
         out, kept = kernel.forward(), kernel.kept
-        return (out, kept.pop("lse"), None, None, q.shape[2], k.shape[2],
-                kept.pop("rng_state"), kept.pop("philox_offset"), None)
+        seed, offset = (kept.pop(name) for name in REST[backend])
+        return out, kept.pop("lse"), None, None, q.shape[2], k.shape[2], seed, offset, None
     return step
 
 
-def flash_step_backward(paths):
-    """``aten._scaled_dot_product_flash_attention_backward``: the kernel's backward on one
-    step's q, k, v, given the merged output and logsumexp (their layout decides its copies)."""
-    def step(grad_out, query, key, value, out, logsumexp, is_causal=False, **_):
-        kernel = _kernel(paths, FLASH, query, key, value, is_causal)
+def kernel_step_backward(paths, backend: str):
+    """The kernel's backward op on one step's q, k, v, given the merged output and
+    logsumexp and the step's grad (``grad_out``): their layouts decide its copies."""
+    def step(query, key, value, out, logsumexp, is_causal=False, grad_out=None, **_):
+        kernel = _kernel(paths, backend, query, key, value, is_causal)
         kernel.out_copy = not out.transpose(1, 2).is_contiguous()
         kernel.out_stride = out.stride()
         return kernel.backward(grad_out)
     return step
 
 
-def ring_forward(paths, causal: bool, q, k, v) -> tuple:
-    """``_templated_ring_attention`` with the flash kernel's model at each step: the merged
+def ring_forward(paths, backend: str, causal: bool, q, k, v) -> tuple:
+    """``_templated_ring_attention`` with the kernel's model at each step: the merged
     output, logsumexp, and the last step's other outputs."""
-    return _attention()._templated_ring_attention(dist.group.WORLD, 2, flash_step(paths),
+    return _attention()._templated_ring_attention(dist.group.WORLD, 2, kernel_step(paths, backend),
                                                   q, k, v, is_causal=causal)
 
 
-class RingFlash(torch.autograd.Function):
-    """The flash node under context parallelism: the ring forward, then the ring backward;
-    saves what ``_scaled_dot_product_flash_attention``'s node saves."""
+class Ring(torch.autograd.Function):
+    """The kernel's node under context parallelism: the ring forward, then the ring
+    backward; saves what the kernel's node saves (q, k, v, the output, the logsumexp, the
+    philox tensors: ``tools/autograd/derivatives.yaml``)."""
 
     @staticmethod
-    def forward(ctx, paths, causal, q, k, v):
-        out, lse, *rest = ring_forward(paths, causal, q, k, v)
-        ctx.paths, ctx.causal = paths, causal
+    def forward(ctx, paths, backend, causal, q, k, v):
+        out, lse, *rest = ring_forward(paths, backend, causal, q, k, v)
+        ctx.paths, ctx.backend, ctx.causal = paths, backend, causal
         ctx.save_for_backward(q, k, v, out, lse, rest[4], rest[5])
         return out
 
@@ -120,19 +127,16 @@ class RingFlash(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, seed, offset = ctx.saved_tensors
         dq, dk, dv, *_ = _attention()._templated_ring_attention_backward(
-            dist.group.WORLD, 2, flash_step_backward(ctx.paths), grad_out, "grad_out", q, k,
-            v, out, lse, ctx.causal, philox_seed=seed, philox_offset=offset)
-        return None, None, dq, dk, dv
-
-
-NODES = {FLASH: RingFlash}
+            dist.group.WORLD, 2, kernel_step_backward(ctx.paths, ctx.backend), grad_out,
+            "grad_out", q, k, v, out, lse, ctx.causal, philox_seed=seed, philox_offset=offset)
+        return None, None, None, dq, dk, dv
 
 
 def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
     """``scaled_dot_product_attention`` on this rank's q, k, v under context parallelism."""
-    if backend not in NODES:
+    if backend not in REST:
         raise NotModelled(f"--cp: context parallelism with the {backend} backend is not "
-                          f"modelled yet (sdpa-flash is)")
+                          f"modelled yet (flash and cuDNN are)")
     if call.mask is not None or call.dropout > 0:
         raise NotModelled("--cp: torch's context parallelism takes no attn_mask, and "
                           "dropout is not modelled")
@@ -141,5 +145,5 @@ def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
                f"{backend} kernel's model at each step")
     if not call.requires_grad:
         with torch.no_grad():
-            return ring_forward(paths, call.is_causal, q, k, v)[0]
-    return NODES[backend].apply(paths, call.is_causal, q, k, v)
+            return ring_forward(paths, backend, call.is_causal, q, k, v)[0]
+    return Ring.apply(paths, backend, call.is_causal, q, k, v)

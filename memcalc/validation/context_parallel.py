@@ -16,19 +16,20 @@ from itertools import product
 from memcalc.config import Config, make_config
 from memcalc.validation.compare import Check, figures_of
 
-# ranks, rows per rank, dtype, method: small sizes (every rank is traced); the reference
-# code of sdpa-flash pins the flash backend (sdpa_kernel), as the model has it
+# kernels, ranks, rows per rank (rows 256 in bf16, 1,000 in fp16), method: small sizes
+# (every rank is traced); the reference code of each kernel pins its backend (sdpa_kernel),
+# as the model has it
+KERNELS = ("sdpa-flash", "sdpa-cudnn")
 RANKS = (2, 3, 4, 8)
-ROWS = (256, 1000)
-DTYPES = ("bf16", "fp16")
+ROWS = {256: "bf16", 1000: "fp16"}
 METHODS = ("allgather", "alltoall")
 
 
 def grid() -> list[Config]:
-    """The configurations: every (P, rows per rank, dtype, method), causal, B=1, H=4, d=64."""
-    return [make_config(impl="sdpa-flash", batch=1, heads=4, head_dim=64, dtype=dtype,
+    """The configurations: every (kernel, P, rows per rank, method), causal, B=1, H=4, d=64."""
+    return [make_config(impl=kernel, batch=1, heads=4, head_dim=64, dtype=ROWS[rows],
                         causal=True, seq_len=P * rows, cp=P, cp_method=method)
-            for P, rows, dtype, method in product(RANKS, ROWS, DTYPES, METHODS)]
+            for kernel, P, rows, method in product(KERNELS, RANKS, ROWS, METHODS)]
 
 
 def checks(progress=None) -> tuple[Check, ...]:

@@ -1,5 +1,5 @@
 """Reference code of the fused SDPA backends (``memcalc/impls/sdpa_flash.py``,
-``memcalc/impls/sdpa_efficient.py``): what a user writes, pinned to one backend.
+``sdpa_efficient.py``, ``sdpa_cudnn.py``): what a user writes, pinned to one backend.
 
 Only the live CUDA backend runs these (the kernels have no meta implementation that
 allocates what they do; the models are source-derived, ``traced=False``). The backward
@@ -35,4 +35,10 @@ def sdpa_efficient(q, k, v, causal=False):
     return _sdpa(SDPBackend.EFFICIENT_ATTENTION, q, k, v, causal)
 
 
-__all__ = ["sdpa_efficient", "sdpa_flash", "torch"]
+@reference("sdpa-cudnn")
+def sdpa_cudnn(q, k, v, causal=False):
+    """The cuDNN backend (Hopper and newer)."""
+    return _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)
+
+
+__all__ = ["sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "torch"]
