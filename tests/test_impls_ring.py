@@ -65,7 +65,7 @@ BASE = "breakdown --impl sdpa-flash --causal --seq 1024 --heads 32 --head-dim 12
      "--cp: context parallelism is modelled over sdpa-flash and sdpa-cudnn"),
     (BASE.replace("1024", "1004") + " --cp 4", "--seq: under 4 ranks N is a multiple of 2 x 4"),
     (BASE + " --cp 4 --cp-method ulysses", "--cp-method: ulysses"),
-    (BASE + " --cp 4 --kv-heads 8", "--cp: grouped key/value heads"),
+    (BASE.replace("128", "100") + " --cp 4", "--head-dim: under context parallelism"),
     (BASE + " --tp 3", "--tp: 3 ranks must divide the heads"),
 ])
 def test_what_the_model_refuses_is_one_line(argv, refused, capsys):
@@ -89,7 +89,9 @@ GRID = [dict(cp=2, seq_len=512), dict(cp=2, seq_len=512, cp_method="alltoall"),
         dict(cp=2, seq_len=512, loss="sum"), dict(cp=2, seq_len=512, dtype="fp16"),
         dict(cp=3, seq_len=768, impl="sdpa-cudnn"),
         dict(cp=4, seq_len=1024, impl="sdpa-cudnn", cp_method="alltoall"),
-        dict(cp=2, seq_len=512, impl="sdpa-cudnn", loss="sum", heads=1, batch=2)]
+        dict(cp=2, seq_len=512, impl="sdpa-cudnn", loss="sum", heads=1, batch=2),
+        dict(cp=4, seq_len=1024, kv_heads=2), dict(cp=2, seq_len=512, kv_heads=2,
+                                                   impl="sdpa-cudnn", cp_method="alltoall")]
 
 
 def _sequence(entries):
@@ -151,3 +153,16 @@ def test_validate_cases_cp_checks_every_rank_against_torch(capsys):
 
     report = validate(cases=("cp",))
     assert len(report.checks) == sum(c.cp for c in grid()) and report.mismatches == 0
+
+
+def test_the_json_names_the_rank_shown_and_every_ranks_figures(capsys):
+    import json
+
+    from memcalc.cli import main
+
+    assert main((BASE + " --cp 4 --json").split()) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = predict(config(seq_len=1024, cp=4, batch=8))  # the CLI's default batch
+    assert (out["rank"], out["rank_peak_bytes"], out["rank_reserved_peak_bytes"]) == (
+        model.rank, list(model.rank_peaks), list(model.rank_reserved))
+    assert out["config"]["cp"] == 4

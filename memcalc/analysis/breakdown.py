@@ -107,7 +107,10 @@ class Breakdown(Result):
         figures = {k: getattr(self, k) for k in ("saved_bytes", "forward_peak_bytes",
                    "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "workspace_bytes")}
         judged = self.fit().verdict(self.budget) if self.has_budget else {}
-        return {**figures, "peak_phase": self.peak_phase, "components": self.records(),
+        ranks = {} if self.rank is None else {  # under --cp: the rank shown, and every rank's
+            "rank": self.rank, "rank_peak_bytes": list(self.rank_peaks),
+            "rank_reserved_peak_bytes": list(self.rank_reserved)}
+        return {**figures, "peak_phase": self.peak_phase, **ranks, "components": self.records(),
                 "saved": [c.to_dict() for c in self.saved],
                 "config": self.config.model_dump(mode="json"), **judged}
 

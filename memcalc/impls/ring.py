@@ -416,9 +416,9 @@ def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shap
                 f"holding two chunks of N / {2 * cp} rows (got N = {shape.seq_len:,})")
     if shape.kv_len not in (None, shape.seq_len):
         return "kv_len: under context parallelism the keys are the queries' rows (no --kv-len)"
-    if not user_code and (shape.key_heads != shape.heads or shape.head_dim % 8):
-        return ("cp: grouped key/value heads, and a head dim not a multiple of 8, are not "
-                "modelled under context parallelism")
+    if not user_code and shape.head_dim % 8:
+        return ("head_dim: under context parallelism a multiple of 8 (the padding to 8 the "
+                f"SDPA composite makes before the ring is not modelled; got {shape.head_dim})")
     return ""
 
 

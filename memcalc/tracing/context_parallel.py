@@ -43,8 +43,12 @@ class Ranks:
 
 
 def _attention():
-    from torch.distributed.tensor.experimental._context_parallel import _attention
-
+    """Torch's ring attention module: ``_context_parallel/_attention.py`` (torch 2.13; a
+    module of its own, ``experimental/_attention.py``, in earlier releases)."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+    except ImportError:
+        from torch.distributed.tensor.experimental import _attention
     return _attention
 
 
