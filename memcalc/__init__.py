@@ -242,11 +242,12 @@ SWEPT_SEQ_LENS = (256, 1024, 4096, 8192, 16384)
              ("head_dims", ()), ("batches", ()), ("head_counts", ()), ("impls", ()),
              ("dtypes", ()), ("gpu_gb", None), ("reserve", None))))
 def sweep(*, seq_lens=None, head_dims=(), batches=(),
-          head_counts=(), impls=(), dtypes=(), gpu_gb=None, reserve=None, **options):
+          head_counts=(), impls=(), dtypes=(), gpu_gb=None, reserve=None, cps=(), **options):
     """A scaling table: every combination, exact, with OOM marks: a ``Sweep``.
     The lists are ``seq_lens`` (default 256, 1024, 4096, 8192, 16384), ``head_dims``,
-    ``batches``, ``head_counts``, ``impls`` and ``dtypes``; the other options (``heads=4``,
-    ``batch=2``, ``seq_len=1024``, ...) fix the rest.
+    ``batches``, ``head_counts``, ``impls``, ``dtypes`` and ``cps`` (context-parallel
+    ranks: the busiest rank's figures); the other options (``heads=4``, ``batch=2``,
+    ``seq_len=1024``, ...) fix the rest.
 
     >>> table = memcalc.sweep(seq_lens=(8192, 16384))
     >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
@@ -267,9 +268,11 @@ def sweep(*, seq_lens=None, head_dims=(), batches=(),
                                                     (head_counts, "head_counts")))
     impls = _names(impls, "impls", _impl_names()) if len(impls) else ()
     dtypes = _dtypes(dtypes) if len(dtypes) else ()
+    cps = _sizes(cps, "cps") if isinstance(cps, int) or len(cps) else ()
+    options = {**options, "cp": cps[0]} if cps else options
     config = first_accepted(impls or [options.get("impl", "naive")], **options)
     return run(config, _budget(config, gpu_gb, reserve), seq_lens, head_dims, batches,
-               head_counts, impls, dtypes)
+               head_counts, impls, dtypes, cps=cps)
 
 
 @_signature(_kw("gpu_gb"), _kw("reserve"), _kw("impls"), _kw("baseline", "naive"))

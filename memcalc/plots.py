@@ -25,17 +25,20 @@ def _unit(largest: int) -> tuple[int, str]:
     return (GiB, "GiB") if largest >= GiB else (MiB, "MiB")
 
 
-def _figure(width: float = 9, height: float = 5):
-    """A new figure and its axes, made without pyplot: no backend is chosen or switched
-    (a notebook keeps its own, and shows the returned figure inline) and no figure stays
-    registered after the caller drops it."""
+def _figure(width: float = 9, height: float = 5, panels: int = 1):
+    """A new figure and its axes (a list of ``panels`` side by side when more than one),
+    made without pyplot: no backend is chosen or switched (a notebook keeps its own, and
+    shows the returned figure inline) and no figure stays registered after the caller
+    drops it."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise ValueError("--plot: needs matplotlib (pip install 'memcalc[plot]')") from None
 
     fig = Figure(figsize=(width, height), layout="constrained")
-    return fig, fig.subplots()
+    if panels == 1:
+        return fig, fig.subplots()
+    return fig, list(fig.subplots(1, panels, width_ratios=[2] + [1] * (panels - 1)))
 
 
 def _finish(fig, path: str | None):
@@ -170,13 +173,18 @@ def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | 
     ``sweep`` (a ``memcalc.analysis.scaling.Sweep``), with the budget as a horizontal line and each
     series' largest fitting seq_len (``report``, an ``OomReport``, or solved here with
     ``memcalc.analysis.thresholds.solve``, at most ``time_limit`` seconds per series) marked and
-    labelled with N: where each one runs out."""
+    labelled with N: where each one runs out. A sweep over context-parallel ranks (``cp``)
+    adds a panel: each series' largest N against the number of ranks."""
     series = _series(sweep)
     solved = _solved_by_series(sweep, series, report, time_limit)
     budget = sweep.budget.budget_bytes
     tops = [budget] + [r.reserved_peak_bytes for rows in series.values() for r in rows]
     scale, unit = _unit(max(tops))
-    fig, ax = _figure(10.5, 5.8)
+    ranks = "cp" in sweep.axes
+    fig, ax = _figure(15 if ranks else 10.5, 5.8, 2 if ranks else 1)
+    if ranks:
+        ax, by_ranks = ax
+        _draw_max_n(by_ranks, series, solved)
     names = _series_names(sweep, series)
     marks = []
     for i, (key, rows) in enumerate(series.items()):
@@ -276,6 +284,37 @@ def _style(i: int, count: int) -> tuple:
     colours = 10 if count <= 10 else 20
     return (matplotlib.colormaps[f"tab{colours}"](i % colours),
             ("-", "--", "-.", ":")[(i // colours) % 4])
+
+
+def _draw_max_n(ax, series: dict, solved: dict) -> None:
+    """The largest N that fits against the number of context-parallel ranks: a line per
+    series less its ranks (the last field of a series' key), log-log."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    lines: dict[tuple, list] = {}
+    for key in series:
+        if solved.get(key) is not None:
+            lines.setdefault(key[:-1], []).append((key[-1], solved[key].max_value))
+    for i, (key, points) in enumerate(lines.items()):
+        colour, style = _style(i, len(lines))
+        ranks, ns = zip(*sorted(points))
+        ax.plot(ranks, ns, style, color=colour, marker="x", markersize=8, label=key[0])
+        for p, n in zip(ranks, ns):
+            ax.annotate(f"{n:,}", (p, n), textcoords="offset points", xytext=(4, -12),
+                        fontsize=7, color=colour)
+    every = sorted({p for points in lines.values() for p, _ in points})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(every or [1]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _seq_text(y)))
+    ax.set_xlabel("context-parallel ranks P (GPUs the sequence is split over)")
+    ax.set_ylabel("largest seq_len N that fits (the busiest rank)")
+    ax.set_title("Largest N against P", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(fontsize=8)
 
 
 def _draw_series(ax, style: tuple, name: str, rows, solved, scale: int) -> None:

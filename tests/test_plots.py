@@ -156,3 +156,15 @@ def test_components_takes_a_comparison(tmp_path):
     assert labels == ["naive", "flash2"]  # sdpa-flash refuses fp32: no figures, no bar
     with pytest.raises(TypeError, match="plot_components: breakdowns .* not int"):
         plot_components([1, 2])
+
+
+def test_peaks_of_a_sweep_over_ranks_adds_largest_n_against_p(tmp_path):
+    """sweep over cps: a second panel, each P's largest N (oom's answer) against P."""
+    options = dict(impls=["sdpa-flash"], causal=True, heads=32, head_dim=128, dtype="bf16",
+                   batch=1)
+    table = memcalc.sweep(seq_lens=(262144, 1048576), cps=(1, 4), **options)
+    fig = plot_peaks(table, path=str(tmp_path / "p.png"))
+    assert is_png(tmp_path / "p.png") and len(fig.axes) == 2
+    xs, ys = fig.axes[1].lines[0].get_data()
+    solved = [memcalc.oom(cp=p, **options).results[0].max_value for p in (1, 4)]
+    assert list(xs) == [1, 4] and list(ys) == solved  # 856,192 and 1,005,056 on an H100
