@@ -119,8 +119,9 @@ def parallel_options(p: argparse.ArgumentParser, cp: bool = True) -> None:
     if cp:
         p.add_argument("--cp", type=whole, default=None, metavar="P",
                        help="context-parallel ranks: the sequence split over P GPUs as "
-                            "PyTorch's ring attention splits it (sdpa-flash, sdpa-cudnn; "
-                            "--causal; N a multiple of 2P); figures are the busiest rank's")
+                            "PyTorch's ring attention splits it (sdpa-flash, sdpa-cudnn, "
+                            "sdpa-efficient; --causal; N a multiple of 2P); figures are the "
+                            "busiest rank's")
     p.add_argument("--cp-method", default=None, metavar="METHOD",
                    help="how context-parallel ranks exchange K/V: allgather (PyTorch's "
                         "default) or alltoall")

@@ -62,7 +62,9 @@ BASE = "breakdown --impl sdpa-flash --causal --seq 1024 --heads 32 --head-dim 12
 @pytest.mark.parametrize("argv, refused", [
     (BASE.replace("--causal ", "") + " --cp 4", "--cp: PyTorch's context parallelism balances"),
     (BASE.replace("sdpa-flash", "naive") + " --cp 4",
-     "--cp: context parallelism is modelled over sdpa-flash and sdpa-cudnn"),
+     "--cp: context parallelism is modelled over sdpa-flash, sdpa-cudnn, sdpa-efficient"),
+    (BASE.replace("sdpa-flash", "sdpa-efficient").replace("1024", "1152") + " --cp 4",
+     "--seq: under 4 ranks N is a multiple of 64 x 4 = 256"),
     (BASE.replace("1024", "1004") + " --cp 4", "--seq: under 4 ranks N is a multiple of 2 x 4"),
     (BASE + " --cp 4 --cp-method ulysses", "--cp-method: ulysses"),
     (BASE.replace("128", "100") + " --cp 4", "--head-dim: under context parallelism"),
@@ -91,7 +93,10 @@ GRID = [dict(cp=2, seq_len=512), dict(cp=2, seq_len=512, cp_method="alltoall"),
         dict(cp=4, seq_len=1024, impl="sdpa-cudnn", cp_method="alltoall"),
         dict(cp=2, seq_len=512, impl="sdpa-cudnn", loss="sum", heads=1, batch=2),
         dict(cp=4, seq_len=1024, kv_heads=2), dict(cp=2, seq_len=512, kv_heads=2,
-                                                   impl="sdpa-cudnn", cp_method="alltoall")]
+                                                   impl="sdpa-cudnn", cp_method="alltoall"),
+        dict(cp=2, seq_len=256, impl="sdpa-efficient"),
+        dict(cp=3, seq_len=576, impl="sdpa-efficient", dtype="fp32", cp_method="alltoall"),
+        dict(cp=2, seq_len=256, impl="sdpa-efficient", loss="sum", heads=1, batch=2)]
 
 
 def _sequence(entries):

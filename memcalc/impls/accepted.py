@@ -74,9 +74,15 @@ def every(field: str) -> Accepted:
     return Accepted(field)
 
 
-def context_parallel(cp: int, field: str = "seq_len") -> Accepted:
+def context_parallel(cp: int, field: str = "seq_len", impl: str = "") -> Accepted:
     """Under ``cp`` context-parallel ranks, the sequence lengths PyTorch's load-balanced
-    sharding takes: multiples of 2 x cp (``memcalc.impls.ring``)."""
+    sharding takes: multiples of 2 x cp (``memcalc.impls.ring``); over the memory-efficient
+    kernel, of 64 x cp, since the ring merges its logsumexp, padded to 32 rows, with the
+    output of a step on half the rank's rows."""
+    if impl == "sdpa-efficient":
+        return Accepted(field, step=64 * cp, kernel=f"context parallelism over {cp} ranks "
+                        f"with the memory-efficient kernel", step_source="its logsumexp of "
+                        "ceil32(rows) rows broadcast against the output's (_SDPAMerger)")
     return Accepted(field, step=2 * cp, kernel=f"context parallelism over {cp} ranks",
                     step_source="each rank holds two chunks of N / 2P rows: "
                                 "torch/distributed/tensor/experimental/_context_parallel")

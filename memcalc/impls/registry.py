@@ -49,7 +49,7 @@ class Impl:
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
         if d.cp > 1 and field in ("seq_len", "kv_len") and not self.user_code:
-            return context_parallel(d.cp, field)
+            return context_parallel(d.cp, field, self.name)
         return next((a for a in self.accepted(d) if a.field == field), every(field))
 
     def program(self, d: Dims) -> Program:

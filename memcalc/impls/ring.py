@@ -15,8 +15,8 @@ Per step, written here in the order torch's code runs it:
   through the loop; ``alltoall`` (``_AllToAllRotater``) receives one rank's per step. A
   collective's input stays alive until its output is waited for (ProcessGroupNCCL's
   stash, torch 2.8 on: ``memcalc/tracing/collectives.py``);
-* the kernel (``memcalc/impls/sdpa_flash.py``'s or ``sdpa_cudnn.py``'s model) at the step's
-  rows;
+* the kernel (``memcalc/impls/sdpa_flash.py``'s, ``sdpa_cudnn.py``'s or
+  ``sdpa_efficient.py``'s model) at the step's rows;
 * ``_SDPAMerger``: the step's output in float32, merged with the running one through
   ``sigmoid``/``logsigmoid`` temporaries, a partial step's result ``torch.cat`` into the
   full rows (``_partial_update``).
@@ -36,14 +36,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, new, release
-from memcalc.impls import sdpa_cudnn, sdpa_flash
+from memcalc.impls import sdpa_cudnn, sdpa_efficient, sdpa_flash
 from memcalc.impls.accepted import context_parallel
 from memcalc.impls.device import gpu_of
 
 F32 = "float32"
 T, S, O, G = Role.temporary, Role.saved, Role.output, Role.gradient
 METHODS = ("allgather", "alltoall")
-KERNELS = ("sdpa-flash", "sdpa-cudnn")  # the kernels the ring calls that are modelled here
+# the kernels the ring calls (``_sdpa_handler``'s three), each modelled here
+KERNELS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 
 
 @dataclass
@@ -203,22 +204,24 @@ def kernel_forward(f: Frame, ring: Ring, i: int) -> None:
     d = ring.step_dims(i)
     step_kv(f, i)
     events, rest = kernel_forward_events(ring.kernel, d)
-    out, lse, rng, offset = (f"step {i}: {n}" for n in ("out", "lse", *rest))
-    events = _named(events, i)
-    f.kernel(events, (out, lse, rng, offset))
+    out, lse, *rest = (f"step {i}: {n}" for n in ("out", "lse", *rest))
+    f.kernel(_named(events, i), (out, lse, *rest))
     f.hold("out", out)
     f.hold("logsumexp", lse)
-    f.hold("rest", rng, offset)
-    f.drop(out, lse, rng, offset)
+    f.hold("rest", *rest)
+    f.drop(out, lse, *rest)
 
 
-def kernel_forward_events(kernel: str, d: Dims) -> tuple[list, tuple[str, str]]:
+def kernel_forward_events(kernel: str, d: Dims) -> tuple[list, tuple[str, ...]]:
     """The kernel's forward as its model declares it, less the final free of what its node
     saves (the ring keeps those as Python values), and the names of its philox seed and
-    offset. Under context parallelism the logsumexp is always made (``compute_log_sumexp``
-    forced on: ``_scaled_dot_product_ring_cudnn_attention``)."""
+    offset on the device (the efficient kernel's are CPU scalars without dropout). Under
+    context parallelism the logsumexp is always made (``compute_log_sumexp`` forced on:
+    ``_scaled_dot_product_ring_efficient_attention``, ``..._cudnn_attention``)."""
     if kernel == "sdpa-cudnn":
         return sdpa_cudnn.forward(d, True, sdpa_cudnn.Workspace())[:-1], ("seed", "offset")
+    if kernel == "sdpa-efficient":
+        return sdpa_efficient.forward(d, "cuda", True)[:-1], ()
     return sdpa_flash.forward(d, gpu_of(d), "cuda")[:-1], ("rng_state", "philox_offset")
 
 
@@ -227,11 +230,13 @@ def kernel_backward_events(ring: Ring, d: Dims, rows: int) -> list:
     the step's grad, (B, H, n, D)-contiguous or their second chunks: flash copies their
     transposes unless contiguous; cuDNN copies the grad to the output's strides when they
     differ (the stride-0 expand of ``loss="sum"``)."""
+    copy = d.loss == "sum" or not transposed_contiguous(ring.d, rows)
     if ring.kernel == "sdpa-cudnn":
         events = sdpa_cudnn.backward(d, d.loss == "sum", sdpa_cudnn.Workspace())
+    elif ring.kernel == "sdpa-efficient":
+        events = sdpa_efficient.backward(d, "cuda", copy, leaves=False)
     else:
-        copy = not transposed_contiguous(ring.d, rows)
-        events = sdpa_flash.backward(d, "cuda", copy, copy)
+        events = sdpa_flash.backward(d, "cuda", copy, not transposed_contiguous(ring.d, rows))
     return [e for e in events if not isinstance(e, Release)]
 
 
@@ -239,7 +244,9 @@ def merge(f: Frame, ring: Ring, i: int) -> None:
     """``sdpa_merger.step(out, logsumexp, partial)`` (``_SDPAMerger._merge_one``)."""
     d, (nq, _, partial) = ring.d, ring.rows(i)
     rows, row = (d.B, d.H, nq, d.D), (d.B, d.H, nq, 1)  # (B, H, nq, D), (B, H, nq, 1)
-    block = f.new(f"step {i}: out float32", rows, F32, "_to_copy")  # out.to(torch.float32)
+    block = f"step {i}: out"  # out.to(torch.float32): the out itself when float32
+    if d.dtype != F32:
+        block = f.new(f"step {i}: out float32", rows, F32, "_to_copy")
     if i == 0:
         f.hold("merger._out", block)
         f.hold("merger._lse", f"step {i}: lse")
@@ -281,18 +288,21 @@ def forward(ring: Ring) -> list:
         rotate_forward(f, ring, i)
         kernel_forward(f, ring, i)
         merge(f, ring, i)
-    f.new("out", (d.B, d.H, d.N, d.D), d.dtype, "_to_copy", O)  # merger._out.to(q's dtype)
-    lse = f.bound["merger._lse"][0]
-    rng, offset = f.bound["rest"]
-    f.hold("saved", lse, rng, offset)
-    f.drop(*[v for v in list(f.bound) if v not in ("saved", "out")])
+    out = f.bound["merger._out"][0]  # merger._out.to(q's dtype): itself when float32
+    if d.dtype != F32:
+        out = f.new("out", (d.B, d.H, d.N, d.D), d.dtype, "_to_copy")
+    saved = (f.bound["merger._lse"][0], *f.bound["rest"])
+    f.hold("saved", *saved)
+    f.hold("output", out)
+    f.drop(*[v for v in list(f.bound) if v not in ("saved", "output")])
     f.flush()
-    return _saved(f.events, (lse, rng, offset)) + [free(lse, rng, offset)]
+    return _roled(_roled(f.events, saved, S), (out,), O) + [free(*saved)]
 
 
-def _saved(events: list, names: tuple) -> list:
-    """The tensors the node saves, as ``saved``: autograd holds them to the backward."""
-    return [e.replace(role=S) if isinstance(e, Tensor) and e.name in names else e
+def _roled(events: list, names: tuple, role: Role) -> list:
+    """``names`` as ``role``: what the node saves (autograd holds it to the backward), the
+    output, the grads."""
+    return [e.replace(role=role) if isinstance(e, Tensor) and e.name in names else e
             for e in events]
 
 
@@ -387,13 +397,26 @@ def backward(ring: Ring) -> list:
         rotate_backward(f, ring, i)
         kernel_backward(f, ring, i)
         accumulate(f, ring, i)
-    f.hold("grad_query", f.new("q.grad", q, d.dtype, "_to_copy", G))  # .to(query.dtype)
-    f.drop(f"dkv stash {ring.P - 1}")  # next_grad_kv = dkv_rotater.next_buffer().to(...)
-    f.hold("next_grad_kv", f.new("k.grad, v.grad", (ring.kv,), d.dtype, "_to_copy", G))
-    f.drop(*[v for v in list(f.bound) if v not in ("q.grad", "k.grad, v.grad")])
+    grads = converted_grads(f, ring)
+    f.hold("grads", *grads)
+    f.drop(*[v for v in list(f.bound) if v != "grads"])
     f.flush()
     saved = [e.name for e in forward(ring) if isinstance(e, Tensor) and e.role is S]
-    return f.events + [release(*saved)]
+    return _roled(f.events, grads, G) + [release(*saved)]
+
+
+def converted_grads(f: Frame, ring: Ring) -> tuple[str, str]:
+    """``grad_query.to(query.dtype)`` and ``dkv_rotater.next_buffer().to(key.dtype)`` (the
+    wait unstashes the last dK/dV sent): q's grad and the buffer k's and v's are views of;
+    in float32 the accumulator and the received buffer themselves."""
+    d = ring.d
+    received = f.bound["dkv_rotater._buffer"][0]
+    f.drop(f"dkv stash {ring.P - 1}")
+    if d.dtype == F32:
+        return f.bound["grad_query"][0], received
+    f.hold("grad_query", f.new("q.grad", (d.B, d.H, d.N, d.D), d.dtype, "_to_copy"))
+    f.hold("next_grad_kv", f.new("k.grad, v.grad", (ring.kv,), d.dtype, "_to_copy"))
+    return "q.grad", "k.grad, v.grad"
 
 
 def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shape) -> str:
@@ -406,14 +429,15 @@ def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shap
         return (f"cp_method: {method} (DeepSpeed-Ulysses' all-to-all of heads) is not "
                 f"modelled yet; PyTorch's: {' or '.join(METHODS)}")
     if impl not in KERNELS and not user_code:
-        return (f"cp: context parallelism is modelled over {' and '.join(KERNELS)} (PyTorch's "
-                f"ring attention calling the kernel per step), not {impl}")
+        return (f"cp: context parallelism is modelled over {', '.join(KERNELS)} (the kernels "
+                f"PyTorch's ring attention calls at each step), not {impl}")
     if not causal and not user_code:
         return ("cp: PyTorch's context parallelism balances the load of causal attention "
                 "only (torch 2.13: \"Load balancing requires `is_causal=True`\"); add --causal")
-    if not context_parallel(cp).accepts(shape.seq_len):
-        return (f"seq_len: under {cp} ranks N is a multiple of 2 x {cp} = {2 * cp}, each rank "
-                f"holding two chunks of N / {2 * cp} rows (got N = {shape.seq_len:,})")
+    rule = context_parallel(cp, "seq_len", "" if user_code else impl)
+    if not rule.accepts(shape.seq_len):
+        return (f"seq_len: under {cp} ranks N is a multiple of {rule.step // cp} x {cp} = "
+                f"{rule.step}: {rule.step_source} (got N = {shape.seq_len:,})")
     if shape.kv_len not in (None, shape.seq_len):
         return "kv_len: under context parallelism the keys are the queries' rows (no --kv-len)"
     if not user_code and shape.head_dim % 8:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from memcalc.tracing.errors import NotModelled
-from memcalc.tracing.kernels import CUDNN, FLASH, Kernel, dims_of, meta_copies
+from memcalc.tracing.kernels import CUDNN, EFFICIENT, FLASH, Kernel, dims_of, meta_copies
 from memcalc.tracing.sdpa_select import Call
 
 METHODS = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}
@@ -80,18 +80,26 @@ def _kernel(paths, backend: str, q, k, v, is_causal) -> Kernel:
                   *meta_copies(paths.tracer, (q, k, v)))
 
 
-# what each kernel's op returns after (out, logsumexp), and which of them the node saves:
-# aten._scaled_dot_product_flash_attention / _cudnn_attention (native_functions.yaml)
-REST = {FLASH: ("rng_state", "philox_offset"), CUDNN: ("seed", "offset")}
+# the philox seed and offset each kernel's model makes on the device (the efficient
+# kernel's are CPU scalars without dropout: none), which the node saves
+REST = {FLASH: ("rng_state", "philox_offset"), CUDNN: ("seed", "offset"), EFFICIENT: ()}
+
+
+def _cpu_scalar() -> torch.Tensor:
+    """A philox seed or offset the efficient kernel makes on the CPU (not traced)."""
+    return torch.empty((), dtype=torch.int64)
 
 
 def kernel_step(paths, backend: str):
     """The kernel's op as the ring calls it at each step: its model's forward, returning
-    the output, the logsumexp and the op's other outputs (cum_seq_q, cum_seq_k, max_q,
-    max_k, philox_seed, philox_offset, debug_attn_mask)."""
+    the output, the logsumexp and the op's other outputs (``native_functions.yaml``: flash
+    and cuDNN add cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset,
+    debug_attn_mask; the efficient kernel philox_seed and philox_offset)."""
     def step(q, k, v, is_causal=False, **_):
         kernel = _kernel(paths, backend, q, k, v, is_causal)
         out, kept = kernel.forward(), kernel.kept
+        if backend == EFFICIENT:
+            return out, kept.pop("lse"), _cpu_scalar(), _cpu_scalar()
         seed, offset = (kept.pop(name) for name in REST[backend])
         return out, kept.pop("lse"), None, None, q.shape[2], k.shape[2], seed, offset, None
     return step
@@ -100,12 +108,16 @@ def kernel_step(paths, backend: str):
 def kernel_step_backward(paths, backend: str):
     """The kernel's backward op on one step's q, k, v, given the merged output and
     logsumexp and the step's grad (``grad_out``): their layouts decide its copies."""
-    def step(query, key, value, out, logsumexp, is_causal=False, grad_out=None, **_):
+    def step(query, key, value, out, logsumexp, is_causal=False, **kwargs):
         kernel = _kernel(paths, backend, query, key, value, is_causal)
         kernel.out_copy = not out.transpose(1, 2).is_contiguous()
         kernel.out_stride = out.stride()
-        return kernel.backward(grad_out)
+        return kernel.backward(kwargs[GRAD_OUT[backend]])
     return step
+
+
+# the name the ring passes each kernel's backward its grad under (``grad_out_name``)
+GRAD_OUT = {FLASH: "grad_out", CUDNN: "grad_out", EFFICIENT: "grad_out_"}
 
 
 def ring_forward(paths, backend: str, causal: bool, q, k, v) -> tuple:
@@ -124,7 +136,8 @@ class Ring(torch.autograd.Function):
     def forward(ctx, paths, backend, causal, q, k, v):
         out, lse, *rest = ring_forward(paths, backend, causal, q, k, v)
         ctx.paths, ctx.backend, ctx.causal = paths, backend, causal
-        ctx.save_for_backward(q, k, v, out, lse, rest[4], rest[5])
+        ctx.save_for_backward(q, k, v, out, lse, *rest[-2:] if backend == EFFICIENT
+                              else rest[4:6])  # philox_seed, philox_offset
         return out
 
     @staticmethod
@@ -132,7 +145,8 @@ class Ring(torch.autograd.Function):
         q, k, v, out, lse, seed, offset = ctx.saved_tensors
         dq, dk, dv, *_ = _attention()._templated_ring_attention_backward(
             dist.group.WORLD, 2, kernel_step_backward(ctx.paths, ctx.backend), grad_out,
-            "grad_out", q, k, v, out, lse, ctx.causal, philox_seed=seed, philox_offset=offset)
+            GRAD_OUT[ctx.backend], q, k, v, out, lse, ctx.causal, philox_seed=seed,
+            philox_offset=offset)
         return None, None, None, dq, dk, dv
 
 
@@ -140,7 +154,8 @@ def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
     """``scaled_dot_product_attention`` on this rank's q, k, v under context parallelism."""
     if backend not in REST:
         raise NotModelled(f"--cp: context parallelism with the {backend} backend is not "
-                          f"modelled yet (flash and cuDNN are)")
+                          f"modelled (PyTorch's ring attention calls flash, cuDNN and the "
+                          f"memory-efficient kernel)")
     if call.mask is not None or call.dropout > 0:
         raise NotModelled("--cp: torch's context parallelism takes no attn_mask, and "
                           "dropout is not modelled")

@@ -16,20 +16,23 @@ from itertools import product
 from memcalc.config import Config, make_config
 from memcalc.validation.compare import Check, figures_of
 
-# kernels, ranks, rows per rank (rows 256 in bf16, 1,000 in fp16), method: small sizes
-# (every rank is traced); the reference code of each kernel pins its backend (sdpa_kernel),
-# as the model has it
-KERNELS = ("sdpa-flash", "sdpa-cudnn")
+# kernels and their rows per rank (in each a dtype), ranks, methods: small sizes (every rank
+# is traced); the reference code of each kernel pins its backend (sdpa_kernel), as the model
+# has it. The memory-efficient kernel takes multiples of 64 rows under the ring (its padded
+# logsumexp: memcalc.impls.accepted.context_parallel), and float32, which the others do not.
+KERNELS = {"sdpa-flash": {256: "bf16", 1000: "fp16"}, "sdpa-cudnn": {256: "bf16", 1000: "fp16"},
+           "sdpa-efficient": {256: "bf16", 512: "fp32"}}
 RANKS = (2, 3, 4, 8)
-ROWS = {256: "bf16", 1000: "fp16"}
 METHODS = ("allgather", "alltoall")
 
 
 def grid() -> list[Config]:
-    """The configurations: every (kernel, P, rows per rank, method), causal, B=1, H=4, d=64."""
-    return [make_config(impl=kernel, batch=1, heads=4, head_dim=64, dtype=ROWS[rows],
-                        causal=True, seq_len=P * rows, cp=P, cp_method=method)
-            for kernel, P, rows, method in product(KERNELS, RANKS, ROWS, METHODS)]
+    """The configurations: every (kernel and its rows per rank, P, method), causal, B=1, H=4,
+    d=64."""
+    return [make_config(impl=kernel, batch=1, heads=4, head_dim=64, dtype=dtype, causal=True,
+                        seq_len=P * rows, cp=P, cp_method=method)
+            for kernel, rows_dtypes in KERNELS.items() for rows, dtype in rows_dtypes.items()
+            for P, method in product(RANKS, METHODS)]
 
 
 def checks(progress=None) -> tuple[Check, ...]:
