@@ -171,3 +171,18 @@ def test_the_json_names_the_rank_shown_and_every_ranks_figures(capsys):
     assert (out["rank"], out["rank_peak_bytes"], out["rank_reserved_peak_bytes"]) == (
         model.rank, list(model.rank_peaks), list(model.rank_reserved))
     assert out["config"]["cp"] == 4
+
+
+def test_the_math_backend_under_cp_is_refused_in_one_line(tmp_path):
+    """The math path would run as DTensor ops on the sharded tensors, not torch's ring: a
+    trace must not give it the one-GPU figures of a shard."""
+    from memcalc.tracing import TraceError, load_function, trace
+
+    path = tmp_path / "math.py"
+    path.write_text("import torch.nn.functional as F\n"
+                    "from torch.nn.attention import SDPBackend, sdpa_kernel\n\n"
+                    "def attn(q, k, v, causal=True):\n"
+                    "    with sdpa_kernel(SDPBackend.MATH):\n"
+                    "        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)\n")
+    with pytest.raises(TraceError, match="--cp: the math backend under context parallelism"):
+        trace(load_function(f"{path}:attn"), config(heads=4, head_dim=64, seq_len=1024, cp=2))

@@ -184,6 +184,10 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
     paths.note(f"scaled_dot_product_attention at {_where()[0]} {tuple(q.shape)} {call.dtype}"
                f"{' causal' if causal else ''}, torch {paths.release.text()}'s rules: "
                f"{choice.reason()}")
+    if choice.backend == MATH and paths.cp is not None:
+        raise NotModelled("--cp: the math backend under context parallelism is not modelled "
+                          "(torch's ring attention calls the fused kernels; the math path "
+                          "would run as DTensor ops on the sharded q, k, v)")
     if choice.backend == MATH:
         paths.tracer.mask_adds += bool(mask is not None or causal)  # made in place
         if dropout > 0 and call.requires_grad:
