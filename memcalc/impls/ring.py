@@ -107,8 +107,8 @@ class Frame:
 
 @dataclass(frozen=True)
 class Ring:
-    """One rank's sizes: ``d`` the rank's own (``N`` its ``n`` rows), ``P`` ranks, this
-    one ``rank``, K/V exchanged by ``method``."""
+    """One rank's step: ``d`` the rank's own sizes (``N`` its ``n`` rows), ``P`` ranks, this
+    one ``rank``, K/V exchanged by ``method``, each step run on ``kernel`` (``KERNELS``)."""
 
     d: Dims
     P: int
