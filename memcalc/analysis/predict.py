@@ -80,9 +80,14 @@ def _replayed_in(config: Config, ledger: Ledger) -> Breakdown:
     ranks = [_rank_replayed(config, d.replace(cp_rank=r), _like(ledger, config))
              for r in range(d.cp)]
     rank = busiest(ranks)
-    return _rank_replayed(config, d.replace(cp_rank=rank), ledger).model_copy(
-        update=dict(rank=rank, rank_peaks=tuple(b.peak_bytes for b in ranks),
-                    rank_reserved=tuple(b.reserved_peak_bytes for b in ranks)))
+    return ranked(_rank_replayed(config, d.replace(cp_rank=rank), ledger), rank, ranks)
+
+
+def ranked(shown: Breakdown, rank: int, ranks: list[Breakdown]) -> Breakdown:
+    """``shown`` (rank ``rank``'s step) with which rank it is and every rank's peaks."""
+    return shown.model_copy(update=dict(
+        rank=rank, rank_peaks=tuple(b.peak_bytes for b in ranks),
+        rank_reserved=tuple(b.reserved_peak_bytes for b in ranks)))
 
 
 def busiest(ranks: list[Breakdown]) -> int:

@@ -55,6 +55,7 @@ class Frame:
     were made (as the tracer collects them)."""
 
     events: list = field(default_factory=list)
+    made: dict = field(default_factory=dict)  # tensor -> its place in the making order
     holders: dict = field(default_factory=dict)  # tensor -> the variables holding it
     bound: dict = field(default_factory=dict)  # variable -> the tensors it holds
     dead: list = field(default_factory=list)
@@ -63,6 +64,7 @@ class Frame:
         """Allocate ``name`` and bind the variable of the same name to it."""
         self.flush()
         self.events.append(new(name, shape, dtype, role, op))
+        self.made[name] = len(self.made)
         self.holders[name] = set()
         self.hold(name, name)
         return name
@@ -100,8 +102,7 @@ class Frame:
 
     def flush(self) -> None:
         if self.dead:
-            order = {e.name: i for i, e in enumerate(self.events) if isinstance(e, Tensor)}
-            self.events.append(free(*sorted(self.dead, key=order.__getitem__)))
+            self.events.append(free(*sorted(self.dead, key=self.made.__getitem__)))
             self.dead = []
 
 
@@ -383,10 +384,11 @@ def accumulate(f: Frame, ring: Ring, i: int) -> None:
         f.drop(f"step {i}: grad_query")
 
 
-def backward(ring: Ring) -> list:
+def backward(ring: Ring, saved: tuple[str, ...]) -> list:
     """``_templated_ring_attention_backward``: float32 accumulators, the steps, then the
     grads in q's dtype: dq made whole, dK/dV received from the last rank and converted,
-    k's and v's grads views of it (``AccumulateGrad`` keeps them as they are)."""
+    k's and v's grads views of it (``AccumulateGrad`` keeps them as they are); autograd
+    then releases what the forward ``saved``."""
     d, f = ring.d, Frame()
     q, kv = (d.B, d.H, d.N, d.D), (d.B, d.Hk, d.N, d.D)
     for variable, shape in (("grad_query", q), ("grad_key", kv), ("grad_value", kv)):
@@ -401,7 +403,6 @@ def backward(ring: Ring) -> list:
     f.hold("grads", *grads)
     f.drop(*[v for v in list(f.bound) if v != "grads"])
     f.flush()
-    saved = [e.name for e in forward(ring) if isinstance(e, Tensor) and e.role is S]
     return _roled(f.events, grads, G) + [release(*saved)]
 
 
@@ -453,7 +454,8 @@ def program(d: Dims, kernel: str = "sdpa-flash"):
     from memcalc.impls.common import with_loss
 
     ring = Ring(d, d.cp, d.cp_rank, d.cp_method, kernel)
-    return Program(tuple(forward(ring)), tuple(with_loss(d, backward(ring))))
+    events = forward(ring)  # ends with the free of what the node saves
+    return Program(tuple(events), tuple(with_loss(d, backward(ring, events[-1].names))))
 
 
 def step_program(impl, d: Dims):

@@ -136,15 +136,14 @@ def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
                     inputs: tuple[Input, ...]) -> tuple:
     """Every rank's step, the busiest one's shown as ``memcalc.analysis.predict`` shows
     it: ``(breakdown, paths, tracer, rank)``."""
-    from memcalc.analysis.predict import busiest
+    from memcalc.analysis.predict import busiest, ranked
 
     ranks = [_rank_traced(call, config, options, inputs, r) for r in range(config.cp)]
-    rank = busiest([b for b, _, _ in ranks])
+    breakdowns = [b for b, _, _ in ranks]
+    rank = busiest(breakdowns)
     result, paths, tracer = ranks[rank]
     if config.cp > 1:
-        result = result.model_copy(update=dict(
-            rank=rank, rank_peaks=tuple(b.peak_bytes for b, _, _ in ranks),
-            rank_reserved=tuple(b.reserved_peak_bytes for b, _, _ in ranks)))
+        result = ranked(result, rank, breakdowns)
     return result, paths, tracer, rank
 
 

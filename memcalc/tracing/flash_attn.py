@@ -268,11 +268,7 @@ def flash_attn_rule(paths, func, args, kwargs):
     q, k, v = unpacked(args)
     _flags(f"flash_attn.{func.__name__}", kwargs.get("dropout_p", 0.0),
            probs=kwargs.get("return_attn_probs"))
-    d = dims_of(q, k, kwargs.get("causal", False), kwargs.get("deterministic", False), paths.gpu)
-    fa2.check(d, FA2)
-    paths.note(f"{func.__name__} {tuple(args[0].shape)} {d.dtype}"
-               f"{' causal' if d.causal else ''}: memcalc's flash-attn model (flash-attn 2.8.3)")
-    return run(paths, FA2, tuple(args), d)
+    return _run_fa2(paths, func, args, kwargs, q, k)
 
 
 @rule("flash_attn_varlen_func", "flash_attn/flash_attn_interface.py FlashAttnVarlenFunc, "
@@ -291,12 +287,19 @@ def flash_attn_varlen_rule(paths, func, args, kwargs):
         raise NotModelled(f"{where}: q must be (total, heads, head_dim) and cu_seqlens hold "
                           f"at least 2 offsets, not q {tuple(q.shape)} and "
                           f"{cu_seqlens[0].numel()} offsets")
+    return _run_fa2(paths, func, args, kwargs, q, k, sequences, tuple(cu_seqlens))
+
+
+def _run_fa2(paths, func, args, kwargs, q, k, sequences: int = 0, kept: tuple = ()):
+    """A flash-attn 2 call as the model runs it: its sizes (``sequences`` packed, for the
+    varlen functions), the kernel's checks, a note, the run."""
     d = dims_of(q, k, kwargs.get("causal", False), kwargs.get("deterministic", False),
                 paths.gpu, sequences)
     fa2.check(d, FA2)
-    paths.note(f"{func.__name__} {tuple(args[0].shape)} {d.dtype}, {sequences} sequences"
+    packed = f", {sequences} sequences" if sequences else ""
+    paths.note(f"{func.__name__} {tuple(args[0].shape)} {d.dtype}{packed}"
                f"{' causal' if d.causal else ''}: memcalc's flash-attn model (flash-attn 2.8.3)")
-    return run(paths, FA2, tuple(args), d, tuple(cu_seqlens))
+    return run(paths, FA2, tuple(args), d, kept)
 
 
 @rule("flash_attn3_func", "hopper/flash_attn_interface.py FlashAttnFunc, hopper/flash_api.cpp",
