@@ -1,10 +1,14 @@
 """Functional collectives in a trace, as NCCL runs them (``memcalc.tracing.collectives``):
 the async wrap makes no copy, and a collective's input lives until its output is read."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from memcalc.tracing.collectives import Collectives  # noqa: E402
 from memcalc.tracing.context_parallel import Ranks, fake_group  # noqa: E402
 from memcalc.tracing.tracer import Tracer  # noqa: E402
 
@@ -65,3 +69,26 @@ def test_log_sigmoid_keeps_no_buffer_on_cuda():
         tracer.collect_frees()
     made = [e.component.bytes for e in tracer.ledger.history if e.kind == "alloc"]
     assert made == [MiB, MiB]  # x, the result
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "validation" / "results"
+
+
+def test_the_stash_and_the_alias_as_an_h100_measured_them():
+    """``validation/nccl_stash.py`` on an H100 (torch 2.11, NCCL 2.28, a group of one rank):
+    a 4 MiB input dropped right after the call stays allocated with the 4 MiB output
+    (4 + 4 = 8 MiB: the wrap copies nothing) a second later too, and goes at the wait
+    (4 MiB left): the tracer's rules for that release."""
+    report = json.loads((RESULTS / "nccl-stash-nvidia-h100-80gb-hbm3-2.11.0-cu130.json")
+                        .read_text())
+    release = tuple(int(p) for p in report["torch"].split("+")[0].split(".")[:2])
+    assert Collectives(release).stash_inputs
+    for row in report["rows"]:
+        assert (row["after_call"], row["after_del_input"], row["after_1s"],
+                row["after_wait"]) == (8 * MiB, 8 * MiB, 8 * MiB, 4 * MiB), row["collective"]
+
+
+def test_a_fake_group_stashes_nothing():
+    """What ``validation/cp_one_gpu.py`` runs on: a fake process group keeps no input."""
+    assert not Collectives((2, 13), "fake").stash_inputs
+    assert Collectives((2, 13), "nccl").stash_inputs

@@ -14,24 +14,45 @@ Sizes: B = 1, H = 32, D = 128, bf16 (a Llama-style layer); N defaults to 8,192 x
 
 import json
 import sys
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 B, H, D, DTYPE = 1, 32, 128, torch.bfloat16
 
 
-def set_rotate_method(method: str) -> None:
+def _attention():
+    """Torch's context-parallel module (``_context_parallel/_attention.py``, or
+    ``experimental/_attention.py`` in older releases)."""
     try:
-        from torch.distributed.tensor.experimental._attention import set_rotate_method as set_
+        from torch.distributed.tensor.experimental._context_parallel import _attention
     except ImportError:
-        from torch.distributed.tensor.experimental._context_parallel._attention import (
-            set_rotate_method as set_)
-    set_(method)
+        from torch.distributed.tensor.experimental import _attention
+    return _attention
+
+
+def set_rotate_method(method: str) -> None:
+    _attention().set_rotate_method(method)
+
+
+@contextmanager
+def cp_dispatch(mesh):
+    """SDPA on the ring, over tensors that are already this rank's shards: what
+    ``context_parallel(mesh, buffers=...)`` turns on after sharding its buffers
+    (``_enable_context_parallel_dispatcher_impl``). ``context_parallel(mesh)`` with no buffers
+    reads ``buffers[0]`` and raises IndexError (torch 2.11 to 2.13), and buffers given to it are
+    cloned, which would sit outside the measured step."""
+    cp = _attention()
+    cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH
+    cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
+    try:
+        yield
+    finally:
+        cp._disable_context_parallel_dispatcher_impl()
 
 
 def ring(mesh):
@@ -40,7 +61,7 @@ def ring(mesh):
 
     stack = ExitStack()
     stack.enter_context(sdpa_kernel(SDPBackend.FLASH_ATTENTION))
-    stack.enter_context(context_parallel(mesh))
+    stack.enter_context(cp_dispatch(mesh))
     return stack
 
 

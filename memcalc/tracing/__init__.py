@@ -71,11 +71,13 @@ class TraceOptions:
     """How a trace emulates the GPU: ``cuda=False`` follows the meta device's code paths
     (what validation checks); ``release``: the torch release whose SDPA rules apply, with
     its build's cuDNN/CUDA versions (default: the installed torch's); ``workspace``: cuDNN's
-    workspace sizes."""
+    workspace sizes; ``group``: under ``--cp``, the process group's collectives as ``nccl``
+    runs them (default) or as a ``fake`` group does (``context_parallel.Ranks``)."""
 
     cuda: bool = True
     release: TorchRelease = field(default_factory=installed_release)
     workspace: Workspace = Workspace()
+    group: str = "nccl"
 
 
 def trace(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
@@ -168,7 +170,7 @@ def _paths(config: Config, options: TraceOptions, rank: int = 0):
     if config.cp > 1:
         from memcalc.tracing.context_parallel import Ranks
 
-        paths.cp = Ranks(config.cp, rank, config.cp_method)
+        paths.cp = Ranks(config.cp, rank, config.cp_method, options.group)
     return paths
 
 

@@ -35,11 +35,15 @@ METHODS = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}
 @dataclass(frozen=True)
 class Ranks:
     """This trace is rank ``rank`` of ``world`` context-parallel ranks, exchanging K/V by
-    ``method`` (``allgather``: torch's default, or ``alltoall``)."""
+    ``method`` (``allgather``: torch's default, or ``alltoall``), over a ``group`` of
+    ``nccl`` (the collectives as NCCL runs them: ``collectives.py``) or ``fake`` (a fake
+    process group, which keeps nothing of a collective's: what ``validation/cp_one_gpu.py``
+    measures, every rank in turn on one GPU)."""
 
     world: int
     rank: int
     method: str = "allgather"
+    group: str = "nccl"
 
 
 def _attention():

@@ -263,8 +263,10 @@ class Tracer(TorchDispatchMode):
         self.mask_adds = 0
         # values of the small integer and bool tensors, for code that reads them
         self.shadows = Shadows()
-        # functional collectives as NCCL runs them (``collectives.py``)
-        self.collectives = Collectives(paths.release.torch if paths else torch_release())
+        # functional collectives as NCCL (or a fake process group) runs them
+        # (``collectives.py``)
+        group = paths.cp.group if paths and paths.cp else "nccl"
+        self.collectives = Collectives(paths.release.torch if paths else torch_release(), group)
         # ("alloc", key, component) | ("free", key) | ("cublas",) | ("mark", what):
         # the run as a program, for memcalc/trace.py
         self.events: list[tuple] = []

@@ -35,6 +35,22 @@ def grid() -> list[Config]:
             for P, method in product(RANKS, METHODS)]
 
 
+def columns(config: Config, rank: int) -> dict[str, dict[str, int]]:
+    """The figures of ``rank``'s step beside a live run on one GPU (``validation/cp_one_gpu.py``,
+    each rank in turn on a fake process group): ``model``, ``trace`` (the tracer, the
+    collectives as NCCL runs them) and ``trace_fake`` (as the fake group does, keeping
+    nothing: what the live run must equal)."""
+    from memcalc.analysis.predict import rank_breakdown
+    from memcalc.tracing import TraceOptions, traced
+    from memcalc.validation.reference import reference_fn
+
+    fn = reference_fn(config)
+    return {"trace_fake": figures_of(traced(fn, config, TraceOptions(group="fake"),
+                                            rank=rank).breakdown),
+            "trace": figures_of(traced(fn, config, rank=rank).breakdown),
+            "model": figures_of(rank_breakdown(config, rank))}
+
+
 def checks(progress=None) -> tuple[Check, ...]:
     """One check per (configuration, rank)."""
     from memcalc.analysis.predict import rank_breakdown
@@ -49,3 +65,48 @@ def checks(progress=None) -> tuple[Check, ...]:
                        case=f"cp rank {rank}", detail=f"rank {rank} of {c.cp}")
                  for c, rank in pairs)
 
+
+
+def recorded_config(row: dict, environment: dict[str, str]) -> Config:
+    """The configuration of one row of a ``validation/cp_one_gpu.py`` report, on its GPU."""
+    from memcalc.validation.cuda import live_config
+
+    config = make_config(impl=row["impl"], batch=row.get("batch", 1), heads=row["heads"],
+                         head_dim=row["head_dim"], dtype=row["dtype"], causal=True,
+                         seq_len=row["N"], cp=row["P"], cp_method=row["method"])
+    return live_config(config, environment)
+
+
+def recheck(report: dict, every: int = 1) -> list[str]:
+    """A recorded one-GPU run of the ring (``validation/cp_one_gpu.py``) against memcalc now:
+    of every ``every``-th rank step, the live figures against the fake-group trace, and
+    the model against the trace as recorded. One line per difference; [] when none."""
+    differences = []
+    for row in report["rows"][::every]:
+        now = columns(recorded_config(row, report["environment"]), row["rank"])
+        for ours, theirs in (("trace_fake", "live"), ("model", "trace")):
+            if now[ours] != row.get(theirs):
+                differences.append(f"{row['impl']} {row['dtype']} P={row['P']} N={row['N']} "
+                                   f"{row['method']} rank {row['rank']}: {ours} {now[ours]} "
+                                   f"!= recorded {theirs} {row.get(theirs)}")
+    return differences
+
+
+def main(path: str) -> int:
+    """``python -m memcalc.validation.context_parallel REPORT.json``: exit 0 when memcalc
+    gives back every recorded rank step."""
+    import json
+
+    report = json.loads(open(path).read())
+    differences = recheck(report)
+    for line in differences:
+        print(line)
+    print(f"{len(report['rows'])} rank steps recorded on {report['environment']['device']} "
+          f"(torch {report['environment']['torch']}), {len(differences)} not given back")
+    return 1 if differences else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1]))

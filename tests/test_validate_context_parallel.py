@@ -1,0 +1,44 @@
+"""memcalc.validation.context_parallel: the ring as an H100 ran it, given back with no GPU.
+
+``validation/cp_one_gpu.py`` on an H100 80GB HBM3 (torch 2.11.0+cu130): 232 rank steps
+(``grid()``'s 204, and a Llama-style layer, 32 heads of 128, bf16, 16,384 rows a rank, at
+P = 2, 4, 8, both K/V exchanges: 2 x (2 + 4 + 8) = 28), each rank in turn on a fake process
+group through ``context_parallel``'s dispatcher, the kernels on the GPU. Every live figure
+equals the tracer's with a fake group's collectives; the model equals the tracer's with
+NCCL's; NCCL's stash, the only difference between the two, is measured by
+``validation/nccl_stash.py`` (tests/test_tracing_collectives.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from memcalc.validation.context_parallel import grid, recheck  # noqa: E402
+
+REPORT = Path(__file__).resolve().parents[1] / "validation" / "results" / \
+    "cp-one-gpu-nvidia-h100-80gb-hbm3-2.11.0-cu130.json"
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return json.loads(REPORT.read_text())
+
+
+def test_the_run_holds_what_the_docstring_says(report):
+    rows = report["rows"]
+    assert len(rows) == sum(c.cp for c in grid()) + 2 * (2 + 4 + 8) == 232
+    assert all(r["ok"] and "error" not in r for r in rows)
+    # NCCL's stash changes a figure of most rank steps: the fake group is not NCCL
+    assert sum(r["trace"] != r["trace_fake"] for r in rows) == 137
+
+
+def test_memcalc_gives_back_the_recorded_rank_steps(report):
+    """Every 8th rank step (29 of 232; ``python -m memcalc.validation.context_parallel``
+    rechecks all of them): the live figures are the fake-group trace's, the model's the
+    NCCL trace's."""
+    assert recheck(report, every=8) == []

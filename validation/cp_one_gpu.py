@@ -1,0 +1,149 @@
+"""Context parallelism measured on one GPU: each rank's step of PyTorch's ring attention run
+for real, rank after rank, in one process, on a fake process group.
+
+    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS]      # on a GPU
+
+``cp_live.py`` needs P GPUs (NCCL will not put two ranks of a group on one device). Here one
+process plays rank r of P in turn: a fake process group in which it is rank r
+(``torch.testing._internal.distributed.fake_pg``), a device mesh over it, and
+``context_parallel``'s dispatcher (``F.scaled_dot_product_attention`` on DTensors sharded on
+the sequence, ``_sdpa_handler``, ``_templated_ring_attention`` and its backward), the kernels
+running on the GPU. A fake group moves no data; the functional collectives still allocate
+their outputs, and what the kernels and the merger allocate does not depend on the values.
+So the live figures are rank r's under NCCL but for one thing: NCCL keeps an async
+collective's inputs until it is waited on (``stashed_for_allocator_safety_``, torch 2.8 on,
+pytorch/pytorch#150398), a fake group keeps nothing.
+
+For each (configuration, rank), memcalc's protocol (``memcalc.validation.cuda.measure``) and
+three columns beside it, each the five figures:
+
+- ``trace_fake``: memcalc's tracer on the meta device with this torch, its collectives as a
+  fake group runs them (no stash): must equal ``live``;
+- ``trace``: the tracer as memcalc runs it (NCCL's stash);
+- ``model``: ``memcalc.impls.ring`` (NCCL's stash): equals ``trace`` (``memcalc validate
+  --cases cp`` checks it on every commit).
+
+Where ``live`` differs from ``trace_fake``, the caching allocator's events of that rank's
+measured step (``torch.cuda.memory._record_memory_history``, with each event's innermost
+frames in torch and memcalc) are kept in the report to read the difference from. The report
+is rewritten after every configuration; configurations start until MAX_SECONDS (default 240)
+have passed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from cp_live import cp_dispatch  # validation/ is the script's directory
+
+from memcalc.config import make_config
+from memcalc.tracing.context_parallel import Ranks, fake_group
+from memcalc.validation import cuda
+from memcalc.validation.compare import figures_of
+from memcalc.validation.context_parallel import columns, grid
+from memcalc.validation.reference import reference_fn
+
+
+def llama_sized() -> list:
+    """A Llama-style layer (B = 1, 32 heads, d = 128, bf16) at 16,384 rows a rank."""
+    return [make_config(impl="sdpa-flash", batch=1, heads=32, head_dim=128, dtype="bf16",
+                        causal=True, seq_len=16384 * P, cp=P, cp_method=method)
+            for P in (2, 4, 8) for method in ("allgather", "alltoall")]
+
+
+@contextmanager
+def as_rank(config, rank: int):
+    """This process as ``rank`` of ``config.cp`` on a fake group, SDPA on the ring."""
+    with fake_group(Ranks(config.cp, rank, config.cp_method)):
+        mesh = init_device_mesh("cuda", (config.cp,))
+        with cp_dispatch(mesh):
+            yield
+
+
+def live(config, rank: int) -> dict:
+    """memcalc's protocol on the GPU for ``rank``'s shard."""
+    with as_rank(config, rank):
+        return figures_of(cuda.measure(config, torch, fn=reference_fn(config)))
+
+
+def events(config, rank: int) -> list:
+    """The allocator's events of the measured step (the warm-up's cleared), each with its
+    innermost frames in torch or memcalc."""
+    with as_rank(config, rank):
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
+                                                 stacks="python", max_entries=1_000_000)
+        cuda.measure(config, torch, fn=reference_fn(config))
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return [[e["action"], e["size"], _frames(e)] for e in trace
+            if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free")]
+
+
+def _frames(event: dict) -> list[str]:
+    kept = [f"{f['filename'].rsplit('site-packages/', 1)[-1]}:{f['line']} {f['name']}"
+            for f in event.get("frames", ())
+            if "torch/" in f["filename"] or "memcalc" in f["filename"]]
+    return kept[:4]
+
+
+# the allocator's events are kept for the first few differing rank steps only (a few
+# hundred events each, with frames)
+MAX_EVENT_ROWS, EVENTS_KEPT = 12, [0]
+
+
+def case(config, rank: int) -> dict:
+    """One (configuration, rank): the columns, the live figures, the events on a difference."""
+    row = {"impl": config.impl, "dtype": config.dtype.value, "P": config.cp,
+           "N": config.shape.seq_len, "batch": config.shape.batch, "heads": config.shape.heads,
+           "head_dim": config.shape.head_dim, "method": config.cp_method, "rank": rank}
+    if not _recorded(row, "error", lambda: row.update(columns(config, rank))):
+        return row
+    if _recorded(row, "error", lambda: row.update(live=live(config, rank))):
+        row["ok"] = row["live"] == row["trace_fake"]
+        if not row["ok"] and EVENTS_KEPT[0] < MAX_EVENT_ROWS:
+            EVENTS_KEPT[0] += 1
+            _recorded(row, "events_error", lambda: row.update(events=events(config, rank)))
+    return row
+
+
+def _recorded(row: dict, key: str, run) -> bool:
+    """``run()``; an exception is recorded in ``row`` under ``key`` (its last frames under
+    ``key`` + ``_where``) and the run goes on. True when it raised none."""
+    try:
+        run()
+        return True
+    except Exception as error:
+        row[key] = "".join(traceback.format_exception_only(error)).strip()
+        row[key + "_where"] = traceback.format_exc().splitlines()[-12:]
+        return False
+
+
+def main(out: str, max_seconds: float = 240) -> None:
+    start = time.monotonic()
+    env = cuda.environment(torch)
+    rows: list[dict] = []
+    for config in llama_sized()[:2] + grid() + llama_sized()[2:]:
+        if time.monotonic() - start >= max_seconds:
+            break
+        config = cuda.live_config(config, env)
+        rows += [case(config, rank) for rank in range(config.cp)]
+        _write(out, env, rows, time.monotonic() - start)
+    done = sum(r.get("ok", False) for r in rows)
+    print(f"{len(rows)} rank steps: {done} equal to the fake-group trace, "
+          f"{sum('error' in r for r in rows)} errors, {time.monotonic() - start:.0f} s")
+
+
+def _write(out: str, env: dict, rows: list, seconds: float) -> None:
+    with open(out, "w") as f:
+        json.dump({"environment": env, "seconds": round(seconds), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 240)
