@@ -120,11 +120,13 @@ def parallel_options(p: argparse.ArgumentParser, cp: bool = True) -> None:
         p.add_argument("--cp", type=whole, default=None, metavar="P",
                        help="context-parallel ranks: the sequence split over P GPUs as "
                             "PyTorch's ring attention splits it (sdpa-flash, sdpa-cudnn, "
-                            "sdpa-efficient; --causal; N a multiple of 2P); figures are the "
+                            "sdpa-efficient; --causal; N a multiple of 2P), or as "
+                            "DeepSpeed-Ulysses does (--cp-method ulysses); figures are the "
                             "busiest rank's")
     p.add_argument("--cp-method", default=None, metavar="METHOD",
                    help="how context-parallel ranks exchange K/V: allgather (PyTorch's "
-                        "default) or alltoall")
+                        "default) or alltoall; ulysses: DeepSpeed-Ulysses' all-to-alls "
+                        "of heads for rows (sdpa-flash; P divides the heads)")
     p.add_argument("--tp", type=whole, default=None, metavar="T",
                    help="tensor-parallel ranks: the heads (and key/value heads) split over T")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",

@@ -167,10 +167,12 @@ class Config(BaseModel):
         "given", description="flex: the BlockMask built before the step (given), or by "
                              "create_block_mask run eagerly inside it (dense)")
     cp: int = Field(1, ge=1, description="context-parallel ranks the sequence is split over "
-                                         "(PyTorch's ring attention; the busiest rank's step)")
+                                         "(PyTorch's ring attention or DeepSpeed-Ulysses; "
+                                         "the busiest rank's step)")
     cp_method: Literal["allgather", "alltoall", "ulysses"] = Field(
         "allgather", description="how context-parallel ranks exchange K/V: allgather "
-                                 "(PyTorch's default) or alltoall")
+                                 "(PyTorch's default) or alltoall; ulysses: "
+                                 "DeepSpeed-Ulysses' all-to-alls of heads for rows")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks the heads are split over")
     device: Device = Device()
     protocol: Protocol = Protocol()

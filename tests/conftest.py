@@ -24,3 +24,28 @@ def scratch_register():
     yield lambda name, summary, build: register(name, summary, traced=False)(build)
     for name in set(IMPLS) - before:
         IMPLS.pop(name)
+
+
+@pytest.fixture
+def ledger_steps():
+    """A ledger history as its measured step's allocations and frees (bytes), to compare a
+    model with a trace event by event (``tests/test_impls_ring.py``, ``test_impls_ulysses.py``)."""
+    return _steps
+
+
+def _steps(entries):
+    """The measured step's allocations and frees (frees between two allocations as one
+    sorted group: the tracer takes a batch of deaths in the order the tensors were made)."""
+    start = [i for i, e in enumerate(entries) if (e.kind, e.label) == ("phase", "forward")][-1]
+    out, frees = [], []
+    for e in entries[start:]:
+        if e.kind == "phase":
+            continue
+        if e.kind == "free":
+            frees.append(e.component.bytes)
+            continue
+        if frees:
+            out.append(("free", tuple(sorted(frees))))
+            frees = []
+        out.append((e.kind, e.component.bytes))
+    return out

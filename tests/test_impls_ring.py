@@ -66,7 +66,11 @@ BASE = "breakdown --impl sdpa-flash --causal --seq 1024 --heads 32 --head-dim 12
     (BASE.replace("sdpa-flash", "sdpa-efficient").replace("1024", "1152") + " --cp 4",
      "--seq: under 4 ranks N is a multiple of 64 x 4 = 256"),
     (BASE.replace("1024", "1004") + " --cp 4", "--seq: under 4 ranks N is a multiple of 2 x 4"),
-    (BASE + " --cp 4 --cp-method ulysses", "--cp-method: ulysses"),
+    (BASE.replace("sdpa-flash", "sdpa-cudnn") + " --cp 4 --cp-method ulysses",
+     "--cp-method: ulysses is modelled with sdpa-flash as the local attention"),
+    (BASE.replace("32", "6") + " --cp 4 --cp-method ulysses", "--cp: 4 ranks must divide the heads"),
+    (BASE.replace("1024", "1022") + " --cp 4 --cp-method ulysses",
+     "--seq: under 4 ranks a multiple of 4"),
     (BASE.replace("128", "100") + " --cp 4", "--head-dim: under context parallelism"),
     (BASE + " --tp 3", "--tp: 3 ranks must divide the heads"),
 ])
@@ -99,26 +103,8 @@ GRID = [dict(cp=2, seq_len=512), dict(cp=2, seq_len=512, cp_method="alltoall"),
         dict(cp=2, seq_len=256, impl="sdpa-efficient", loss="sum", heads=1, batch=2)]
 
 
-def _sequence(entries):
-    """The measured step's allocations and frees (frees between two allocations as one
-    sorted group: the tracer takes a batch of deaths in the order the tensors were made)."""
-    start = [i for i, e in enumerate(entries) if (e.kind, e.label) == ("phase", "forward")][-1]
-    out, frees = [], []
-    for e in entries[start:]:
-        if e.kind == "phase":
-            continue
-        if e.kind == "free":
-            frees.append(e.component.bytes)
-            continue
-        if frees:
-            out.append(("free", tuple(sorted(frees))))
-            frees = []
-        out.append((e.kind, e.component.bytes))
-    return out
-
-
 @pytest.mark.parametrize("options", GRID)
-def test_each_ranks_allocations_and_frees_are_torchs(options):
+def test_each_ranks_allocations_and_frees_are_torchs(options, ledger_steps):
     """Every rank: the model's ledger history (each allocation's bytes, each free, in order)
     is the trace's of torch's ring attention up to its last allocation (after it, the
     protocol's end frees the rest), over the flash kernel and over cuDNN's (the reference
@@ -134,7 +120,7 @@ def test_each_ranks_allocations_and_frees_are_torchs(options):
         traced(reference_fn(c), c, history=history, rank=rank)
         ledger = Ledger(c.workspace_bytes, record=True)
         rank_breakdown(c, rank, ledger)
-        model, trace = _sequence(ledger.history), _sequence(history)
+        model, trace = ledger_steps(ledger.history), ledger_steps(history)
         last = max(i for i, (kind, _) in enumerate(model) if kind == "alloc")
         assert trace[:last + 1] == model[:last + 1], (rank, options)
 
@@ -154,10 +140,11 @@ def test_validate_cases_cp_checks_every_rank_against_torch(capsys):
     """memcalc validate --cases cp: each (configuration, rank) of the grid, the model's five
     figures against the trace of torch's ring attention; 0 mismatches."""
     from memcalc.validation import validate
-    from memcalc.validation.context_parallel import grid
+    from memcalc.validation.context_parallel import grid, ulysses_checked, ulysses_grid
 
     report = validate(cases=("cp",))
-    assert len(report.checks) == sum(c.cp for c in grid()) and report.mismatches == 0
+    configs = grid() + (ulysses_grid() if ulysses_checked() else [])
+    assert len(report.checks) == sum(c.cp for c in configs) and report.mismatches == 0
 
 
 def test_the_json_names_the_rank_shown_and_every_ranks_figures(capsys):

@@ -42,3 +42,22 @@ def test_memcalc_gives_back_the_recorded_rank_steps(report):
     rechecks all of them): the live figures are the fake-group trace's, the model's the
     NCCL trace's."""
     assert recheck(report, every=8) == []
+
+
+ULYSSES = REPORT.with_name("cp-ulysses-one-gpu-nvidia-h100-80gb-hbm3-2.11.0-cu130.json")
+
+
+def test_deepspeed_ulysses_as_the_h100_ran_it():
+    """``validation/cp_one_gpu.py OUT 200 ulysses`` on the same H100: DeepSpeed 0.19.8's
+    ``DistributedAttention`` around the flash kernel, every rank in turn: ``ulysses_grid()``'s
+    48 rank steps and the Llama-style layer at P = 2, 4, 8 (2 + 4 + 8 = 14). All equal to
+    the trace, which equals the model; a synchronous all-to-all keeps no input past its
+    call, so NCCL's and the fake group's traces are the same. Every 4th given back here."""
+    pytest.importorskip("deepspeed")
+    from memcalc.validation.context_parallel import ulysses_grid
+
+    report = json.loads(ULYSSES.read_text())
+    rows = report["rows"]
+    assert len(rows) == sum(c.cp for c in ulysses_grid()) + 2 + 4 + 8 == 62
+    assert all(r["ok"] and r["trace"] == r["trace_fake"] == r["model"] for r in rows)
+    assert recheck(report, every=4) == []

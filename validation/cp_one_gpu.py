@@ -1,7 +1,7 @@
 """Context parallelism measured on one GPU: each rank's step of PyTorch's ring attention run
 for real, rank after rank, in one process, on a fake process group.
 
-    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS]      # on a GPU
+    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS [ring|ulysses]]      # on a GPU
 
 ``cp_live.py`` needs P GPUs (NCCL will not put two ranks of a group on one device). Here one
 process plays rank r of P in turn: a fake process group in which it is rank r
@@ -13,6 +13,10 @@ their outputs, and what the kernels and the merger allocate does not depend on t
 So the live figures are rank r's under NCCL but for one thing: NCCL keeps an async
 collective's inputs until it is waited on (``stashed_for_allocator_safety_``, torch 2.8 on,
 pytorch/pytorch#150398), a fake group keeps nothing.
+
+``ulysses`` (the third argument) runs DeepSpeed-Ulysses instead: DeepSpeed's own
+``DistributedAttention`` around the pinned flash SDPA on each rank's (B, N / P, H, D) rows
+(``memcalc.validation.context_parallel.rank_call``), in the same fake group.
 
 For each (configuration, rank), memcalc's protocol (``memcalc.validation.cuda.measure``) and
 three columns beside it, each the five figures:
@@ -47,30 +51,44 @@ from memcalc.config import make_config
 from memcalc.tracing.context_parallel import Ranks, fake_group
 from memcalc.validation import cuda
 from memcalc.validation.compare import figures_of
-from memcalc.validation.context_parallel import columns, grid
-from memcalc.validation.reference import reference_fn
+from memcalc.validation.context_parallel import columns, grid, rank_call, ulysses_grid
 
 
-def llama_sized() -> list:
+def llama_sized(methods=("allgather", "alltoall")) -> list:
     """A Llama-style layer (B = 1, 32 heads, d = 128, bf16) at 16,384 rows a rank."""
     return [make_config(impl="sdpa-flash", batch=1, heads=32, head_dim=128, dtype="bf16",
                         causal=True, seq_len=16384 * P, cp=P, cp_method=method)
-            for P in (2, 4, 8) for method in ("allgather", "alltoall")]
+            for P in (2, 4, 8) for method in methods]
+
+
+# the configurations of each kind of run: torch's ring, DeepSpeed-Ulysses
+RUNS = {"ring": lambda: llama_sized()[:2] + grid() + llama_sized()[2:],
+        "ulysses": lambda: ulysses_grid() + llama_sized(("ulysses",))}
 
 
 @contextmanager
 def as_rank(config, rank: int):
-    """This process as ``rank`` of ``config.cp`` on a fake group, SDPA on the ring."""
+    """This process as ``rank`` of ``config.cp`` on a fake group, SDPA on the ring (under
+    Ulysses, DeepSpeed's all-to-alls are in the rank's own code)."""
     with fake_group(Ranks(config.cp, rank, config.cp_method)):
+        if config.cp_method == "ulysses":
+            yield
+            return
         mesh = init_device_mesh("cuda", (config.cp,))
         with cp_dispatch(mesh):
             yield
 
 
+def measured(config):
+    """memcalc's protocol on the GPU for the rank's step (``rank_call``)."""
+    fn, inputs = rank_call(config)
+    return cuda.measure(config, torch, fn=fn, inputs=inputs)
+
+
 def live(config, rank: int) -> dict:
     """memcalc's protocol on the GPU for ``rank``'s shard."""
     with as_rank(config, rank):
-        return figures_of(cuda.measure(config, torch, fn=reference_fn(config)))
+        return figures_of(measured(config))
 
 
 def events(config, rank: int) -> list:
@@ -79,7 +97,7 @@ def events(config, rank: int) -> list:
     with as_rank(config, rank):
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
                                                  stacks="python", max_entries=1_000_000)
-        cuda.measure(config, torch, fn=reference_fn(config))
+        measured(config)
         trace = torch.cuda.memory._snapshot()["device_traces"][0]
         torch.cuda.memory._record_memory_history(enabled=None)
     return [[e["action"], e["size"], _frames(e)] for e in trace
@@ -102,7 +120,8 @@ def case(config, rank: int) -> dict:
     """One (configuration, rank): the columns, the live figures, the events on a difference."""
     row = {"impl": config.impl, "dtype": config.dtype.value, "P": config.cp,
            "N": config.shape.seq_len, "batch": config.shape.batch, "heads": config.shape.heads,
-           "head_dim": config.shape.head_dim, "method": config.cp_method, "rank": rank}
+           "kv_heads": config.shape.key_heads, "head_dim": config.shape.head_dim,
+           "causal": config.causal, "method": config.cp_method, "rank": rank}
     if not _recorded(row, "error", lambda: row.update(columns(config, rank))):
         return row
     if _recorded(row, "error", lambda: row.update(live=live(config, rank))):
@@ -125,11 +144,11 @@ def _recorded(row: dict, key: str, run) -> bool:
         return False
 
 
-def main(out: str, max_seconds: float = 240) -> None:
+def main(out: str, max_seconds: float = 240, run: str = "ring") -> None:
     start = time.monotonic()
     env = cuda.environment(torch)
     rows: list[dict] = []
-    for config in llama_sized()[:2] + grid() + llama_sized()[2:]:
+    for config in RUNS[run]():
         if time.monotonic() - start >= max_seconds:
             break
         config = cuda.live_config(config, env)
@@ -146,4 +165,5 @@ def _write(out: str, env: dict, rows: list, seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 240)
+    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 240,
+         sys.argv[3] if len(sys.argv) > 3 else "ring")

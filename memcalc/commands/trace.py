@@ -1,6 +1,8 @@
 """``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code, traced as
 the configured GPU would run it, with its fit in the device's budget."""
 
+from importlib.util import find_spec
+
 from memcalc.cli import (budget_from, budget_options, calling_from, check_output, release_of,
                          config_from, emit, format_options, input_options, plotting, shape_options,
                          work_options)
@@ -42,6 +44,10 @@ def run(args) -> int:
     options = TraceOptions(cuda=not args.meta_paths, workspace=_workspace(args.cudnn_workspace),
                            **release_of(args))
     history = []
+    if args.cp_method == "ulysses" and find_spec("deepspeed") is not None:
+        from memcalc.tracing.context_parallel import quiet_deepspeed
+
+        quiet_deepspeed()  # before the target's file imports it
     try:
         fn = load_function(args.target)
         calling = calling_from(args, fn)

@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 
 from memcalc.cli import check_output, emit, format_options, impl_option, naming
 from memcalc.names import CASE_KINDS, EMULATED_KINDS, unknown
@@ -103,5 +104,11 @@ def run(args) -> int:
         with naming("--out"):
             write_report(report, args.out)
     emit(report, args.format)
+    if kinds and "cp" in kinds:
+        from memcalc.validation.context_parallel import ulysses_checked
+
+        if not ulysses_checked():
+            print("note: DeepSpeed is not installed: its Ulysses configurations were not "
+                  "checked (pip install 'memcalc[deepspeed]')", file=sys.stderr)
     return 0 if report.ok else 1
 

@@ -74,11 +74,16 @@ def every(field: str) -> Accepted:
     return Accepted(field)
 
 
-def context_parallel(cp: int, field: str = "seq_len", impl: str = "") -> Accepted:
+def context_parallel(cp: int, field: str = "seq_len", impl: str = "",
+                     method: str = "allgather") -> Accepted:
     """Under ``cp`` context-parallel ranks, the sequence lengths PyTorch's load-balanced
     sharding takes: multiples of 2 x cp (``memcalc.impls.ring``); over the memory-efficient
     kernel, of 64 x cp, since the ring merges its logsumexp, padded to 32 rows, with the
-    output of a step on half the rank's rows."""
+    output of a step on half the rank's rows. DeepSpeed-Ulysses (``method="ulysses"``):
+    multiples of cp, each rank's N / P rows (``memcalc.impls.ulysses``)."""
+    if method == "ulysses":
+        return Accepted(field, step=cp, kernel=f"DeepSpeed-Ulysses over {cp} ranks",
+                        step_source="each rank holds N / P rows: deepspeed/sequence/layer.py")
     if impl == "sdpa-efficient":
         return Accepted(field, step=64 * cp, kernel=f"context parallelism over {cp} ranks "
                         f"with the memory-efficient kernel", step_source="its logsumexp of "

@@ -50,7 +50,8 @@ class Impl:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
         if d.cp > 1 and field in ("seq_len", "kv_len"):  # the ring's sharding (a traced
             # function's kernel is the backend rules' choice: 2P, as flash's and cuDNN's)
-            return context_parallel(d.cp, field, "" if self.user_code else self.name)
+            return context_parallel(d.cp, field, "" if self.user_code else self.name,
+                                    d.cp_method)
         return next((a for a in self.accepted(d) if a.field == field), every(field))
 
     def program(self, d: Dims) -> Program:

@@ -33,77 +33,19 @@ allocation and free of this model against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, new, release
+from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, release
 from memcalc.impls import sdpa_cudnn, sdpa_efficient, sdpa_flash
 from memcalc.impls.accepted import context_parallel
+from memcalc.impls.frame import Frame
 from memcalc.impls.device import gpu_of
 
 F32 = "float32"
 T, S, O, G = Role.temporary, Role.saved, Role.output, Role.gradient
-METHODS = ("allgather", "alltoall")
+METHODS = ("allgather", "alltoall")  # torch's rotaters (_RotateMethod)
 # the kernels the ring calls (``_sdpa_handler``'s three), each modelled here
 KERNELS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
-
-
-@dataclass
-class Frame:
-    """Torch's code run over names: ``hold(variable, *tensors)`` binds a variable (or an
-    object's field) to tensors, dropping what it held; a tensor dies when nothing holds it,
-    and its free is declared before the next allocation, deaths in the order the tensors
-    were made (as the tracer collects them)."""
-
-    events: list = field(default_factory=list)
-    made: dict = field(default_factory=dict)  # tensor -> its place in the making order
-    holders: dict = field(default_factory=dict)  # tensor -> the variables holding it
-    bound: dict = field(default_factory=dict)  # variable -> the tensors it holds
-    dead: list = field(default_factory=list)
-
-    def new(self, name: str, shape: tuple, dtype: str, op: str, role: Role = T) -> str:
-        """Allocate ``name`` and bind the variable of the same name to it."""
-        self.flush()
-        self.events.append(new(name, shape, dtype, role, op))
-        self.made[name] = len(self.made)
-        self.holders[name] = set()
-        self.hold(name, name)
-        return name
-
-    def kernel(self, events: list, returned: tuple[str, ...]) -> None:
-        """A kernel's events as the model declares them; what it returns (``returned``)
-        lives on as the caller binds it, everything else dies inside."""
-        for event in events:
-            if isinstance(event, Tensor):
-                self.new(event.name, event.shape, event.dtype, event.op)
-            elif isinstance(event, Free):
-                self.drop(*[n for n in event.names if n not in returned])
-
-    def hold(self, variable: str, *tensors: str) -> None:
-        before = self.bound.pop(variable, ())
-        self.bound[variable] = tensors
-        for t in tensors:
-            self.holders.setdefault(t, set()).add(variable)
-        for t in before:
-            self._let_go(t, variable)
-
-    def drop(self, *variables: str) -> None:
-        for variable in variables:
-            for t in self.bound.pop(variable, ()):
-                self._let_go(t, variable)
-
-    def _let_go(self, tensor: str, variable: str) -> None:
-        holding = self.holders.get(tensor)
-        if holding is None or variable in self.bound and tensor in self.bound[variable]:
-            return
-        holding.discard(variable)
-        if not holding:
-            del self.holders[tensor]
-            self.dead.append(tensor)
-
-    def flush(self) -> None:
-        if self.dead:
-            self.events.append(free(*sorted(self.dead, key=self.made.__getitem__)))
-            self.dead = []
 
 
 @dataclass(frozen=True)
@@ -423,12 +365,20 @@ def converted_grads(f: Frame, ring: Ring) -> tuple[str, str]:
 def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shape) -> str:
     """Why ``cp`` ranks cannot run this step as modelled (one line naming the option), or
     ""; ``shape`` is the whole sequence's (``memcalc.config.Shape``); ``user_code``: a
-    user's function, whose SDPA calls run torch's own ring attention (``trace --cp``)."""
+    user's function, whose SDPA calls run torch's own ring attention (``trace --cp``), or
+    whose own code makes DeepSpeed-Ulysses' all-to-alls."""
     if cp == 1:
         return ""
-    if method not in METHODS:
-        return (f"cp_method: {method} (DeepSpeed-Ulysses' all-to-all of heads) is not "
-                f"modelled yet; PyTorch's: {' or '.join(METHODS)}")
+    if method == "ulysses":
+        from memcalc.impls import ulysses
+
+        refused = ulysses.refusal(impl, user_code, cp, shape)
+    else:
+        refused = _ring_refusal(impl, user_code, cp, causal, shape)
+    return refused or _shape_refusal(user_code, shape)
+
+
+def _ring_refusal(impl: str, user_code: bool, cp: int, causal: bool, shape) -> str:
     if impl not in KERNELS and not user_code:
         return (f"cp: context parallelism is modelled over {', '.join(KERNELS)} (the kernels "
                 f"PyTorch's ring attention calls at each step), not {impl}")
@@ -439,11 +389,17 @@ def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shap
     if not rule.accepts(shape.seq_len):
         return (f"seq_len: under {cp} ranks N is a multiple of {rule.step // cp} x {cp} = "
                 f"{rule.step}: {rule.step_source} (got N = {shape.seq_len:,})")
+    return ""
+
+
+def _shape_refusal(user_code: bool, shape) -> str:
+    """What either method leaves out: keys of another length, head dims the SDPA composite
+    pads."""
     if shape.kv_len not in (None, shape.seq_len):
         return "kv_len: under context parallelism the keys are the queries' rows (no --kv-len)"
     if not user_code and shape.head_dim % 8:
         return ("head_dim: under context parallelism a multiple of 8 (the padding to 8 the "
-                f"SDPA composite makes before the ring is not modelled; got {shape.head_dim})")
+                f"SDPA composite makes is not modelled there; got {shape.head_dim})")
     return ""
 
 
@@ -463,5 +419,10 @@ def step_program(impl, d: Dims):
     (the kernel's own checks first: its one-GPU program at the rank's sizes)."""
     if d.cp == 1 or impl.user_code:
         return impl.program(d)
+    if d.cp_method == "ulysses":
+        from memcalc.impls import ulysses
+
+        impl.program(ulysses.Ulysses(d, d.cp).local)
+        return ulysses.program(d, impl.name)
     impl.program(d)
     return program(d, impl.name)

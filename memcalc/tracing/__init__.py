@@ -156,7 +156,12 @@ def _rank_traced(call: Bound, config: Config, options: TraceOptions,
 
     paths = _paths(config, options, rank)
     tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims))
-    return _measure(call, config, options, inputs, paths=paths, tracer=tracer), paths, tracer
+    result = _measure(call, config, options, inputs, paths=paths, tracer=tracer)
+    if config.cp > 1 and config.cp_method == "ulysses" and not paths.collectives:
+        raise TraceError("--cp-method ulysses: the step made no all-to-all; DeepSpeed-Ulysses "
+                         "is the caller's code (DistributedAttention around the attention): "
+                         "trace the function that calls it, on its rank's (B, N, H, D) rows")
+    return result, paths, tracer
 
 
 def _paths(config: Config, options: TraceOptions, rank: int = 0):

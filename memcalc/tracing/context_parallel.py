@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import torch
 import torch.distributed as dist
@@ -67,12 +68,47 @@ def fake_group(ranks: Ranks):
     cp = _attention()
     method = cp._cp_options.rotate_method
     dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank, world_size=ranks.world)
-    cp._cp_options.rotate_method = getattr(cp._RotateMethod, METHODS[ranks.method])
+    if ranks.method in METHODS:  # torch's ring; Ulysses' all-to-alls are the caller's code
+        cp._cp_options.rotate_method = getattr(cp._RotateMethod, METHODS[ranks.method])
+    elif find_spec("deepspeed") is not None:
+        deepspeed_layer()
     try:
         yield
     finally:
         cp._cp_options.rotate_method = method
         dist.destroy_process_group()
+
+
+def quiet_deepspeed() -> None:
+    """Import DeepSpeed with its logs kept off stdout, before a traced file imports it: its
+    logger writes there (``deepspeed/utils/logging.py``, a handler made at import), and it
+    warns on a machine without a GPU that its accelerator is the CPU."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        import deepspeed.comm.torch  # noqa: F401
+        import deepspeed.sequence.layer  # noqa: F401
+
+
+def deepspeed_layer():
+    """``deepspeed.sequence.layer`` (DeepSpeed-Ulysses' ``DistributedAttention``) with
+    ``deepspeed.comm``'s backend over the process group already set up: its
+    ``TorchBackend`` (``deepspeed/comm/torch.py``), whose ``all_to_all_single`` is
+    ``torch.distributed.all_to_all_single``, built without the shared-memory op DeepSpeed
+    compiles for CPU collectives (no all-to-all calls it)."""
+    from datetime import timedelta
+    from unittest import mock
+
+    quiet_deepspeed()
+    import deepspeed.comm.comm as comm
+    from deepspeed.comm.torch import TorchBackend
+    from deepspeed.sequence import layer
+
+    if comm.cdb is None:
+        with mock.patch("deepspeed.comm.torch.build_shm_op", return_value=None):
+            comm.cdb = TorchBackend("fake", timedelta(minutes=1), None)
+    return layer
 
 
 def _kernel(paths, backend: str, q, k, v, is_causal) -> Kernel:

@@ -70,6 +70,7 @@ class CudaPaths:
     notes: dict[str, None] = field(default_factory=dict)  # ordered set of lines
     kernels: dict[str, None] = field(default_factory=dict)  # fused SDPA backends run
     cp: object = None  # context_parallel.Ranks: this trace is one rank's of several
+    collectives: int = 0  # process-group collectives the step ran (c10d's, functional ones)
 
     @property
     def cc(self) -> tuple[int, int]:
@@ -184,7 +185,8 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
     paths.note(f"scaled_dot_product_attention at {_where()[0]} {tuple(q.shape)} {call.dtype}"
                f"{' causal' if causal else ''}, torch {paths.release.text()}'s rules: "
                f"{choice.reason()}")
-    if choice.backend == MATH and paths.cp is not None:
+    ring = paths.cp is not None and paths.cp.method != "ulysses"  # Ulysses attends locally
+    if choice.backend == MATH and ring:
         raise NotModelled("--cp: the math backend under context parallelism is not modelled "
                           "(torch's ring attention calls the fused kernels; the math path "
                           "would run as DTensor ops on the sharded q, k, v)")
@@ -198,7 +200,7 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
     if mask is not None:
         mask = fused_mask(mask, q, k, choice.backend)
     paths.kernels[choice.backend] = None
-    if paths.cp is not None:
+    if ring:
         from memcalc.tracing import context_parallel
 
         return context_parallel.run(paths, choice.backend, q, k, v, call)
@@ -345,7 +347,11 @@ def observe(paths: CudaPaths, func) -> None:
     """Name what the trace cannot see inside ``func`` on a GPU."""
     namespace = func.namespace
     op = func.overloadpacket.__name__
-    if namespace not in ("aten", "prim", "prims", "_c10d_functional"):  # collectives.py
+    paths.collectives += namespace in ("c10d", "_c10d_functional")
+    # the collectives allocate no caching-allocator block inside (NCCL's buffers are its
+    # own); the functional ones' stash: collectives.py; c10d's in-place ones, as
+    # DeepSpeed-Ulysses calls them, are synchronous: the stash ends with the call
+    if namespace not in ("aten", "prim", "prims", "_c10d_functional", "c10d"):
         paths.note(UNMODELLED["custom"].format(op=f"{namespace}::{op}"))
     elif op in REDUCTIONS:
         paths.note(UNMODELLED["reduction"].format(op=f"aten::{op}"))

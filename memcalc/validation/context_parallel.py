@@ -6,7 +6,9 @@ PyTorch's own ring attention for that rank (``_templated_ring_attention`` and it
 on a fake process group: ``memcalc.tracing.context_parallel``), through the same tracer and
 allocator model as every emulated check; tolerance 0. The flash kernel inside each step is
 memcalc's model of it in both (it cannot run on the meta device): what is checked is what
-the ring adds, its exchange, merge and accumulators.
+the ring adds, its exchange, merge and accumulators. DeepSpeed-Ulysses
+(``memcalc.impls.ulysses``) against DeepSpeed's own ``DistributedAttention`` traced the same
+way, where DeepSpeed is installed (the ``deepspeed`` extra).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from itertools import product
 
 from memcalc.config import Config, make_config
+from memcalc.impls.ring import METHODS
 from memcalc.validation.compare import Check, figures_of
 
 # kernels and their rows per rank (in each a dtype), ranks, methods: small sizes (every rank
@@ -23,7 +26,6 @@ from memcalc.validation.compare import Check, figures_of
 KERNELS = {"sdpa-flash": {256: "bf16", 1000: "fp16"}, "sdpa-cudnn": {256: "bf16", 1000: "fp16"},
            "sdpa-efficient": {256: "bf16", 512: "fp32"}}
 RANKS = (2, 3, 4, 8)
-METHODS = ("allgather", "alltoall")
 
 
 def grid() -> list[Config]:
@@ -35,33 +37,73 @@ def grid() -> list[Config]:
             for P, method in product(RANKS, METHODS)]
 
 
+# DeepSpeed-Ulysses over the flash kernel: (B, H, Hk, rows per rank, dtype, causal) at each
+# P dividing the heads. B = 1 and B = 2 take different copies (memcalc.impls.ulysses).
+ULYSSES = ((1, 8, 8, 256, "bf16", True), (2, 8, 8, 1000, "fp16", True),
+           (1, 8, 4, 256, "fp16", True), (2, 8, 8, 256, "bf16", False))
+
+
+def ulysses_grid() -> list[Config]:
+    """The DeepSpeed-Ulysses configurations (d = 64), P = 2, 4, 8 where P divides Hk."""
+    return [make_config(impl="sdpa-flash", batch=B, heads=H, kv_heads=Hk, head_dim=64,
+                        dtype=dtype, causal=causal, seq_len=P * rows, cp=P, cp_method="ulysses")
+            for P in (2, 4, 8) for B, H, Hk, rows, dtype, causal in ULYSSES if Hk % P == 0]
+
+
+def ulysses_checked() -> bool:
+    """Whether DeepSpeed is installed, whose own code the Ulysses checks trace."""
+    from importlib.util import find_spec
+
+    return find_spec("deepspeed") is not None
+
+
+def rank_call(config: Config) -> tuple:
+    """What a rank runs, and its inputs: the implementation's reference code on (B, H,
+    N / P, D) shards (torch's ring takes over its SDPA call); under DeepSpeed-Ulysses, inside
+    DeepSpeed's ``DistributedAttention`` on (B, N / P, H, D) rows."""
+    from memcalc.engine.inputs import QKV
+    from memcalc.impls.flash_attn import BNHD
+    from memcalc.validation.reference import reference_fn
+    from memcalc.validation.reference.ulysses import distributed
+
+    if config.cp_method == "ulysses":
+        return distributed(reference_fn(config)), BNHD
+    return reference_fn(config), QKV
+
+
+def traced_rank(config: Config, rank: int, options=None):
+    """The trace of ``rank``'s step (``rank_call``)."""
+    from memcalc.tracing import TraceOptions, traced
+    from memcalc.tracing.target import Calling
+
+    fn, inputs = rank_call(config)
+    return traced(fn, config, options or TraceOptions(), calling=Calling(inputs=inputs),
+                  rank=rank).breakdown
+
+
 def columns(config: Config, rank: int) -> dict[str, dict[str, int]]:
     """The figures of ``rank``'s step beside a live run on one GPU (``validation/cp_one_gpu.py``,
     each rank in turn on a fake process group): ``model``, ``trace`` (the tracer, the
     collectives as NCCL runs them) and ``trace_fake`` (as the fake group does, keeping
     nothing: what the live run must equal)."""
     from memcalc.analysis.predict import rank_breakdown
-    from memcalc.tracing import TraceOptions, traced
-    from memcalc.validation.reference import reference_fn
+    from memcalc.tracing import TraceOptions
 
-    fn = reference_fn(config)
-    return {"trace_fake": figures_of(traced(fn, config, TraceOptions(group="fake"),
-                                            rank=rank).breakdown),
-            "trace": figures_of(traced(fn, config, rank=rank).breakdown),
+    return {"trace_fake": figures_of(traced_rank(config, rank, TraceOptions(group="fake"))),
+            "trace": figures_of(traced_rank(config, rank)),
             "model": figures_of(rank_breakdown(config, rank))}
 
 
 def checks(progress=None) -> tuple[Check, ...]:
-    """One check per (configuration, rank)."""
+    """One check per (configuration, rank); the Ulysses ones where DeepSpeed is installed."""
     from memcalc.analysis.predict import rank_breakdown
-    from memcalc.tracing import traced
-    from memcalc.validation.reference import reference_fn
 
-    pairs = [(c, rank) for c in grid() for rank in range(c.cp)]
+    configs = grid() + (ulysses_grid() if ulysses_checked() else [])
+    pairs = [(c, rank) for c in configs for rank in range(c.cp)]
     if progress is not None:
         pairs = progress(pairs, len(pairs), "validate (context parallel)")
     return tuple(Check(config=c, predicted=figures_of(rank_breakdown(c, rank)),
-                       measured=figures_of(traced(reference_fn(c), c, rank=rank).breakdown),
+                       measured=figures_of(traced_rank(c, rank)),
                        case=f"cp rank {rank}", detail=f"rank {rank} of {c.cp}")
                  for c, rank in pairs)
 
@@ -72,8 +114,9 @@ def recorded_config(row: dict, environment: dict[str, str]) -> Config:
     from memcalc.validation.cuda import live_config
 
     config = make_config(impl=row["impl"], batch=row.get("batch", 1), heads=row["heads"],
-                         head_dim=row["head_dim"], dtype=row["dtype"], causal=True,
-                         seq_len=row["N"], cp=row["P"], cp_method=row["method"])
+                         kv_heads=row.get("kv_heads"), head_dim=row["head_dim"],
+                         dtype=row["dtype"], causal=row.get("causal", True), seq_len=row["N"],
+                         cp=row["P"], cp_method=row["method"])
     return live_config(config, environment)
 
 

@@ -1,0 +1,74 @@
+"""Python's references, for models of code whose tensors die where its variables let go.
+
+The context-parallel models (``memcalc.impls.ring``: PyTorch's ring attention;
+``memcalc.impls.ulysses``: DeepSpeed-Ulysses) follow the variables of the code they model:
+each tensor dies when nothing holds it, as CPython frees it, and the frees are declared in
+the order the tracer collects them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memcalc.engine.program import Free, Role, Tensor, free, new
+
+T = Role.temporary
+
+
+@dataclass
+class Frame:
+    """Torch's code run over names: ``hold(variable, *tensors)`` binds a variable (or an
+    object's field) to tensors, dropping what it held; a tensor dies when nothing holds it,
+    and its free is declared before the next allocation, deaths in the order the tensors
+    were made (as the tracer collects them)."""
+
+    events: list = field(default_factory=list)
+    made: dict = field(default_factory=dict)  # tensor -> its place in the making order
+    holders: dict = field(default_factory=dict)  # tensor -> the variables holding it
+    bound: dict = field(default_factory=dict)  # variable -> the tensors it holds
+    dead: list = field(default_factory=list)
+
+    def new(self, name: str, shape: tuple, dtype: str, op: str, role: Role = T) -> str:
+        """Allocate ``name`` and bind the variable of the same name to it."""
+        self.flush()
+        self.events.append(new(name, shape, dtype, role, op))
+        self.made[name] = len(self.made)
+        self.holders[name] = set()
+        self.hold(name, name)
+        return name
+
+    def kernel(self, events: list, returned: tuple[str, ...]) -> None:
+        """A kernel's events as the model declares them; what it returns (``returned``)
+        lives on as the caller binds it, everything else dies inside."""
+        for event in events:
+            if isinstance(event, Tensor):
+                self.new(event.name, event.shape, event.dtype, event.op)
+            elif isinstance(event, Free):
+                self.drop(*[n for n in event.names if n not in returned])
+
+    def hold(self, variable: str, *tensors: str) -> None:
+        before = self.bound.pop(variable, ())
+        self.bound[variable] = tensors
+        for t in tensors:
+            self.holders.setdefault(t, set()).add(variable)
+        for t in before:
+            self._let_go(t, variable)
+
+    def drop(self, *variables: str) -> None:
+        for variable in variables:
+            for t in self.bound.pop(variable, ()):
+                self._let_go(t, variable)
+
+    def _let_go(self, tensor: str, variable: str) -> None:
+        holding = self.holders.get(tensor)
+        if holding is None or variable in self.bound and tensor in self.bound[variable]:
+            return
+        holding.discard(variable)
+        if not holding:
+            del self.holders[tensor]
+            self.dead.append(tensor)
+
+    def flush(self) -> None:
+        if self.dead:
+            self.events.append(free(*sorted(self.dead, key=self.made.__getitem__)))
+            self.dead = []

@@ -1,0 +1,121 @@
+"""DeepSpeed-Ulysses (``memcalc.impls.ulysses``): one rank's step of DeepSpeed's
+``DistributedAttention`` over SDPA's flash kernel, against a trace of DeepSpeed's own code on
+a fake process group, allocation by allocation; and the figures of ``breakdown``."""
+
+import pytest
+
+from memcalc.analysis.predict import predict
+from memcalc.config import make_config
+from memcalc.impls.ulysses import contiguous_after
+
+MiB = 1 << 20
+
+
+def config(**options):
+    sizes = dict(impl="sdpa-flash", batch=1, heads=32, head_dim=128, dtype="bf16", causal=True,
+                 seq_len=131072, cp=4, cp_method="ulysses")
+    return make_config(**{**sizes, **options})
+
+
+def test_four_ranks_hold_every_row_of_a_quarter_of_the_heads():
+    """4 ranks of 32,768 rows, 32 heads: each attends all 131,072 rows of 8 heads. At the
+    backward peak (the kernel's backward), in MiB: dq_accum, 131,072 x 8 x 128 x 4 B: 512;
+    q, k, v, grad_out, 32,768 x 32 x 128 x 2 B: 4 x 256; q, k, v all-to-all'd and the
+    kernel's output, 131,072 x 8 x 128 x 2 B: 4 x 256 (B = 1: the received buffers are the
+    results, no copy after); the output back in rows: 256; the grad all-to-all'd: 256; dq,
+    dk, dv: 3 x 256; logsumexp and softmax_d, 8 x 131,072 x 4 B: 2 x 4; the philox tensors:
+    2 x 512 B. No rank is busier; the ring holds the gathered K/V besides (10,208,936,960)."""
+    b = predict(config())
+    mib = 512 + 4 * 256 + 4 * 256 + 256 + 256 + 3 * 256 + 2 * 4
+    assert b.backward_peak_bytes == mib * MiB + 2 * 512 == 4_034_921_472
+    assert b.rank_peaks == (b.backward_peak_bytes,) * 4
+    assert b.peak_bytes < predict(config(cp_method="allgather")).peak_bytes
+
+
+def test_a_batch_of_two_copies_after_each_all_to_all():
+    """B = 2: the permute after the all-to-all is not contiguous, so q's layer is a copy of
+    the received buffer, 2 x 131,072 x 8 x 128 x 2 B = 512 MiB, which the kernel's node
+    saves; with B = 1 the received buffer is the layer itself."""
+    two = {c.name: c.bytes for c in predict(config(batch=2)).saved}
+    assert two["q to heads"] == 512 * MiB and "q to heads: received" not in two
+    one = {c.name: c.bytes for c in predict(config()).saved}
+    assert one["q to heads: received"] == 256 * MiB and "q to heads" not in one
+
+
+@pytest.mark.parametrize("shape, order, contiguous", [
+    ((2, 3, 4, 5, 6), (2, 0, 1, 3, 4), False),
+    ((1, 1, 4, 5, 6), (2, 0, 1, 3, 4), True),  # B = n = 1: P moves over sizes of 1
+    ((1, 4, 3, 5, 6), (1, 0, 2, 3, 4), True),  # B = 1
+    ((4, 1, 3, 5, 6), (1, 2, 0, 3, 4), False),
+    ((4, 1, 1, 5, 6), (1, 2, 0, 3, 4), True),
+])
+def test_a_permute_is_contiguous_as_torch_says(shape, order, contiguous):
+    torch = pytest.importorskip("torch")
+    assert torch.empty(shape, device="meta").permute(order).is_contiguous() == contiguous
+    assert contiguous_after(shape, order) == contiguous
+
+
+# --- against DeepSpeed's own code ---------------------------------------------------------
+
+pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+
+GRID = [dict(cp=2, seq_len=512), dict(cp=4, seq_len=1024, batch=2),
+        dict(cp=2, seq_len=512, kv_heads=2), dict(cp=4, seq_len=4000, batch=3, kv_heads=4),
+        dict(cp=2, seq_len=512, causal=False, dtype="fp16"), dict(cp=2, seq_len=512, loss="sum"),
+        dict(cp=2, seq_len=512, batch=2, loss="sum"), dict(cp=8, seq_len=2048, batch=1),
+        dict(cp=2, seq_len=512, forward_only=True, batch=2)]
+
+
+@pytest.mark.parametrize("options", GRID)
+def test_each_ranks_allocations_and_frees_are_deepspeeds(options, ledger_steps):
+    """The first and last rank: the model's ledger history (each allocation's bytes, each
+    free, in order) is the trace's of DeepSpeed's ``DistributedAttention`` around the
+    pinned flash SDPA, up to its last allocation."""
+    from memcalc.analysis.predict import rank_breakdown
+    from memcalc.engine.replay import Ledger
+    from memcalc.impls.flash_attn import BNHD
+    from memcalc.tracing import traced
+    from memcalc.tracing.target import Calling
+    from memcalc.validation.reference import reference_fn
+    from memcalc.validation.reference.ulysses import distributed
+
+    c = config(**{"heads": 8, "head_dim": 64, **options})
+    for rank in (0, c.cp - 1):
+        history: list = []
+        traced(distributed(reference_fn(c)), c, calling=Calling(inputs=BNHD), history=history,
+               rank=rank)
+        ledger = Ledger(c.workspace_bytes, record=True)
+        rank_breakdown(c, rank, ledger)
+        model, trace = ledger_steps(ledger.history), ledger_steps(history)
+        last = max(i for i, (kind, _) in enumerate(model) if kind == "alloc")
+        assert trace[:last + 1] == model[:last + 1], (rank, options)
+
+
+EXAMPLE = "examples/attention/ulysses_user.py:attn"
+
+
+def test_a_model_file_calling_distributed_attention_traces_as_the_model():
+    """``memcalc trace`` of a file that builds DeepSpeed's ``DistributedAttention`` itself,
+    on its rank's (B, N / P, H, D) rows: the busiest rank and every figure as ``breakdown``."""
+    from memcalc.engine.inputs import parse_input
+    from memcalc.tracing import load_function, traced
+    from memcalc.tracing.target import Calling
+    from memcalc.validation.compare import figures_of
+
+    c = config(heads=8, head_dim=64, seq_len=4096, batch=2, kv_heads=4)
+    inputs = tuple(parse_input(t) for t in ("q=B,N,H,D", "k=B,N,K,D", "v=B,N,K,D"))
+    step = traced(load_function(EXAMPLE), c, calling=Calling(inputs=inputs)).breakdown
+    model = predict(c)
+    assert (step.rank, step.rank_peaks) == (model.rank, model.rank_peaks)
+    assert figures_of(step) == figures_of(model)
+
+
+def test_a_function_without_an_all_to_all_is_refused_under_ulysses():
+    """Plain SDPA on a rank's rows is not Ulysses: the trace says so rather than give one
+    GPU's step on a shard."""
+    from memcalc.tracing import TraceError, load_function, trace
+
+    with pytest.raises(TraceError, match="--cp-method ulysses: the step made no all-to-all"):
+        trace(load_function("examples/attention/sdpa_cp.py:attn"),
+              config(heads=8, head_dim=64, seq_len=1024))
