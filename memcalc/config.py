@@ -222,7 +222,7 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _check_cp(self) -> "Config":
         refused = refusal(self.impl, get_impl(self.impl).user_code, self.cp, self.cp_method,
-                          self.causal, self.shape)
+                          self.causal, self.shape, self.tp)
         if refused:
             raise ValueError(refused)
         return self

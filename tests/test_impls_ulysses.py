@@ -64,27 +64,31 @@ GRID = [dict(cp=2, seq_len=512), dict(cp=4, seq_len=1024, batch=2),
         dict(cp=2, seq_len=512, kv_heads=2), dict(cp=4, seq_len=4000, batch=3, kv_heads=4),
         dict(cp=2, seq_len=512, causal=False, dtype="fp16"), dict(cp=2, seq_len=512, loss="sum"),
         dict(cp=2, seq_len=512, batch=2, loss="sum"), dict(cp=8, seq_len=2048, batch=1),
-        dict(cp=2, seq_len=512, forward_only=True, batch=2)]
+        dict(cp=2, seq_len=512, forward_only=True, batch=2),
+        dict(cp=2, seq_len=512, impl="flash-attn"), dict(cp=4, seq_len=1024, impl="flash-attn",
+                                                         batch=2, kv_heads=4, loss="sum"),
+        dict(cp=2, seq_len=512, impl="flash-attn", deterministic=True, batch=2),
+        dict(cp=2, seq_len=512, impl="sdpa-cudnn", batch=2, kv_heads=2, loss="sum"),
+        dict(cp=4, seq_len=1024, impl="sdpa-efficient", dtype="fp32"),
+        dict(cp=2, seq_len=512, impl="sdpa-efficient", batch=2, forward_only=True)]
 
 
 @pytest.mark.parametrize("options", GRID)
 def test_each_ranks_allocations_and_frees_are_deepspeeds(options, ledger_steps):
     """The first and last rank: the model's ledger history (each allocation's bytes, each
     free, in order) is the trace's of DeepSpeed's ``DistributedAttention`` around the
-    pinned flash SDPA, up to its last allocation."""
+    pinned flash SDPA or ``flash_attn_func``, up to its last allocation."""
     from memcalc.analysis.predict import rank_breakdown
     from memcalc.engine.replay import Ledger
-    from memcalc.impls.flash_attn import BNHD
     from memcalc.tracing import traced
     from memcalc.tracing.target import Calling
-    from memcalc.validation.reference import reference_fn
-    from memcalc.validation.reference.ulysses import distributed
+    from memcalc.validation.context_parallel import rank_call
 
     c = config(**{"heads": 8, "head_dim": 64, **options})
+    fn, inputs = rank_call(c)
     for rank in (0, c.cp - 1):
         history: list = []
-        traced(distributed(reference_fn(c)), c, calling=Calling(inputs=BNHD), history=history,
-               rank=rank)
+        traced(fn, c, calling=Calling(inputs=inputs), history=history, rank=rank)
         ledger = Ledger(c.workspace_bytes, record=True)
         rank_breakdown(c, rank, ledger)
         model, trace = ledger_steps(ledger.history), ledger_steps(history)
@@ -92,20 +96,21 @@ def test_each_ranks_allocations_and_frees_are_deepspeeds(options, ledger_steps):
         assert trace[:last + 1] == model[:last + 1], (rank, options)
 
 
-EXAMPLE = "examples/attention/ulysses_user.py:attn"
-
-
-def test_a_model_file_calling_distributed_attention_traces_as_the_model():
+@pytest.mark.parametrize("example, impl", [("ulysses_user", "sdpa-flash"),
+                                           ("ulysses_flash_attn", "flash-attn")])
+def test_a_model_file_calling_distributed_attention_traces_as_the_model(example, impl):
     """``memcalc trace`` of a file that builds DeepSpeed's ``DistributedAttention`` itself,
-    on its rank's (B, N / P, H, D) rows: the busiest rank and every figure as ``breakdown``."""
+    on its rank's (B, N / P, H, D) rows: the busiest rank and every figure as ``breakdown``,
+    with SDPA's flash kernel or flash-attn's ``flash_attn_func`` inside."""
     from memcalc.engine.inputs import parse_input
     from memcalc.tracing import load_function, traced
     from memcalc.tracing.target import Calling
     from memcalc.validation.compare import figures_of
 
-    c = config(heads=8, head_dim=64, seq_len=4096, batch=2, kv_heads=4)
+    c = config(impl=impl, heads=8, head_dim=64, seq_len=4096, batch=2, kv_heads=4)
     inputs = tuple(parse_input(t) for t in ("q=B,N,H,D", "k=B,N,K,D", "v=B,N,K,D"))
-    step = traced(load_function(EXAMPLE), c, calling=Calling(inputs=inputs)).breakdown
+    target = load_function(f"examples/attention/{example}.py:attn")
+    step = traced(target, c, calling=Calling(inputs=inputs)).breakdown
     model = predict(c)
     assert (step.rank, step.rank_peaks) == (model.rank, model.rank_peaks)
     assert figures_of(step) == figures_of(model)

@@ -48,16 +48,18 @@ ULYSSES = REPORT.with_name("cp-ulysses-one-gpu-nvidia-h100-80gb-hbm3-2.11.0-cu13
 
 
 def test_deepspeed_ulysses_as_the_h100_ran_it():
-    """``validation/cp_one_gpu.py OUT 200 ulysses`` on the same H100: DeepSpeed 0.19.8's
-    ``DistributedAttention`` around the flash kernel, every rank in turn: ``ulysses_grid()``'s
-    48 rank steps and the Llama-style layer at P = 2, 4, 8 (2 + 4 + 8 = 14). All equal to
-    the trace, which equals the model; a synchronous all-to-all keeps no input past its
-    call, so NCCL's and the fake group's traces are the same. Every 4th given back here."""
+    """``validation/cp_one_gpu.py OUT 300 ulysses`` on the same H100: DeepSpeed 0.19.8's
+    ``DistributedAttention`` around SDPA's flash, cuDNN and memory-efficient kernels, every
+    rank in turn: ``ulysses_grid(SDPA_KERNELS)``'s 48 + 48 + 42 rank steps (the efficient
+    kernel takes no grouped heads) and the Llama-style layer over flash at P = 2, 4, 8
+    (2 + 4 + 8 = 14). All equal to the trace, which equals the model; a synchronous
+    all-to-all keeps no input past its call, so NCCL's and the fake group's traces are the
+    same. Every 4th given back here."""
     pytest.importorskip("deepspeed")
-    from memcalc.validation.context_parallel import ulysses_grid
+    from memcalc.validation.context_parallel import SDPA_KERNELS, ulysses_grid
 
     report = json.loads(ULYSSES.read_text())
     rows = report["rows"]
-    assert len(rows) == sum(c.cp for c in ulysses_grid()) + 2 + 4 + 8 == 62
+    assert len(rows) == sum(c.cp for c in ulysses_grid(SDPA_KERNELS)) + 2 + 4 + 8 == 152
     assert all(r["ok"] and r["trace"] == r["trace_fake"] == r["model"] for r in rows)
     assert recheck(report, every=4) == []

@@ -51,7 +51,8 @@ from memcalc.config import make_config
 from memcalc.tracing.context_parallel import Ranks, fake_group
 from memcalc.validation import cuda
 from memcalc.validation.compare import figures_of
-from memcalc.validation.context_parallel import columns, grid, rank_call, ulysses_grid
+from memcalc.validation.context_parallel import (SDPA_KERNELS, columns, grid, rank_call,
+                                                 ulysses_grid)
 
 
 def llama_sized(methods=("allgather", "alltoall")) -> list:
@@ -63,7 +64,7 @@ def llama_sized(methods=("allgather", "alltoall")) -> list:
 
 # the configurations of each kind of run: torch's ring, DeepSpeed-Ulysses
 RUNS = {"ring": lambda: llama_sized()[:2] + grid() + llama_sized()[2:],
-        "ulysses": lambda: ulysses_grid() + llama_sized(("ulysses",))}
+        "ulysses": lambda: ulysses_grid(SDPA_KERNELS) + llama_sized(("ulysses",))}
 
 
 @contextmanager

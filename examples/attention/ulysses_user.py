@@ -33,3 +33,4 @@ def attn(q, k, v):
     layer = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2,
                                  gather_idx=1)
     return layer(q, k, v, batch_dim_idx=0)
+

@@ -362,17 +362,19 @@ def converted_grads(f: Frame, ring: Ring) -> tuple[str, str]:
     return "q.grad", "k.grad, v.grad"
 
 
-def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shape) -> str:
+def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shape,
+            tp: int = 1) -> str:
     """Why ``cp`` ranks cannot run this step as modelled (one line naming the option), or
-    ""; ``shape`` is the whole sequence's (``memcalc.config.Shape``); ``user_code``: a
-    user's function, whose SDPA calls run torch's own ring attention (``trace --cp``), or
-    whose own code makes DeepSpeed-Ulysses' all-to-alls."""
+    ""; ``shape`` is the whole sequence's (``memcalc.config.Shape``), over ``tp``
+    tensor-parallel ranks; ``user_code``: a user's function, whose SDPA calls run torch's
+    own ring attention (``trace --cp``), or whose own code makes DeepSpeed-Ulysses'
+    all-to-alls."""
     if cp == 1:
         return ""
     if method == "ulysses":
         from memcalc.impls import ulysses
 
-        refused = ulysses.refusal(impl, user_code, cp, shape)
+        refused = ulysses.refusal(impl, user_code, cp, shape, tp)
     else:
         refused = _ring_refusal(impl, user_code, cp, causal, shape)
     return refused or _shape_refusal(user_code, shape)

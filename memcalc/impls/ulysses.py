@@ -3,9 +3,9 @@
 ``deepspeed/sequence/layer.py`` (DeepSpeed 0.19.8): ``DistributedAttention(local_attn,
 group, scatter_idx=2, gather_idx=1)`` called with ``batch_dim_idx=0`` on each rank's rows of
 q, k and v, ``(B, n, H, D)`` with ``n = N / P``. Four all-to-alls (``single_all_to_all``)
-give each rank every row of ``H / P`` heads, ``(B, N, H / P, D)``; the local attention (here
-SDPA's flash kernel, called on ``.transpose(1, 2)`` views, as a (B, N, H, D) caller does)
-runs on them; one more all-to-all gives the output back as ``(B, n, H, D)``. In backward
+give each rank every row of ``H / P`` heads, ``(B, N, H / P, D)``; the local attention
+runs on them (``LOCAL``: SDPA's flash kernel, called on ``.transpose(1, 2)`` views, as a
+(B, N, H, D) caller does, or flash-attn's ``flash_attn_func`` on the tensors themselves); one more all-to-all gives the output back as ``(B, n, H, D)``. In backward
 each all-to-all runs again in the other direction (``_SeqAllToAll.backward``): the output's
 grad first, the kernel's backward, then v's, k's and q's grads (the autograd engine's order:
 latest node first).
@@ -22,22 +22,49 @@ One all-to-all, ``single_all_to_all`` then ``_generate_layout_params`` (batch fi
 
 The sent and received buffers die when the function returns, unless the result is the
 received buffer itself. ``_SeqAllToAll`` saves no tensor; the kernel's node saves the
-all-to-all'd q, k, v, its output and logsumexp (``memcalc.impls.sdpa_flash``), which live to
-its backward. Every rank does the same: no rank is busier.
+all-to-all'd q, k, v, its output and logsumexp (``memcalc.impls.sdpa_flash``,
+``flash_attn``), which live to its backward. Every rank does the same: no rank is busier.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Callable
 
-from memcalc.engine.program import Dims, Release, Role, Tensor, free, release
-from memcalc.impls import sdpa_flash
+from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, release
+from memcalc.impls import flash_attn, sdpa_cudnn, sdpa_efficient, sdpa_flash
 from memcalc.impls.device import gpu_of
 from memcalc.impls.frame import Frame
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
-KERNELS = ("sdpa-flash",)
+
+
+@dataclass(frozen=True)
+class Local:
+    """A kernel as ``DistributedAttention``'s local attention, on (B, N, h, D)-contiguous
+    q, k, v: its forward's events and its backward's, as its model declares them."""
+
+    forward: Callable[[Dims], list]
+    backward: Callable[[Dims], list]
+
+
+LOCAL = {
+    # F.scaled_dot_product_attention on .transpose(1, 2) views: the output, the grad and
+    # dq, dk, dv are (B, N, h, D)-contiguous, so _flash_attention_backward copies nothing
+    "sdpa-flash": Local(lambda d: sdpa_flash.forward(d, gpu_of(d), "cuda"),
+                        lambda d: sdpa_flash.backward(d, "cuda", False, False)),
+    # cuDNN's: its output in q's layout, (B, N, h, D) as the grad's, so no grad copy; the
+    # logsumexp only where a grad is needed (compute_log_sumexp), as the efficient kernel's
+    "sdpa-cudnn": Local(lambda d: sdpa_cudnn.forward(d, not d.forward_only,
+                                                     sdpa_cudnn.Workspace()),
+                        lambda d: sdpa_cudnn.backward(d, False, sdpa_cudnn.Workspace())),
+    "sdpa-efficient": Local(lambda d: sdpa_efficient.forward(d, "cuda", not d.forward_only),
+                            lambda d: sdpa_efficient.backward(d, "cuda", False, leaves=False)),
+    # flash_attn_func on the (B, N, h, D) tensors themselves; the grad is contiguous
+    "flash-attn": Local(flash_attn.forward, lambda d: flash_attn.node_backward(d, False)),
+}
+KERNELS = tuple(LOCAL)
 # _generate_layout_params, batch_dim_idx = 0: (permutation before, permutation after)
 SCATTER_HEADS = ((2, 0, 1, 3, 4), (1, 0, 2, 3, 4))  # [B, n, P, h, D] -> [P, B, n, h, D] -> [B, P, n, h, D]
 SCATTER_ROWS = ((1, 0, 2, 3, 4), (1, 2, 0, 3, 4))  # [B, P, n, h, D] -> [P, B, n, h, D] -> [B, n, P, h, D]
@@ -63,6 +90,7 @@ class Ulysses:
 
     d: Dims
     P: int
+    kernel: str = "sdpa-flash"
 
     @property
     def local(self) -> Dims:
@@ -135,10 +163,10 @@ def forward(u: Ulysses) -> tuple[list, tuple[str, ...]]:
     f.hold("caller", *CALLER)
     layers = tuple(heads_all_to_all(f, u, x, heads, f"{x} to heads", f"{x}_layer")
                    for x, heads in (("q", d.H), ("k", d.Hk), ("v", d.Hk)))
-    events = sdpa_flash.forward(u.local, gpu_of(u.local), "cuda")[:-1]
-    kept = tuple(map(_local, ("out", "lse", "rng_state", "philox_offset")))
+    events, kept = kernel_forward(LOCAL[u.kernel], u.local)
+    kept = tuple(map(_local, kept))
     f.kernel(_renamed(events), kept)
-    f.drop(*kept[1:])  # SDPA returns the output alone; autograd keeps the rest
+    f.drop(*kept[1:])  # the call returns the output alone; autograd keeps the rest
     f.hold("context_layer", kept[0])
     out = rows_all_to_all(f, u, kept[0], d.H, "output to rows", "output")
     f.hold("saved", *layers, kept[0])
@@ -146,6 +174,17 @@ def forward(u: Ulysses) -> tuple[list, tuple[str, ...]]:
     f.flush()
     saved = layers + kept
     return _roled(_roled(f.events, saved, S), (out,), O) + [free(*layers, kept[0])], saved
+
+
+def kernel_forward(local: Local, d: Dims) -> tuple[list, tuple[str, ...]]:
+    """The kernel's forward less its last free of what its node saves (the frame follows
+    those), and the names of what it makes that the caller or its node keeps: the output,
+    then the saved tensors."""
+    events = local.forward(d)
+    saved = [e.name for e in events if isinstance(e, Tensor) and e.role is S]
+    if events and isinstance(events[-1], Free) and set(events[-1].names) <= set(saved):
+        events = events[:-1]
+    return events, ("out", *saved)
 
 
 def _roled(events: list, names: tuple, role: Role) -> list:
@@ -160,8 +199,7 @@ def backward(u: Ulysses, saved: tuple[str, ...]) -> list:
     d, f = u.d, Frame()
     f.hold("caller", *CALLER)
     heads_all_to_all(f, u, "grad_out", d.H, "grad to heads", "grad", d.loss == "sum")
-    events = [e for e in sdpa_flash.backward(u.local, "cuda", False, False)
-              if not isinstance(e, Release)]
+    events = [e for e in LOCAL[u.kernel].backward(u.local) if not isinstance(e, Release)]
     dq, dk, dv = map(_local, ("dq", "dk", "dv"))
     f.kernel(_renamed(events), (dq, dk, dv))
     f.drop("grad")  # the engine's buffer for the kernel's node, gone with its call
@@ -178,18 +216,21 @@ def backward(u: Ulysses, saved: tuple[str, ...]) -> list:
     return _roled(f.events, tuple(grads), G)
 
 
-def refusal(impl: str, user_code: bool, cp: int, shape) -> str:
+def refusal(impl: str, user_code: bool, cp: int, shape, tp: int = 1) -> str:
     """Why ``cp`` ranks cannot run this step under DeepSpeed-Ulysses as modelled (one line
-    naming the option), or ""; ``shape`` is the whole sequence's."""
+    naming the option), or ""; ``shape`` is the whole sequence's, its heads over ``tp``
+    tensor-parallel ranks."""
     if impl not in KERNELS and not user_code:
         return (f"cp_method: ulysses is modelled with {', '.join(KERNELS)} as the local "
                 f"attention, not {impl}")
     if shape.seq_len % cp:
         return f"seq_len: under {cp} ranks a multiple of {cp} (got N = {shape.seq_len:,})"
-    if shape.heads % cp or shape.key_heads % cp:
-        return (f"cp: {cp} ranks must divide the heads ({shape.heads}) and the key/value "
-                f"heads ({shape.key_heads}) under ulysses (DeepSpeed's uneven-head "
-                "all-to-all is not modelled)")
+    heads, key_heads = shape.heads // tp, shape.key_heads // tp  # a tensor-parallel rank's
+    if heads % cp or key_heads % cp:
+        per = " a tensor-parallel rank holds" if tp > 1 else ""
+        return (f"cp: {cp} ranks must divide the heads ({heads}) and the key/value heads "
+                f"({key_heads}){per} under ulysses (DeepSpeed's uneven-head all-to-all is "
+                "not modelled)")
     return ""
 
 
@@ -200,7 +241,7 @@ def program(d: Dims, kernel: str = "sdpa-flash"):
     from memcalc.impls.common import with_loss
     from memcalc.impls.flash_attn import inputs
 
-    u = Ulysses(d, d.cp)
+    u = Ulysses(d, d.cp, kernel)
     events, saved = forward(u)
     # the rank's rows of q, k, v and grad_out as DeepSpeed takes them: (B, n, H, D)
     return Program(tuple(events), tuple(with_loss(d, backward(u, saved))), inputs(d))

@@ -189,7 +189,8 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
     if choice.backend == MATH and ring:
         raise NotModelled("--cp: the math backend under context parallelism is not modelled "
                           "(torch's ring attention calls the fused kernels; the math path "
-                          "would run as DTensor ops on the sharded q, k, v)")
+                          "runs as DTensor ops on the sharded q, k, v, and causal raises in "
+                          "torch 2.13: aten.add.Tensor got mixed torch.Tensor and DTensor)")
     if choice.backend == MATH:
         paths.tracer.mask_adds += bool(mask is not None or causal)  # made in place
         if dropout > 0 and call.requires_grad:

@@ -37,17 +37,24 @@ def grid() -> list[Config]:
             for P, method in product(RANKS, METHODS)]
 
 
-# DeepSpeed-Ulysses over the flash kernel: (B, H, Hk, rows per rank, dtype, causal) at each
-# P dividing the heads. B = 1 and B = 2 take different copies (memcalc.impls.ulysses).
+# DeepSpeed-Ulysses: (B, H, Hk, rows per rank, dtype, causal) at each P dividing the heads,
+# over each local attention it models. B = 1 and B = 2 take different copies
+# (memcalc.impls.ulysses). flash-attn's kernel is its trace stand-in, the model's events.
 ULYSSES = ((1, 8, 8, 256, "bf16", True), (2, 8, 8, 1000, "fp16", True),
            (1, 8, 4, 256, "fp16", True), (2, 8, 8, 256, "bf16", False))
+SDPA_KERNELS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 
 
-def ulysses_grid() -> list[Config]:
-    """The DeepSpeed-Ulysses configurations (d = 64), P = 2, 4, 8 where P divides Hk."""
-    return [make_config(impl="sdpa-flash", batch=B, heads=H, kv_heads=Hk, head_dim=64,
-                        dtype=dtype, causal=causal, seq_len=P * rows, cp=P, cp_method="ulysses")
-            for P in (2, 4, 8) for B, H, Hk, rows, dtype, causal in ULYSSES if Hk % P == 0]
+def ulysses_grid(kernels: tuple[str, ...] = SDPA_KERNELS + ("flash-attn",)) -> list[Config]:
+    """The DeepSpeed-Ulysses configurations (d = 64), P = 2, 4, 8 where P divides Hk (and
+    grouped heads only where the kernel takes them)."""
+    from memcalc.impls import get_impl
+
+    return [make_config(impl=kernel, batch=B, heads=H, kv_heads=Hk, head_dim=64, dtype=dtype,
+                        causal=causal, seq_len=P * rows, cp=P, cp_method="ulysses")
+            for kernel in kernels for P in (2, 4, 8)
+            for B, H, Hk, rows, dtype, causal in ULYSSES
+            if Hk % P == 0 and (Hk == H or get_impl(kernel).gqa)]
 
 
 def ulysses_checked() -> bool:
@@ -62,13 +69,28 @@ def rank_call(config: Config) -> tuple:
     N / P, D) shards (torch's ring takes over its SDPA call); under DeepSpeed-Ulysses, inside
     DeepSpeed's ``DistributedAttention`` on (B, N / P, H, D) rows."""
     from memcalc.engine.inputs import QKV
+    from memcalc.impls import get_impl
     from memcalc.impls.flash_attn import BNHD
     from memcalc.validation.reference import reference_fn
     from memcalc.validation.reference.ulysses import distributed
 
+    fn = reference_fn(config)
+    if get_impl(config.impl).inputs == BNHD:  # flash_attn_func: the trace's stand-in
+        fn = _stand_ins(fn)
     if config.cp_method == "ulysses":
-        return distributed(reference_fn(config)), BNHD
-    return reference_fn(config), QKV
+        return distributed(fn, heads_first=get_impl(config.impl).inputs != BNHD), BNHD
+    return fn, QKV
+
+
+def _stand_ins(fn):
+    """``fn``, importing the flash-attn packages' trace stand-ins
+    (``memcalc.tracing.flash_attn``) where it imports them."""
+    def call(*args):
+        from memcalc.tracing.flash_attn import stand_ins
+
+        with stand_ins():
+            return fn(*args)
+    return call
 
 
 def traced_rank(config: Config, rank: int, options=None):

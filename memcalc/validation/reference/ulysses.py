@@ -15,16 +15,19 @@ from __future__ import annotations
 from typing import Callable
 
 
-def distributed(local: Callable) -> Callable:
+def distributed(local: Callable, heads_first: bool = True) -> Callable:
     """``DistributedAttention(local)`` over this process's group, as ``fn(q, k, v)`` on a
-    rank's (B, N / P, H, D) rows."""
+    rank's (B, N / P, H, D) rows; ``heads_first``: ``local`` takes (B, H, N, D) (SDPA's),
+    else (B, N, H, D) (``flash_attn_func``'s)."""
+    local = _transposed(local) if heads_first else local
+
     def attn(q, k, v):
         import torch.distributed as dist
 
         from memcalc.tracing.context_parallel import deepspeed_layer
 
-        layer = deepspeed_layer().DistributedAttention(_transposed(local), dist.group.WORLD,
-                                                       scatter_idx=2, gather_idx=1)
+        layer = deepspeed_layer().DistributedAttention(local, dist.group.WORLD, scatter_idx=2,
+                                                       gather_idx=1)
         return layer(q, k, v, batch_dim_idx=0)
     return attn
 
