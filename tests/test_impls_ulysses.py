@@ -64,6 +64,7 @@ GRID = [dict(cp=2, seq_len=512), dict(cp=4, seq_len=1024, batch=2),
         dict(cp=2, seq_len=512, kv_heads=2), dict(cp=4, seq_len=4000, batch=3, kv_heads=4),
         dict(cp=2, seq_len=512, causal=False, dtype="fp16"), dict(cp=2, seq_len=512, loss="sum"),
         dict(cp=2, seq_len=512, batch=2, loss="sum"), dict(cp=8, seq_len=2048, batch=1),
+        dict(cp=2, seq_len=2, loss="sum"),  # one row a rank: the permutes keep contiguity
         dict(cp=2, seq_len=512, forward_only=True, batch=2),
         dict(cp=2, seq_len=512, impl="flash-attn"), dict(cp=4, seq_len=1024, impl="flash-attn",
                                                          batch=2, kv_heads=4, loss="sum"),
@@ -124,3 +125,33 @@ def test_a_function_without_an_all_to_all_is_refused_under_ulysses():
     with pytest.raises(TraceError, match="--cp-method ulysses: the step made no all-to-all"):
         trace(load_function("examples/attention/sdpa_cp.py:attn"),
               config(heads=8, head_dim=64, seq_len=1024))
+
+
+def test_attention_written_out_traces_under_ulysses():
+    """The math path, which the model leaves to the trace under Ulysses: DeepSpeed's
+    all-to-alls around scores of every row of H / P heads. Each rank holds them: 8 heads
+    of 4 over 2 ranks, 1,024 rows: the (B, h, N, N) scores, 2 x 4 x 1,024 x 1,024 x 2 B =
+    16 MiB, alive at the forward peak; and every rank's figures are the same."""
+    from memcalc.engine.inputs import parse_input
+    from memcalc.tracing import load_function, traced
+    from memcalc.tracing.target import Calling
+
+    c = config(heads=8, head_dim=64, seq_len=1024, batch=2, cp=2)
+    inputs = tuple(parse_input(t) for t in ("q=B,N,H,D", "k=B,N,H,D", "v=B,N,H,D"))
+    step = traced(load_function("examples/attention/ulysses_eager.py:attn"), c,
+                  calling=Calling(inputs=inputs)).breakdown
+    assert len(set(step.rank_peaks)) == 1
+    assert 2 * 4 * 1024 * 1024 * 2 in {t.bytes for t in step.forward_live}
+
+
+def test_code_that_needs_a_process_group_is_told_to_trace_under_cp():
+    """Without --cp there is no group: DeepSpeed's assertion becomes a hint."""
+    from memcalc.engine.inputs import parse_input
+    from memcalc.tracing import TraceError, load_function, traced
+    from memcalc.tracing.target import Calling
+
+    inputs = tuple(parse_input(t) for t in ("q=B,N,H,D", "k=B,N,H,D", "v=B,N,H,D"))
+    with pytest.raises(TraceError, match="needs a process group .* trace it under --cp P"):
+        traced(load_function("examples/attention/ulysses_user.py:attn"),
+               config(heads=8, head_dim=64, seq_len=1024, cp=1, cp_method="allgather"),
+               calling=Calling(inputs=inputs))

@@ -63,3 +63,27 @@ def test_deepspeed_ulysses_as_the_h100_ran_it():
     assert len(rows) == sum(c.cp for c in ulysses_grid(SDPA_KERNELS)) + 2 + 4 + 8 == 152
     assert all(r["ok"] and r["trace"] == r["trace_fake"] == r["model"] for r in rows)
     assert recheck(report, every=4) == []
+
+
+def test_torchs_ring_over_one_nccl_rank_is_the_ring_model_at_one():
+    """``torchrun --nproc-per-node 1 validation/cp_live.py 16384 allgather`` on the same
+    H100: torch's ``context_parallel`` through a real NCCL group of one rank (B = 1, 32
+    heads of 128, bf16, 16,384 rows). One rank still runs the ring: one step, the float32
+    merge, the float32 accumulators, the dK/dV all-to-all; ``memcalc.impls.ring``'s program
+    at P = 1 gives back all five figures (its report's ``predicted`` column, made before,
+    holds ``--cp 1``'s one-GPU step, which is not the ring)."""
+    from memcalc.analysis.predict import rank_breakdown
+    from memcalc.config import make_config
+    from memcalc.impls import ring
+    from memcalc.validation.compare import figures_of
+    from memcalc.validation.cuda import live_config
+
+    live = json.loads(REPORT.with_name("cp-live-1-rank-nvidia-h100-80gb-hbm3-2.11.0-cu130.json")
+                      .read_text())
+    environment = json.loads(REPORT.read_text())["environment"]  # the same H100 and torch
+    assert (live["device"], live["torch"]) == (environment["device"], environment["torch"])
+    c = live_config(make_config(impl="sdpa-flash", batch=1, heads=32, head_dim=128,
+                                dtype="bf16", causal=True, seq_len=16384), environment)
+    ours = figures_of(rank_breakdown(c, 0, program=ring.program(c.dims)))
+    assert ours == live["measured"][0]
+    assert ours["peak_bytes"] == 3_089_105_920 > figures_of(rank_breakdown(c, 0))["peak_bytes"]

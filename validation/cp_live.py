@@ -94,16 +94,22 @@ def measure(mesh, n: int) -> dict:
 
 
 def model(P: int, N: int, method: str) -> list:
-    """memcalc's figures for each rank, or [] where memcalc does not import."""
+    """memcalc's figures for each rank, or [] where memcalc does not import. One rank
+    (``--nproc-per-node 1``) still runs torch's ring, its float32 merge and accumulators,
+    which ``--cp 1`` (one GPU, no ring) is not: its model is the ring's program at P = 1."""
     try:
         from memcalc.analysis.predict import rank_breakdown
         from memcalc.config import make_config
+        from memcalc.impls import ring
         from memcalc.validation.compare import figures_of
+        from memcalc.validation.cuda import environment, live_config
     except ImportError:
         return []
-    c = make_config(impl="sdpa-flash", batch=B, heads=H, head_dim=D, dtype="bf16",
-                    causal=True, seq_len=N, cp=P, cp_method=method)
-    return [figures_of(rank_breakdown(c, r)) for r in range(P)]
+    c = live_config(make_config(impl="sdpa-flash", batch=B, heads=H, head_dim=D, dtype="bf16",
+                                causal=True, seq_len=N, cp=P, cp_method=method),
+                    environment(torch))
+    program = ring.program(c.dims) if P == 1 else None
+    return [figures_of(rank_breakdown(c, r, program=program)) for r in range(P)]
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from memcalc.analysis.breakdown import Breakdown
 from memcalc.config import Config
 from memcalc.engine.allocator import MirrorBroken
 from memcalc.engine.component import Component
-from memcalc.engine.program import Role, Tensor
+from memcalc.engine.program import Program, Role, Tensor
 from memcalc.engine.replay import Ledger, collector_paused, replay, step_inputs
 from memcalc.impls import get_impl
 from memcalc.impls.ring import step_program
@@ -98,11 +98,13 @@ def busiest(ranks: list[Breakdown]) -> int:
                                                  ranks[r].peak_bytes, -r))
 
 
-def rank_breakdown(config: Config, rank: int, ledger: Ledger | None = None) -> Breakdown:
+def rank_breakdown(config: Config, rank: int, ledger: Ledger | None = None,
+                   program: Program | None = None) -> Breakdown:
     """Rank ``rank``'s step under ``--cp`` (``predict`` shows the busiest), replayed in
-    ``ledger`` (a recording one, to read its history)."""
+    ``ledger`` (a recording one, to read its history); ``program``: another program of the
+    step than the configuration's (torch's ring over one rank, which ``--cp 1`` is not)."""
     return _rank_replayed(config, config.dims.replace(cp_rank=rank),
-                          ledger or Ledger(config.workspace_bytes))
+                          ledger or Ledger(config.workspace_bytes), program)
 
 
 def _like(ledger: Ledger, config: Config) -> Ledger:
@@ -112,9 +114,10 @@ def _like(ledger: Ledger, config: Config) -> Ledger:
     return other
 
 
-def _rank_replayed(config: Config, d, ledger: Ledger) -> Breakdown:
+def _rank_replayed(config: Config, d, ledger: Ledger, program: Program | None = None
+                   ) -> Breakdown:
     peaks: dict[str, tuple[Component, ...]] = {}
-    step = replay(ledger, d, step_program(get_impl(config.impl), d),
+    step = replay(ledger, d, program or step_program(get_impl(config.impl), d),
                   lambda phase: peaks.update({phase: ledger.peak_live}))
     forward = peaks["forward"]
     if d.forward_only:  # under no_grad nothing is kept for a backward: the tracer's roles

@@ -1,7 +1,8 @@
 """``memcalc trace FILE.py:FUNCTION``: the breakdown of your own attention code, traced as
 the configured GPU would run it, with its fit in the device's budget."""
 
-from importlib.util import find_spec
+import contextlib
+import sys
 
 from memcalc.cli import (budget_from, budget_options, calling_from, check_output, release_of,
                          config_from, emit, format_options, input_options, plotting, shape_options,
@@ -44,12 +45,16 @@ def run(args) -> int:
     options = TraceOptions(cuda=not args.meta_paths, workspace=_workspace(args.cudnn_workspace),
                            **release_of(args))
     history = []
-    if args.cp_method == "ulysses" and find_spec("deepspeed") is not None:
-        from memcalc.tracing.context_parallel import quiet_deepspeed
+    if args.cp_method == "ulysses":
+        from memcalc.tracing.context_parallel import deepspeed_installed, quiet_deepspeed
 
-        quiet_deepspeed()  # before the target's file imports it
+        if deepspeed_installed():
+            quiet_deepspeed()  # before the target's file imports it
     try:
-        fn = load_function(args.target)
+        # the target's import-time output (DeepSpeed's logger writes to stdout) goes to
+        # stderr: stdout is memcalc's, piped as JSON or CSV
+        with contextlib.redirect_stdout(sys.stderr):
+            fn = load_function(args.target)
         calling = calling_from(args, fn)
         config = config_from(args, impl=register_function(fn, args.target, calling))
         check_causal(fn, config)

@@ -4,8 +4,10 @@
 group, scatter_idx=2, gather_idx=1)`` called with ``batch_dim_idx=0`` on each rank's rows of
 q, k and v, ``(B, n, H, D)`` with ``n = N / P``. Four all-to-alls (``single_all_to_all``)
 give each rank every row of ``H / P`` heads, ``(B, N, H / P, D)``; the local attention
-runs on them (``LOCAL``: SDPA's flash kernel, called on ``.transpose(1, 2)`` views, as a
-(B, N, H, D) caller does, or flash-attn's ``flash_attn_func`` on the tensors themselves); one more all-to-all gives the output back as ``(B, n, H, D)``. In backward
+runs on them (``LOCAL``: SDPA's flash, cuDNN or memory-efficient kernel, called on
+``.transpose(1, 2)`` views as a (B, N, H, D) caller does, or flash-attn's
+``flash_attn_func`` on the tensors themselves); one more all-to-all gives the output back as
+``(B, n, H, D)``. In backward
 each all-to-all runs again in the other direction (``_SeqAllToAll.backward``): the output's
 grad first, the kernel's backward, then v's, k's and q's grads (the autograd engine's order:
 latest node first).
@@ -22,8 +24,8 @@ One all-to-all, ``single_all_to_all`` then ``_generate_layout_params`` (batch fi
 
 The sent and received buffers die when the function returns, unless the result is the
 received buffer itself. ``_SeqAllToAll`` saves no tensor; the kernel's node saves the
-all-to-all'd q, k, v, its output and logsumexp (``memcalc.impls.sdpa_flash``,
-``flash_attn``), which live to its backward. Every rank does the same: no rank is busier.
+all-to-all'd q, k, v, its output and logsumexp (its model's ``saved`` tensors), which live
+to its backward. Every rank does the same: no rank is busier.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ LOCAL = {
     "flash-attn": Local(flash_attn.forward, lambda d: flash_attn.node_backward(d, False)),
 }
 KERNELS = tuple(LOCAL)
-# _generate_layout_params, batch_dim_idx = 0: (permutation before, permutation after)
-SCATTER_HEADS = ((2, 0, 1, 3, 4), (1, 0, 2, 3, 4))  # [B, n, P, h, D] -> [P, B, n, h, D] -> [B, P, n, h, D]
-SCATTER_ROWS = ((1, 0, 2, 3, 4), (1, 2, 0, 3, 4))  # [B, P, n, h, D] -> [P, B, n, h, D] -> [B, n, P, h, D]
+# _generate_layout_params, batch_dim_idx = 0: (permutation before, permutation after) of
+# [B, n, P, h, D] -> [P, B, n, h, D] -> [B, P, n, h, D] (heads scattered, rows gathered)
+SCATTER_HEADS = ((2, 0, 1, 3, 4), (1, 0, 2, 3, 4))
+# [B, P, n, h, D] -> [P, B, n, h, D] -> [B, n, P, h, D] (rows scattered, heads gathered)
+SCATTER_ROWS = ((1, 0, 2, 3, 4), (1, 2, 0, 3, 4))
 
 
 def permuted(shape: tuple, order: tuple) -> tuple:
@@ -112,7 +116,7 @@ def all_to_all(f: Frame, x: str, layout: tuple, order: tuple[tuple, tuple], dtyp
         sent = f.new(f"{name}: materialized", layout, dtype, "clone")
         f.hold("input_t", sent)
         f.drop(sent)
-    if expanded or not contiguous_after(layout, before):
+    if not contiguous_after(layout, before):  # input_t = input_t.permute(...).contiguous()
         sent = f.new(f"{name}: sent", sent_shape, dtype, "clone")
     f.hold("input_t", sent)
     received = f.new(f"{name}: received", sent_shape, dtype, "empty_like")  # (P, B, n, h, D)

@@ -66,11 +66,14 @@ def rank_note(b) -> list[str]:
         return []
     c = b.config
     key = list(zip(b.rank_reserved, b.rank_peaks))
+    rows = f"each rank holds {c.dims.N:,} of the {c.shape.seq_len:,} rows"
+    if len(set(key)) == 1:  # DeepSpeed-Ulysses: every rank's step is the same
+        return [f"rank {b.rank} of {c.cp} shown: every rank's step is the same ({rows}; "
+                f"reserved {b.rank_reserved[0]:,} B, allocated {b.rank_peaks[0]:,} B)"]
     ties = [r for r, k in enumerate(key) if k == key[b.rank] and r != b.rank]
     tied = f" (as busy: rank{'s' * (len(ties) > 1)} {', '.join(map(str, ties))})" if ties else ""
     return [f"rank {b.rank} of {c.cp} shown, the busiest{tied}: the highest "
-            f"max_memory_reserved, then max_memory_allocated; each rank holds "
-            f"{c.dims.N:,} of the {c.shape.seq_len:,} rows. By rank, reserved: "
+            f"max_memory_reserved, then max_memory_allocated; {rows}. By rank, reserved: "
             f"{', '.join(f'{p:,}' for p in b.rank_reserved)} B; allocated: "
             f"{', '.join(f'{p:,}' for p in b.rank_peaks)} B"]
 

@@ -303,6 +303,13 @@ UNFOLLOWED = {
         "for the GPU, which memcalc does not model yet; trace the same model with "
         "attn_implementation 'sdpa' or 'eager'"),
 }
+# code that needs a process group (a collective, DeepSpeed's DistributedAttention), traced
+# without one: DeepSpeed's and torch's own words for it
+NO_GROUP = ("the code needs a process group (a collective, DeepSpeed's DistributedAttention): "
+            "trace it under --cp P, where it runs as each rank of P on a fake group; "
+            "DeepSpeed's communication backend is set up under --cp-method ulysses")
+UNFOLLOWED.update({"DeepSpeed backend not set": NO_GROUP,
+                   "Default process group has not been initialized": NO_GROUP})
 CPU_HINT = ("a tensor or module on the CPU is traced on meta copies only when the function "
             "refers to it by a module-level name (or it is the nn.Module traced): one reached "
             "through a closure, another object's attribute or a bound method stays on the CPU; "

@@ -70,13 +70,19 @@ def fake_group(ranks: Ranks):
     dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank, world_size=ranks.world)
     if ranks.method in METHODS:  # torch's ring; Ulysses' all-to-alls are the caller's code
         cp._cp_options.rotate_method = getattr(cp._RotateMethod, METHODS[ranks.method])
-    elif find_spec("deepspeed") is not None:
+    elif deepspeed_installed():
         deepspeed_layer()
     try:
         yield
     finally:
         cp._cp_options.rotate_method = method
         dist.destroy_process_group()
+
+
+def deepspeed_installed() -> bool:
+    """Whether DeepSpeed is importable (the ``deepspeed`` extra), whose own code
+    DeepSpeed-Ulysses' traces run."""
+    return find_spec("deepspeed") is not None
 
 
 def quiet_deepspeed() -> None:

@@ -59,9 +59,9 @@ def ulysses_grid(kernels: tuple[str, ...] = SDPA_KERNELS + ("flash-attn",)) -> l
 
 def ulysses_checked() -> bool:
     """Whether DeepSpeed is installed, whose own code the Ulysses checks trace."""
-    from importlib.util import find_spec
+    from memcalc.tracing.context_parallel import deepspeed_installed
 
-    return find_spec("deepspeed") is not None
+    return deepspeed_installed()
 
 
 def rank_call(config: Config) -> tuple:
