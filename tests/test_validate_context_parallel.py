@@ -87,3 +87,27 @@ def test_torchs_ring_over_one_nccl_rank_is_the_ring_model_at_one():
     ours = figures_of(rank_breakdown(c, 0, program=ring.program(c.dims)))
     assert ours == live["measured"][0]
     assert ours["peak_bytes"] == 3_089_105_920 > figures_of(rank_breakdown(c, 0))["peak_bytes"]
+
+
+def test_attention_written_out_under_ulysses_as_the_h100_ran_it():
+    """``validation/cp_one_gpu.py OUT 200 eager``: DeepSpeed's ``DistributedAttention``
+    around ``examples/attention/ulysses_eager.py``'s attention written out (B = 2, 8 heads
+    of 64, bf16, 1,024 and 4,096 rows, P = 2, 4, 8: 2 x (2 + 4 + 8) = 28 rank steps), which
+    only the trace models: every live figure equal to it. Every 4th traced again here."""
+    pytest.importorskip("deepspeed")
+    from memcalc.impls.flash_attn import BNHD
+    from memcalc.tracing import TraceOptions, load_function, traced
+    from memcalc.tracing.target import Calling
+    from memcalc.validation.compare import figures_of
+    from memcalc.validation.context_parallel import recorded_config
+
+    report = json.loads(REPORT.with_name(
+        "cp-ulysses-eager-one-gpu-nvidia-h100-80gb-hbm3-2.11.0-cu130.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == 2 * (2 + 4 + 8) == 28 and all(r["ok"] for r in rows)
+    fn = load_function("examples/attention/ulysses_eager.py:attn")
+    for row in rows[::4]:
+        config = recorded_config(row, report["environment"])
+        step = traced(fn, config, TraceOptions(group="fake"), calling=Calling(inputs=BNHD),
+                      rank=row["rank"]).breakdown
+        assert figures_of(step) == row["live"], row

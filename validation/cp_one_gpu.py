@@ -1,7 +1,7 @@
 """Context parallelism measured on one GPU: each rank's step of PyTorch's ring attention run
 for real, rank after rank, in one process, on a fake process group.
 
-    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS [ring|ulysses]]      # on a GPU
+    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS [ring|ulysses|eager]]   # on a GPU
 
 ``cp_live.py`` needs P GPUs (NCCL will not put two ranks of a group on one device). Here one
 process plays rank r of P in turn: a fake process group in which it is rank r
@@ -15,8 +15,10 @@ collective's inputs until it is waited on (``stashed_for_allocator_safety_``, to
 pytorch/pytorch#150398), a fake group keeps nothing.
 
 ``ulysses`` (the third argument) runs DeepSpeed-Ulysses instead: DeepSpeed's own
-``DistributedAttention`` around the pinned flash SDPA on each rank's (B, N / P, H, D) rows
-(``memcalc.validation.context_parallel.rank_call``), in the same fake group.
+``DistributedAttention`` around SDPA with its backend pinned on each rank's (B, N / P, H, D)
+rows (``memcalc.validation.context_parallel.rank_call``), in the same fake group; ``eager``
+around attention written out (``examples/attention/ulysses_eager.py``), which only the trace
+models (no model column).
 
 For each (configuration, rank), memcalc's protocol (``memcalc.validation.cuda.measure``) and
 three columns beside it, each the five figures:
@@ -62,9 +64,41 @@ def llama_sized(methods=("allgather", "alltoall")) -> list:
             for P in (2, 4, 8) for method in methods]
 
 
-# the configurations of each kind of run: torch's ring, DeepSpeed-Ulysses
+def eager_sized() -> list:
+    """DeepSpeed-Ulysses around attention written out (``EAGER``), which only the trace
+    models: B = 2, 8 heads of 64, bf16, 1,024 and 4,096 rows, P = 2, 4, 8 (the impl named is
+    a placeholder the configuration needs; the trace runs the file)."""
+    return [make_config(impl="sdpa-flash", batch=2, heads=8, head_dim=64, dtype="bf16",
+                        causal=True, seq_len=rows, cp=P, cp_method="ulysses")
+            for rows in (1024, 4096) for P in (2, 4, 8)]
+
+
+# the configurations of each kind of run: torch's ring, DeepSpeed-Ulysses over the fused
+# kernels, DeepSpeed-Ulysses over attention written out
 RUNS = {"ring": lambda: llama_sized()[:2] + grid() + llama_sized()[2:],
-        "ulysses": lambda: ulysses_grid(SDPA_KERNELS) + llama_sized(("ulysses",))}
+        "ulysses": lambda: ulysses_grid(SDPA_KERNELS) + llama_sized(("ulysses",)),
+        "eager": eager_sized}
+EAGER = "examples/attention/ulysses_eager.py:attn"
+
+
+def eager_call() -> tuple:
+    """The eager example and its (B, N / P, H, D) inputs."""
+    from memcalc.impls.flash_attn import BNHD
+    from memcalc.tracing import load_function
+
+    return load_function(EAGER), BNHD
+
+
+def eager_columns(config, rank: int) -> dict:
+    """The trace of the eager example (a fake group's collectives: DeepSpeed's are
+    synchronous, NCCL's stash changes nothing); no model."""
+    from memcalc.tracing import TraceOptions, traced
+    from memcalc.tracing.target import Calling
+
+    fn, inputs = eager_call()
+    trace = figures_of(traced(fn, config, TraceOptions(group="fake"),
+                              calling=Calling(inputs=inputs), rank=rank).breakdown)
+    return {"trace_fake": trace, "trace": trace, "model": None}
 
 
 @contextmanager
@@ -80,25 +114,26 @@ def as_rank(config, rank: int):
             yield
 
 
-def measured(config):
-    """memcalc's protocol on the GPU for the rank's step (``rank_call``)."""
-    fn, inputs = rank_call(config)
+def measured(config, run: str = "ring"):
+    """memcalc's protocol on the GPU for the rank's step (``rank_call``, or the eager
+    example)."""
+    fn, inputs = eager_call() if run == "eager" else rank_call(config)
     return cuda.measure(config, torch, fn=fn, inputs=inputs)
 
 
-def live(config, rank: int) -> dict:
+def live(config, rank: int, run: str = "ring") -> dict:
     """memcalc's protocol on the GPU for ``rank``'s shard."""
     with as_rank(config, rank):
-        return figures_of(measured(config))
+        return figures_of(measured(config, run))
 
 
-def events(config, rank: int) -> list:
+def events(config, rank: int, run: str = "ring") -> list:
     """The allocator's events of the measured step (the warm-up's cleared), each with its
     innermost frames in torch or memcalc."""
     with as_rank(config, rank):
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
                                                  stacks="python", max_entries=1_000_000)
-        measured(config)
+        measured(config, run)
         trace = torch.cuda.memory._snapshot()["device_traces"][0]
         torch.cuda.memory._record_memory_history(enabled=None)
     return [[e["action"], e["size"], _frames(e)] for e in trace
@@ -117,19 +152,21 @@ def _frames(event: dict) -> list[str]:
 MAX_EVENT_ROWS, EVENTS_KEPT = 12, [0]
 
 
-def case(config, rank: int) -> dict:
+def case(config, rank: int, run: str = "ring") -> dict:
     """One (configuration, rank): the columns, the live figures, the events on a difference."""
     row = {"impl": config.impl, "dtype": config.dtype.value, "P": config.cp,
            "N": config.shape.seq_len, "batch": config.shape.batch, "heads": config.shape.heads,
            "kv_heads": config.shape.key_heads, "head_dim": config.shape.head_dim,
            "causal": config.causal, "method": config.cp_method, "rank": rank}
-    if not _recorded(row, "error", lambda: row.update(columns(config, rank))):
+    columns_of = eager_columns if run == "eager" else columns
+    if not _recorded(row, "error", lambda: row.update(columns_of(config, rank))):
         return row
-    if _recorded(row, "error", lambda: row.update(live=live(config, rank))):
+    if _recorded(row, "error", lambda: row.update(live=live(config, rank, run))):
         row["ok"] = row["live"] == row["trace_fake"]
         if not row["ok"] and EVENTS_KEPT[0] < MAX_EVENT_ROWS:
             EVENTS_KEPT[0] += 1
-            _recorded(row, "events_error", lambda: row.update(events=events(config, rank)))
+            _recorded(row, "events_error",
+                      lambda: row.update(events=events(config, rank, run)))
     return row
 
 
@@ -153,7 +190,7 @@ def main(out: str, max_seconds: float = 240, run: str = "ring") -> None:
         if time.monotonic() - start >= max_seconds:
             break
         config = cuda.live_config(config, env)
-        rows += [case(config, rank) for rank in range(config.cp)]
+        rows += [case(config, rank, run) for rank in range(config.cp)]
         _write(out, env, rows, time.monotonic() - start)
     done = sum(r.get("ok", False) for r in rows)
     print(f"{len(rows)} rank steps: {done} equal to the fake-group trace, "
