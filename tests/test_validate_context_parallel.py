@@ -111,3 +111,20 @@ def test_attention_written_out_under_ulysses_as_the_h100_ran_it():
         step = traced(fn, config, TraceOptions(group="fake"), calling=Calling(inputs=BNHD),
                       rank=row["rank"]).breakdown
         assert figures_of(step) == row["live"], row
+
+
+def test_without_deepspeed_validate_says_the_ulysses_checks_did_not_run(monkeypatch, capsys):
+    """``memcalc validate --cases cp`` where DeepSpeed is not installed: the ring's checks
+    (here the grid's first configuration, 2 ranks), and one line on stderr saying the
+    Ulysses ones were skipped; stdout stays the report."""
+    import memcalc.validation.context_parallel as cp
+    from memcalc.cli import main
+
+    first = cp.grid()[:1]
+    monkeypatch.setattr(cp, "grid", lambda: first)
+    monkeypatch.setattr(cp, "ulysses_checked", lambda: False)
+    assert main(["validate", "--cases", "cp"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("emulated: 2 configurations, 10 figures, 0 mismatches")
+    assert err == ("note: DeepSpeed is not installed: its Ulysses configurations were not "
+                   "checked (pip install 'memcalc[deepspeed]')\n")
