@@ -226,7 +226,8 @@ def refusal(impl: str, user_code: bool, cp: int, shape, tp: int = 1) -> str:
     tensor-parallel ranks."""
     if impl not in KERNELS and not user_code:
         return (f"cp_method: ulysses is modelled with {', '.join(KERNELS)} as the local "
-                f"attention, not {impl}")
+                f"attention, not {impl} (attention written out: memcalc trace runs it, "
+                f"e.g. examples/attention/ulysses_eager.py)")
     if shape.seq_len % cp:
         return f"seq_len: under {cp} ranks a multiple of {cp} (got N = {shape.seq_len:,})"
     heads, key_heads = shape.heads // tp, shape.key_heads // tp  # a tensor-parallel rank's
