@@ -126,7 +126,8 @@ def parallel_options(p: argparse.ArgumentParser, cp: bool = True) -> None:
     p.add_argument("--cp-method", default=None, metavar="METHOD",
                    help="how context-parallel ranks exchange K/V: allgather (PyTorch's "
                         "default) or alltoall; ulysses: DeepSpeed-Ulysses' all-to-alls "
-                        "of heads for rows (sdpa-flash; P divides the heads)")
+                        "of heads for rows (sdpa-flash, sdpa-cudnn, sdpa-efficient, "
+                        "flash-attn; P divides the heads)")
     p.add_argument("--tp", type=whole, default=None, metavar="T",
                    help="tensor-parallel ranks: the heads (and key/value heads) split over T")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",

@@ -53,8 +53,9 @@ def add_arguments(p) -> None:
     step_options(p, cp=False)
     p.add_argument("--cp", default="1", metavar="LIST",
                    help="context-parallel ranks (default 1): a list sweeps each, the busiest "
-                        "rank's figures (sdpa-flash, sdpa-cudnn, sdpa-efficient; --causal; "
-                        "lengths multiples of 2P)")
+                        "rank's figures (PyTorch's ring: sdpa-flash, sdpa-cudnn, "
+                        "sdpa-efficient; --causal; lengths multiples of 2P; or --cp-method "
+                        "ulysses)")
     budget_options(p)
     p.add_argument("--pivot", default=None, metavar="FIGURE",
                    help="one figure as a table with a row per seq_len and a column per "

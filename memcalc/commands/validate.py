@@ -73,7 +73,8 @@ def check_cases(kinds: tuple[str, ...] | None, live: bool) -> None:
     for kind in kinds or ():
         if live and kind not in CASE_KINDS:
             raise ValueError(f"--cases {kind}: context parallelism runs live on several GPUs: "
-                             f"torchrun --nproc-per-node P validation/cp_live.py (the README, "
+                             f"torchrun --nproc-per-node P validation/cp_live.py, or rank "
+                             f"after rank on one: python validation/cp_one_gpu.py (the README, "
                              f"'Several GPUs'); emulated here without --backend cuda")
         if not live and kind not in EMULATED_KINDS:
             raise ValueError(f"--cases {kind}: a live case (--backend cuda); emulated runs "

@@ -72,3 +72,22 @@ class Frame:
         if self.dead:
             self.events.append(free(*sorted(self.dead, key=self.made.__getitem__)))
             self.dead = []
+
+
+def prefixed(events: list, prefix: str) -> list:
+    """A kernel's events (its tensors and frees, what a frame follows) under names that say
+    where it runs (``step 2: lse``, ``local: lse``)."""
+    out = []
+    for e in events:
+        if isinstance(e, Tensor):
+            out.append(e.replace(name=prefix + e.name))
+        elif isinstance(e, Free):
+            out.append(free(*(prefix + n for n in e.names)))
+    return out
+
+
+def roled(events: list, names: tuple, role: Role) -> list:
+    """``names`` as ``role``: what a node saves (autograd holds it to the backward), the
+    output, the grads."""
+    return [e.replace(role=role) if isinstance(e, Tensor) and e.name in names else e
+            for e in events]

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, release
+from memcalc.engine.program import Dims, Release, Role, free, release
 from memcalc.impls import sdpa_cudnn, sdpa_efficient, sdpa_flash
 from memcalc.impls.accepted import context_parallel
-from memcalc.impls.frame import Frame
+from memcalc.impls.frame import Frame, prefixed, roled
 from memcalc.impls.device import gpu_of
 
 F32 = "float32"
@@ -75,19 +75,6 @@ class Ring:
     def step_dims(self, i: int) -> Dims:
         nq, nk, _ = self.rows(i)
         return self.d.replace(N=nq, M=nk, causal=i == 0)
-
-
-def _named(events: list, step: int) -> list:
-    """A kernel's events under names of their step (``step 2: lse``)."""
-    def name(n):
-        return f"step {step}: {n}"
-    out = []
-    for e in events:
-        if isinstance(e, Tensor):
-            out.append(e.replace(name=name(e.name)))
-        elif isinstance(e, Free):
-            out.append(free(*map(name, e.names)))
-    return out
 
 
 # --- the forward -------------------------------------------------------------------------
@@ -148,7 +135,7 @@ def kernel_forward(f: Frame, ring: Ring, i: int) -> None:
     step_kv(f, i)
     events, rest = kernel_forward_events(ring.kernel, d)
     out, lse, *rest = (f"step {i}: {n}" for n in ("out", "lse", *rest))
-    f.kernel(_named(events, i), (out, lse, *rest))
+    f.kernel(prefixed(events, f"step {i}: "), (out, lse, *rest))
     f.hold("out", out)
     f.hold("logsumexp", lse)
     f.hold("rest", *rest)
@@ -239,14 +226,7 @@ def forward(ring: Ring) -> list:
     f.hold("output", out)
     f.drop(*[v for v in list(f.bound) if v not in ("saved", "output")])
     f.flush()
-    return _roled(_roled(f.events, saved, S), (out,), O) + [free(*saved)]
-
-
-def _roled(events: list, names: tuple, role: Role) -> list:
-    """``names`` as ``role``: what the node saves (autograd holds it to the backward), the
-    output, the grads."""
-    return [e.replace(role=role) if isinstance(e, Tensor) and e.name in names else e
-            for e in events]
+    return roled(roled(f.events, saved, S), (out,), O) + [free(*saved)]
 
 
 # --- the backward ------------------------------------------------------------------------
@@ -281,7 +261,7 @@ def kernel_backward(f: Frame, ring: Ring, i: int) -> None:
         f.drop("lse")  # lse = logsumexp, the saved one
     events = kernel_backward_events(ring, d, nq)
     grads = tuple(f"step {i}: {n}" for n in ("dq", "dk", "dv"))
-    f.kernel(_named(events, i), grads)
+    f.kernel(prefixed(events, f"step {i}: "), grads)
     for variable, grad in zip(("grad_query_", "grad_key_", "grad_value_"), grads):
         f.hold(variable, grad)
     f.drop(*grads)
@@ -345,7 +325,7 @@ def backward(ring: Ring, saved: tuple[str, ...]) -> list:
     f.hold("grads", *grads)
     f.drop(*[v for v in list(f.bound) if v != "grads"])
     f.flush()
-    return _roled(f.events, grads, G) + [release(*saved)]
+    return roled(f.events, grads, G) + [release(*saved)]
 
 
 def converted_grads(f: Frame, ring: Ring) -> tuple[str, str]:

@@ -37,7 +37,7 @@ from typing import Callable
 from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, release
 from memcalc.impls import flash_attn, sdpa_cudnn, sdpa_efficient, sdpa_flash
 from memcalc.impls.device import gpu_of
-from memcalc.impls.frame import Frame
+from memcalc.impls.frame import Frame, prefixed, roled
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 
@@ -145,19 +145,11 @@ def rows_all_to_all(f: Frame, u: Ulysses, x: str, heads: int, name: str, into: s
 CALLER = ("q", "k", "v", "grad_out")
 
 
+LOCAL_PREFIX = "local: "  # the local attention's tensors
+
+
 def _local(name: str) -> str:
-    return f"local: {name}"
-
-
-def _renamed(events: list) -> list:
-    """The kernel's events under ``local:`` names."""
-    out = []
-    for e in events:
-        if isinstance(e, Tensor):
-            out.append(e.replace(name=_local(e.name)))
-        elif not isinstance(e, Release):
-            out.append(free(*map(_local, e.names)))
-    return out
+    return LOCAL_PREFIX + name
 
 
 def forward(u: Ulysses) -> tuple[list, tuple[str, ...]]:
@@ -169,7 +161,7 @@ def forward(u: Ulysses) -> tuple[list, tuple[str, ...]]:
                    for x, heads in (("q", d.H), ("k", d.Hk), ("v", d.Hk)))
     events, kept = kernel_forward(LOCAL[u.kernel], u.local)
     kept = tuple(map(_local, kept))
-    f.kernel(_renamed(events), kept)
+    f.kernel(prefixed(events, LOCAL_PREFIX), kept)
     f.drop(*kept[1:])  # the call returns the output alone; autograd keeps the rest
     f.hold("context_layer", kept[0])
     out = rows_all_to_all(f, u, kept[0], d.H, "output to rows", "output")
@@ -177,7 +169,7 @@ def forward(u: Ulysses) -> tuple[list, tuple[str, ...]]:
     f.drop(*[v for v in list(f.bound) if v not in ("saved", "output", "caller")])
     f.flush()
     saved = layers + kept
-    return _roled(_roled(f.events, saved, S), (out,), O) + [free(*layers, kept[0])], saved
+    return roled(roled(f.events, saved, S), (out,), O) + [free(*layers, kept[0])], saved
 
 
 def kernel_forward(local: Local, d: Dims) -> tuple[list, tuple[str, ...]]:
@@ -191,11 +183,6 @@ def kernel_forward(local: Local, d: Dims) -> tuple[list, tuple[str, ...]]:
     return events, ("out", *saved)
 
 
-def _roled(events: list, names: tuple, role: Role) -> list:
-    return [e.replace(role=role) if isinstance(e, Tensor) and e.name in names else e
-            for e in events]
-
-
 def backward(u: Ulysses, saved: tuple[str, ...]) -> list:
     """The output's all-to-all back, the kernel's backward (its grads and out laid out
     (B, N, h, D): no copies), its saved tensors released, then v's, k's and q's grads to
@@ -205,7 +192,7 @@ def backward(u: Ulysses, saved: tuple[str, ...]) -> list:
     heads_all_to_all(f, u, "grad_out", d.H, "grad to heads", "grad", d.loss == "sum")
     events = [e for e in LOCAL[u.kernel].backward(u.local) if not isinstance(e, Release)]
     dq, dk, dv = map(_local, ("dq", "dk", "dv"))
-    f.kernel(_renamed(events), (dq, dk, dv))
+    f.kernel(prefixed(events, LOCAL_PREFIX), (dq, dk, dv))
     f.drop("grad")  # the engine's buffer for the kernel's node, gone with its call
     f.flush()
     f.events.append(release(*saved))
@@ -217,7 +204,7 @@ def backward(u: Ulysses, saved: tuple[str, ...]) -> list:
         f.drop("dx")
     f.drop(*[v for v in list(f.bound) if not v.endswith(" grad") and v != "caller"])
     f.flush()
-    return _roled(f.events, tuple(grads), G)
+    return roled(f.events, tuple(grads), G)
 
 
 def refusal(impl: str, user_code: bool, cp: int, shape, tp: int = 1) -> str:
