@@ -127,7 +127,8 @@ def parallel_options(p: argparse.ArgumentParser, cp: bool = True) -> None:
                    help="how context-parallel ranks exchange K/V: allgather (PyTorch's "
                         "default) or alltoall; ulysses: DeepSpeed-Ulysses' all-to-alls "
                         "of heads for rows (sdpa-flash, sdpa-cudnn, sdpa-efficient, "
-                        "flash-attn; P divides the heads)")
+                        "flash-attn, sdpa-math, naive, naive-softmax, naive-weights; P "
+                        "divides the heads)")
     p.add_argument("--tp", type=whole, default=None, metavar="T",
                    help="tensor-parallel ranks: the heads (and key/value heads) split over T")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",

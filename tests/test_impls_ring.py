@@ -66,9 +66,9 @@ BASE = "breakdown --impl sdpa-flash --causal --seq 1024 --heads 32 --head-dim 12
     (BASE.replace("sdpa-flash", "sdpa-efficient").replace("1024", "1152") + " --cp 4",
      "--seq: under 4 ranks N is a multiple of 64 x 4 = 256"),
     (BASE.replace("1024", "1004") + " --cp 4", "--seq: under 4 ranks N is a multiple of 2 x 4"),
-    (BASE.replace("sdpa-flash", "naive") + " --cp 4 --cp-method ulysses",
-     "--cp-method: ulysses is modelled with sdpa-flash, sdpa-cudnn, sdpa-efficient, flash-attn "
-     "as the local attention, not naive"),
+    (BASE.replace("sdpa-flash", "flex") + " --cp 4 --cp-method ulysses",
+     "--cp-method: ulysses is modelled with sdpa-flash, sdpa-cudnn, sdpa-efficient, flash-attn, "
+     "sdpa-math, naive, naive-softmax, naive-weights as the local attention, not flex"),
     (BASE.replace("32", "6") + " --cp 4 --cp-method ulysses", "--cp: 4 ranks must divide the heads"),
     (BASE.replace("32", "4") + " --cp 4 --cp-method ulysses --tp 2",
      "--cp: 4 ranks must divide the heads (2) and the key/value heads (2) a tensor-parallel"),

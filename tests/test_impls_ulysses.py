@@ -6,7 +6,6 @@ import pytest
 
 from memcalc.analysis.predict import predict
 from memcalc.config import make_config
-from memcalc.impls.ulysses import contiguous_after
 
 MiB = 1 << 20
 
@@ -42,17 +41,26 @@ def test_a_batch_of_two_copies_after_each_all_to_all():
     assert one["q to heads: received"] == 256 * MiB and "q to heads" not in one
 
 
-@pytest.mark.parametrize("shape, order, contiguous", [
-    ((2, 3, 4, 5, 6), (2, 0, 1, 3, 4), False),
-    ((1, 1, 4, 5, 6), (2, 0, 1, 3, 4), True),  # B = n = 1: P moves over sizes of 1
-    ((1, 4, 3, 5, 6), (1, 0, 2, 3, 4), True),  # B = 1
-    ((4, 1, 3, 5, 6), (1, 2, 0, 3, 4), False),
-    ((4, 1, 1, 5, 6), (1, 2, 0, 3, 4), True),
-])
-def test_a_permute_is_contiguous_as_torch_says(shape, order, contiguous):
-    torch = pytest.importorskip("torch")
-    assert torch.empty(shape, device="meta").permute(order).is_contiguous() == contiguous
-    assert contiguous_after(shape, order) == contiguous
+def test_the_math_path_saves_the_matmuls_clones_with_a_batch():
+    """SDPA's math backend under Ulysses, 8 heads of 64 over 2 ranks (h = 4), 512 rows,
+    bf16. With B = 2, matmul cannot fold batch and heads of the (B, N, h, D) views, so it
+    clones q and k^T scaled and v, in float32 (2 x 4 x 512 x 64 x 4 B = 1 MiB each), and
+    the bmms save the clones; the weights p, 2 x 4 x 512 x 512 x 4 B = 8 MiB. With B = 1
+    they fold as views: the products themselves are saved (0.5 MiB each), and in float32
+    the all-to-all'd v itself (its received buffer: B = 1)."""
+    half = MiB // 2  # 0.5 MiB
+    two = {c.name: c.bytes for c in predict(config(impl="sdpa-math", batch=2, heads=8,
+                                                   head_dim=64, seq_len=512, cp=2)).saved}
+    assert two == {"local: qs fold": MiB, "local: ks fold": MiB, "local: v32 fold": MiB,
+                   "local: p": 8 * MiB}
+    one = {c.name: c.bytes for c in predict(config(impl="sdpa-math", heads=8, head_dim=64,
+                                                   seq_len=512, cp=2)).saved}
+    assert one == {"local: qs": half, "local: ks": half, "local: v32": half,
+                   "local: p": 4 * MiB}
+    fp32 = {c.name: c.bytes for c in predict(config(impl="sdpa-math", heads=8, head_dim=64,
+                                                    seq_len=512, cp=2, dtype="fp32")).saved}
+    assert fp32 == {"local: qs": half, "local: ks": half, "v to heads: received": half,
+                    "local: p": 4 * MiB}
 
 
 # --- against DeepSpeed's own code ---------------------------------------------------------
@@ -71,7 +79,25 @@ GRID = [dict(cp=2, seq_len=512), dict(cp=4, seq_len=1024, batch=2),
         dict(cp=2, seq_len=512, impl="flash-attn", deterministic=True, batch=2),
         dict(cp=2, seq_len=512, impl="sdpa-cudnn", batch=2, kv_heads=2, loss="sum"),
         dict(cp=4, seq_len=1024, impl="sdpa-efficient", dtype="fp32"),
-        dict(cp=2, seq_len=512, impl="sdpa-efficient", batch=2, forward_only=True)]
+        dict(cp=2, seq_len=512, impl="sdpa-efficient", batch=2, forward_only=True),
+        # the math path and the naive family on (B, N, h, D) views: matmul's folds copy
+        # with B > 1 and are views with B = 1 (fp32: v itself saved), one head a rank
+        # (h = 1) folds as a view whatever B; GQA repeats k and v contiguous
+        dict(cp=2, seq_len=512, impl="sdpa-math", batch=2),
+        dict(cp=2, seq_len=512, impl="sdpa-math", dtype="fp32"),
+        dict(cp=2, seq_len=512, impl="sdpa-math", dtype="fp32", batch=2, loss="sum"),
+        dict(cp=4, seq_len=1024, impl="sdpa-math", batch=3, kv_heads=4, causal=False),
+        dict(cp=4, seq_len=1024, impl="sdpa-math", heads=4, batch=2, dtype="fp32"),
+        dict(cp=2, seq_len=512, impl="sdpa-math", kv_heads=2, dtype="fp32", batch=2),
+        dict(cp=2, seq_len=512, impl="sdpa-math", batch=2, forward_only=True),
+        dict(cp=2, seq_len=512, impl="naive", batch=2, dtype="fp16"),
+        dict(cp=2, seq_len=512, impl="naive-softmax"),
+        dict(cp=4, seq_len=1024, impl="naive-softmax", batch=2, loss="sum", causal=False),
+        dict(cp=2, seq_len=512, impl="naive-weights", batch=2),
+        dict(cp=2, seq_len=512, impl="naive-weights", dtype="fp32", forward_only=True),
+        # the math path pads no head dim: any is modelled
+        dict(cp=2, seq_len=512, impl="sdpa-math", head_dim=100, batch=2),
+        dict(cp=2, seq_len=512, impl="naive-softmax", head_dim=36, dtype="fp32")]
 
 
 @pytest.mark.parametrize("options", GRID)
@@ -128,10 +154,13 @@ def test_a_function_without_an_all_to_all_is_refused_under_ulysses():
 
 
 def test_attention_written_out_traces_under_ulysses():
-    """The math path, which the model leaves to the trace under Ulysses: DeepSpeed's
-    all-to-alls around scores of every row of H / P heads. Each rank holds them: 8 heads
-    of 4 over 2 ranks, 1,024 rows: the (B, h, N, N) scores, 2 x 4 x 1,024 x 1,024 x 2 B =
-    16 MiB, alive at the forward peak; and every rank's figures are the same."""
+    """A user's attention written out, traced as written: DeepSpeed's all-to-alls around
+    scores of every row of H / P heads, 8 heads over 2 ranks, 1,024 rows. It keeps its
+    unmasked scores in a variable to its return, so its forward peak is naive-softmax's
+    (which rebinds them) plus those scores, 2 x 4 x 1,024 x 1,024 x 2 B = 16 MiB, less the
+    output bmm's result and its fold of v (with B = 2 a clone), 2 x 4 x 1,024 x 64 x 2 B =
+    1 MiB each, alive at the model's peak but not yet made at the trace's (its softmax);
+    every other figure is the model's."""
     from memcalc.engine.inputs import parse_input
     from memcalc.tracing import load_function, traced
     from memcalc.tracing.target import Calling
@@ -140,8 +169,12 @@ def test_attention_written_out_traces_under_ulysses():
     inputs = tuple(parse_input(t) for t in ("q=B,N,H,D", "k=B,N,H,D", "v=B,N,H,D"))
     step = traced(load_function("examples/attention/ulysses_eager.py:attn"), c,
                   calling=Calling(inputs=inputs)).breakdown
+    model = predict(c.model_copy(update={"impl": "naive-softmax"}))
     assert len(set(step.rank_peaks)) == 1
-    assert 2 * 4 * 1024 * 1024 * 2 in {t.bytes for t in step.forward_live}
+    scores, out = 2 * 4 * 1024 * 1024 * 2, 2 * 4 * 1024 * 64 * 2
+    assert step.forward_peak_bytes == model.forward_peak_bytes + scores - 2 * out
+    assert (step.saved_bytes, step.backward_peak_bytes) == (model.saved_bytes,
+                                                             model.backward_peak_bytes)
 
 
 def test_code_that_needs_a_process_group_is_told_to_trace_under_cp():

@@ -25,6 +25,19 @@ def test_causal_mask_counts_though_it_has_no_batch_or_heads():
         "ds"}
 
 
+def test_a_rank_under_ulysses_holds_every_rows_scores():
+    """DeepSpeed-Ulysses' math path: each rank's local attention has every row of its heads,
+    so its scores grow as the whole sequence's N x N (read from the rank's program, not
+    one GPU's); under torch's ring the flash kernel makes none."""
+    ulysses = make_config(impl="naive-softmax", heads=4, seq_len=8192, cp=2,
+                          cp_method="ulysses")
+    assert quadratic_names(ulysses) == {f"local: {n}" for n in (
+        "qk", "s", "p", "dp", "dscores", "dscores tmp", "ds")}
+    ring = make_config(impl="sdpa-flash", heads=4, seq_len=8192, cp=2, causal=True,
+                       dtype="bf16")
+    assert quadratic_names(ring) == frozenset()
+
+
 def test_phi_q_is_not_n_x_m_when_head_dim_equals_the_probe_length():
     """linear at head_dim 4096: phi_q is (8, 1, 4096, 4096) at the probe, like an N x N
     tensor, but (8, 1, 8192, 4096) at twice the length: 2x, under the 3x rule."""

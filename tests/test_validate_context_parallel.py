@@ -50,19 +50,37 @@ ULYSSES = REPORT.with_name("cp-ulysses-one-gpu-nvidia-h100-80gb-hbm3-2.11.0-cu13
 def test_deepspeed_ulysses_as_the_h100_ran_it():
     """``validation/cp_one_gpu.py OUT 300 ulysses`` on the same H100: DeepSpeed 0.19.8's
     ``DistributedAttention`` around SDPA's flash, cuDNN and memory-efficient kernels, every
-    rank in turn: ``ulysses_grid(SDPA_KERNELS)``'s 48 + 48 + 42 rank steps (the efficient
-    kernel takes no grouped heads) and the Llama-style layer over flash at P = 2, 4, 8
-    (2 + 4 + 8 = 14). All equal to the trace, which equals the model; a synchronous
-    all-to-all keeps no input past its call, so NCCL's and the fake group's traces are the
-    same. Every 4th given back here."""
+    rank in turn: ``ulysses_grid(SDPA_KERNELS)``'s 48 + 48 + 56 rank steps (the efficient
+    kernel takes no grouped heads, and float32) and the Llama-style layer over flash at
+    P = 2, 4, 8 (2 + 4 + 8 = 14). All equal to the trace, which equals the model; a
+    synchronous all-to-all keeps no input past its call, so NCCL's and the fake group's
+    traces are the same. Every 4th given back here."""
     pytest.importorskip("deepspeed")
     from memcalc.validation.context_parallel import SDPA_KERNELS, ulysses_grid
 
     report = json.loads(ULYSSES.read_text())
     rows = report["rows"]
-    assert len(rows) == sum(c.cp for c in ulysses_grid(SDPA_KERNELS)) + 2 + 4 + 8 == 152
+    assert len(rows) == sum(c.cp for c in ulysses_grid(SDPA_KERNELS)) + 2 + 4 + 8 == 166
     assert all(r["ok"] and r["trace"] == r["trace_fake"] == r["model"] for r in rows)
     assert recheck(report, every=4) == []
+
+
+def test_the_math_path_under_ulysses_as_the_h100_ran_it():
+    """``validation/cp_one_gpu.py OUT 290 math`` on the same H100: DeepSpeed's
+    ``DistributedAttention`` around the math path and the naive family on the (B, N, H / P,
+    D) tensors' transposed views, whose matmuls copy by their layout: the Llama-style heads
+    (32 of 128, bf16, 4,096 rows) for sdpa-math and naive-softmax at B = 1 and 2, P = 2, 4, 8
+    (2 x 2 x 14 = 56), and ``ulysses_grid(WRITTEN_OUT)`` (68 + 3 x 56). All 292 live figures
+    equal to the trace, which equals the model. Every 8th given back here."""
+    pytest.importorskip("deepspeed")
+    from memcalc.validation.context_parallel import WRITTEN_OUT, ulysses_grid
+
+    report = json.loads(REPORT.with_name(
+        "cp-ulysses-math-one-gpu-nvidia-h100-80gb-hbm3-2.11.0-cu130.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == 2 * 2 * (2 + 4 + 8) + sum(c.cp for c in ulysses_grid(WRITTEN_OUT)) == 292
+    assert all(r["ok"] and r["trace"] == r["trace_fake"] == r["model"] for r in rows)
+    assert recheck(report, every=8) == []
 
 
 def test_torchs_ring_over_one_nccl_rank_is_the_ring_model_at_one():

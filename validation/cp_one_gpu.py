@@ -1,7 +1,7 @@
 """Context parallelism measured on one GPU: each rank's step of PyTorch's ring attention run
 for real, rank after rank, in one process, on a fake process group.
 
-    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS [ring|ulysses|eager]]   # on a GPU
+    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS [ring|ulysses|math|eager]]  # on a GPU
 
 ``cp_live.py`` needs P GPUs (NCCL will not put two ranks of a group on one device). Here one
 process plays rank r of P in turn: a fake process group in which it is rank r
@@ -16,9 +16,10 @@ pytorch/pytorch#150398), a fake group keeps nothing.
 
 ``ulysses`` (the third argument) runs DeepSpeed-Ulysses instead: DeepSpeed's own
 ``DistributedAttention`` around SDPA with its backend pinned on each rank's (B, N / P, H, D)
-rows (``memcalc.validation.context_parallel.rank_call``), in the same fake group; ``eager``
-around attention written out (``examples/attention/ulysses_eager.py``), which only the trace
-models (no model column).
+rows (``memcalc.validation.context_parallel.rank_call``), in the same fake group; ``math``
+around the math path and the naive family on the (B, N, H / P, D) tensors' transposed views
+(the matmuls' layout copies); ``eager`` around ``examples/attention/ulysses_eager.py``'s
+attention written out, traced (no model column).
 
 For each (configuration, rank), memcalc's protocol (``memcalc.validation.cuda.measure``) and
 three columns beside it, each the five figures:
@@ -53,8 +54,8 @@ from memcalc.config import make_config
 from memcalc.tracing.context_parallel import Ranks, fake_group
 from memcalc.validation import cuda
 from memcalc.validation.compare import figures_of
-from memcalc.validation.context_parallel import (SDPA_KERNELS, columns, grid, rank_call,
-                                                 ulysses_grid)
+from memcalc.validation.context_parallel import (SDPA_KERNELS, WRITTEN_OUT, columns, grid,
+                                                 rank_call, ulysses_grid)
 
 
 def llama_sized(methods=("allgather", "alltoall")) -> list:
@@ -62,6 +63,15 @@ def llama_sized(methods=("allgather", "alltoall")) -> list:
     return [make_config(impl="sdpa-flash", batch=1, heads=32, head_dim=128, dtype="bf16",
                         causal=True, seq_len=16384 * P, cp=P, cp_method=method)
             for P in (2, 4, 8) for method in methods]
+
+
+def math_sized() -> list:
+    """The math path and ``naive-softmax`` under DeepSpeed-Ulysses at a Llama-style layer's
+    heads (32 of 128, bf16): B = 1 (the matmuls fold views) and 2 (they copy), 4,096 rows,
+    P = 2, 4, 8."""
+    return [make_config(impl=impl, batch=B, heads=32, head_dim=128, dtype="bf16",
+                        causal=True, seq_len=4096, cp=P, cp_method="ulysses")
+            for impl in ("sdpa-math", "naive-softmax") for B in (1, 2) for P in (2, 4, 8)]
 
 
 def eager_sized() -> list:
@@ -77,6 +87,7 @@ def eager_sized() -> list:
 # kernels, DeepSpeed-Ulysses over attention written out
 RUNS = {"ring": lambda: llama_sized()[:2] + grid() + llama_sized()[2:],
         "ulysses": lambda: ulysses_grid(SDPA_KERNELS) + llama_sized(("ulysses",)),
+        "math": lambda: math_sized() + ulysses_grid(WRITTEN_OUT),
         "eager": eager_sized}
 EAGER = "examples/attention/ulysses_eager.py:attn"
 

@@ -1,7 +1,9 @@
 """DeepSpeed-Ulysses around attention written out (scores, causal mask, softmax), for
-``memcalc trace --cp P --cp-method ulysses``: the math path, which ``breakdown`` does not
-model under Ulysses, traced as it runs (its (B, N, h, D) views make the matmuls and the
-output's all-to-all copy what a contiguous layout would not):
+``memcalc trace --cp P --cp-method ulysses``, traced as written. ``breakdown --impl
+naive-softmax --cp-method ulysses`` models the same ops as memcalc's reference writes them
+(``memcalc/validation/reference/naive.py``), which rebinds the scores to their masked copy;
+this function keeps the unmasked ``scores`` in a variable to its return, one (B, H / P, N,
+N) tensor more at its forward peak:
 
     memcalc trace examples/attention/ulysses_eager.py:attn --input q=B,N,H,D \\
         --input k=B,N,H,D --input v=B,N,H,D --cp 4 --cp-method ulysses \\

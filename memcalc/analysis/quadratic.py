@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from memcalc.impls import get_impl
 from memcalc.impls.registry import Impl
+from memcalc.impls.ring import step_program
 from memcalc.engine.program import Tensor
 
 PROBE = 4096  # the length the growth is measured from (N = M = 4096, then 8192)
@@ -36,8 +37,9 @@ def _names(impl: Impl, d) -> frozenset[str]:
 
 def _tensors(impl: Impl, d) -> list[Tensor]:
     """The step's tensors, what exists before it included (a BlockMask's block indices,
-    ``(N/128, M/128)``, grow as N x M too)."""
-    program = impl.program(d)
+    ``(N/128, M/128)``, grow as N x M too); under ``--cp`` a rank's (DeepSpeed-Ulysses' math
+    path holds every row's scores)."""
+    program = step_program(impl, d)
     return [e for e in (*(program.inputs or ()), *program.forward, *program.backward)
             if isinstance(e, Tensor)]
 

@@ -41,6 +41,9 @@ class Dims:
     cp: int = 1  # context-parallel ranks; N and M are then one rank's rows (memcalc.impls.ring)
     cp_method: str = "allgather"  # how the ranks exchange K/V: allgather or alltoall
     cp_rank: int = 0  # the rank whose step the program is
+    layout: str = "BHND"  # q, k, v's memory: (B, H, N, D) as given, or "BNHD": (B, N, H, D)
+    # tensors seen through .transpose(1, 2) (DeepSpeed-Ulysses' local attention; the math
+    # path's matmuls copy by it: memcalc.impls.sdpa_math.folds)
 
     @classmethod
     def of(cls, config) -> "Dims":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memcalc.engine.program import Free, Role, Tensor, free, new
+from memcalc.engine.program import Cublas, Free, Release, Role, Tensor, free, new, release
 
 T = Role.temporary
 
@@ -45,6 +45,9 @@ class Frame:
                 self.new(event.name, event.shape, event.dtype, event.op)
             elif isinstance(event, Free):
                 self.drop(*[n for n in event.names if n not in returned])
+            elif isinstance(event, (Cublas, Release)):  # a workspace, autograd's frees
+                self.flush()
+                self.events.append(event)
 
     def hold(self, variable: str, *tensors: str) -> None:
         before = self.bound.pop(variable, ())
@@ -75,14 +78,18 @@ class Frame:
 
 
 def prefixed(events: list, prefix: str) -> list:
-    """A kernel's events (its tensors and frees, what a frame follows) under names that say
-    where it runs (``step 2: lse``, ``local: lse``)."""
+    """A kernel's events (its tensors, frees, releases and cuBLAS calls, what a frame
+    follows) under names that say where it runs (``step 2: lse``, ``local: lse``)."""
     out = []
     for e in events:
         if isinstance(e, Tensor):
             out.append(e.replace(name=prefix + e.name))
         elif isinstance(e, Free):
             out.append(free(*(prefix + n for n in e.names)))
+        elif isinstance(e, Release):
+            out.append(release(*(prefix + n for n in e.names)))
+        elif isinstance(e, Cublas):
+            out.append(e)
     return out
 
 

@@ -351,13 +351,14 @@ def refusal(impl: str, user_code: bool, cp: int, method: str, causal: bool, shap
     all-to-alls."""
     if cp == 1:
         return ""
-    if method == "ulysses":
-        from memcalc.impls import ulysses
+    from memcalc.impls import ulysses
 
+    if method == "ulysses":
         refused = ulysses.refusal(impl, user_code, cp, shape, tp)
     else:
         refused = _ring_refusal(impl, user_code, cp, causal, shape)
-    return refused or _shape_refusal(user_code, shape)
+    return refused or _shape_refusal(shape, padded=not user_code
+                                     and impl not in ulysses.WRITTEN_OUT)
 
 
 def _ring_refusal(impl: str, user_code: bool, cp: int, causal: bool, shape) -> str:
@@ -374,14 +375,15 @@ def _ring_refusal(impl: str, user_code: bool, cp: int, causal: bool, shape) -> s
     return ""
 
 
-def _shape_refusal(user_code: bool, shape) -> str:
+def _shape_refusal(shape, padded: bool) -> str:
     """What either method leaves out: keys of another length, head dims the SDPA composite
-    pads."""
+    pads (``padded``: the model runs a fused kernel, not the math path nor a user's code)."""
     if shape.kv_len not in (None, shape.seq_len):
         return "kv_len: under context parallelism the keys are the queries' rows (no --kv-len)"
-    if not user_code and shape.head_dim % 8:
-        return ("head_dim: under context parallelism a multiple of 8 (the padding to 8 the "
-                f"SDPA composite makes is not modelled there; got {shape.head_dim})")
+    if padded and shape.head_dim % 8:
+        return ("head_dim: under context parallelism a multiple of 8 with a fused kernel (the "
+                "padding to 8 the SDPA composite makes is not modelled there; under ulysses the "
+                f"math path and the naive family take any; got {shape.head_dim})")
     return ""
 
 

@@ -5,9 +5,11 @@ group, scatter_idx=2, gather_idx=1)`` called with ``batch_dim_idx=0`` on each ra
 q, k and v, ``(B, n, H, D)`` with ``n = N / P``. Four all-to-alls (``single_all_to_all``)
 give each rank every row of ``H / P`` heads, ``(B, N, H / P, D)``; the local attention
 runs on them (``LOCAL``: SDPA's flash, cuDNN or memory-efficient kernel, called on
-``.transpose(1, 2)`` views as a (B, N, H, D) caller does, or flash-attn's
-``flash_attn_func`` on the tensors themselves); one more all-to-all gives the output back as
-``(B, n, H, D)``. In backward
+``.transpose(1, 2)`` views as a (B, N, H, D) caller does, flash-attn's ``flash_attn_func``
+on the tensors themselves, or the math path on the views: SDPA's math backend, the naive
+family, whose matmuls copy by the views' layout, ``Dims.layout``); one more all-to-all
+gives the output back as ``(B, n, H, D)``, first made contiguous where the local
+attention's output is not (the math path's). In backward
 each all-to-all runs again in the other direction (``_SeqAllToAll.backward``): the output's
 grad first, the kernel's backward, then v's, k's and q's grads (the autograd engine's order:
 latest node first).
@@ -23,32 +25,46 @@ One all-to-all, ``single_all_to_all`` then ``_generate_layout_params`` (batch fi
   D]``, a copy unless contiguous (B = 1 when gathering rows), reshaped (a view).
 
 The sent and received buffers die when the function returns, unless the result is the
-received buffer itself. ``_SeqAllToAll`` saves no tensor; the kernel's node saves the
+received buffer itself. ``_SeqAllToAll`` saves no tensor; a fused kernel's node saves the
 all-to-all'd q, k, v, its output and logsumexp (its model's ``saved`` tensors), which live
-to its backward. Every rank does the same: no rank is busier.
+to its backward; the math path saves what its model says (``Local.saves``), released where
+its backward lets go of them. Every rank does the same: no rank is busier.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import prod
 from typing import Callable
 
 from memcalc.engine.program import Dims, Free, Release, Role, Tensor, free, release
-from memcalc.impls import flash_attn, sdpa_cudnn, sdpa_efficient, sdpa_flash
+from memcalc.engine.strides import contiguous_after, permuted
+from memcalc.impls import flash_attn, naive, sdpa_cudnn, sdpa_efficient, sdpa_flash, sdpa_math
+from memcalc.impls.common import transposed_results
 from memcalc.impls.device import gpu_of
 from memcalc.impls.frame import Frame, prefixed, roled
 
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 
 
+def _fused(d: Dims) -> tuple:
+    return ()
+
+
 @dataclass(frozen=True)
 class Local:
     """A kernel as ``DistributedAttention``'s local attention, on (B, N, h, D)-contiguous
-    q, k, v: its forward's events and its backward's, as its model declares them."""
+    q, k, v: its forward's events and its backward's, as its model declares them (the
+    incoming grad ``grad``, what it saves of its inputs ``q``, ``k``, ``v`` released in
+    place); of ``q``, ``k``, ``v`` and ``out``, those its node saves; the names of q's, k's
+    and v's grads; those of ``out``, ``dq``, ``dk``, ``dv`` not (B, N, h, D)-contiguous,
+    which the all-to-all copies first. A fused kernel saves them all and makes its output
+    and grads in the callers' layout."""
 
     forward: Callable[[Dims], list]
     backward: Callable[[Dims], list]
+    saves: Callable[[Dims], tuple] = lambda d: ("q", "k", "v", "out")
+    grads: Callable[[Dims], tuple] = lambda d: ("dq", "dk", "dv")
+    strided: Callable[[Dims], tuple] = _fused
 
 
 LOCAL = {
@@ -65,26 +81,38 @@ LOCAL = {
                             lambda d: sdpa_efficient.backward(d, "cuda", False, leaves=False)),
     # flash_attn_func on the (B, N, h, D) tensors themselves; the grad is contiguous
     "flash-attn": Local(flash_attn.forward, lambda d: flash_attn.node_backward(d, False)),
+    # the math path on the .transpose(1, 2) views (d.layout "BNHD"): matmul's folds copy
+    # where the views' strides do not chain; it saves v alone of its inputs, and that only
+    # in float32 without GQA
+    "sdpa-math": Local(sdpa_math.forward, lambda d: sdpa_math.backward(d, leaves=False),
+                       lambda d: ("v",) if sdpa_math.saves_v(d) else (),
+                       sdpa_math.node_grads, sdpa_math.strided_results),
+}
+
+
+def _written_out(events: Callable, saves: Callable, grads: tuple, k_grad_transposed: bool):
+    """A naive-family attention as the local one: ``events(d, leaves)`` its model's."""
+    return Local(lambda d: events(d)[0], lambda d: events(d, leaves=False)[1], saves,
+                 lambda d: grads, lambda d: transposed_results(d, k_grad_transposed))
+
+
+LOCAL |= {
+    # attention written out on the .transpose(1, 2) views: the bmms save q, k, v where they
+    # fold as views, their clones elsewhere; k's grad is k^T's, transposed
+    "naive": _written_out(naive.naive_events, naive.saved_inputs, ("dq", "dk_t", "dv"), True),
+    "naive-softmax": _written_out(naive.softmax_events, naive.saved_inputs,
+                                  ("dq", "dk_t", "dv"), True),
+    # a custom Function: ctx.save_for_backward(q, k, v, p), its grads made (B, H, rows, D)
+    "naive-weights": _written_out(naive.weights_events, lambda d: ("q", "k", "v"),
+                                  ("dq", "dk", "dv"), False),
 }
 KERNELS = tuple(LOCAL)
+WRITTEN_OUT = ("sdpa-math", "naive", "naive-softmax", "naive-weights")  # no head-dim padding
 # _generate_layout_params, batch_dim_idx = 0: (permutation before, permutation after) of
 # [B, n, P, h, D] -> [P, B, n, h, D] -> [B, P, n, h, D] (heads scattered, rows gathered)
 SCATTER_HEADS = ((2, 0, 1, 3, 4), (1, 0, 2, 3, 4))
 # [B, P, n, h, D] -> [P, B, n, h, D] -> [B, n, P, h, D] (rows scattered, heads gathered)
 SCATTER_ROWS = ((1, 0, 2, 3, 4), (1, 2, 0, 3, 4))
-
-
-def permuted(shape: tuple, order: tuple) -> tuple:
-    return tuple(shape[i] for i in order)
-
-
-def contiguous_after(shape: tuple, order: tuple) -> bool:
-    """Whether a contiguous ``shape`` permuted by ``order`` is still contiguous, so that
-    ``.contiguous()`` returns it (``TensorImpl::compute_contiguous``: sizes of 1 aside)."""
-    strides = [prod(shape[i + 1:]) for i in range(len(shape))]
-    kept = [(shape[i], strides[i]) for i in order if shape[i] != 1]
-    return all(stride == prod(size for size, _ in kept[j + 1:])
-               for j, (_, stride) in enumerate(kept))
 
 
 @dataclass(frozen=True)
@@ -98,21 +126,24 @@ class Ulysses:
 
     @property
     def local(self) -> Dims:
-        """The local attention's sizes: every row, ``H / P`` and ``Hk / P`` heads."""
+        """The local attention's sizes: every row, ``H / P`` and ``Hk / P`` heads, on
+        (B, N, h, D) tensors seen through ``.transpose(1, 2)``; its grad is the all-to-all's
+        result, whatever the loss."""
         d, P = self.d, self.P
-        return d.replace(N=d.N * P, M=d.M * P, H=d.H // P, Hk=d.Hk // P, cp=1)
+        return d.replace(N=d.N * P, M=d.M * P, H=d.H // P, Hk=d.Hk // P, cp=1, layout="BNHD",
+                         loss="grad")
 
 
 def all_to_all(f: Frame, x: str, layout: tuple, order: tuple[tuple, tuple], dtype: str,
-               name: str, into: str, expanded: bool = False) -> str:
+               name: str, into: str, strided: bool = False) -> str:
     """``single_all_to_all`` of the tensor ``x`` viewed as ``layout``, its result (a new
     tensor, or the received buffer) bound to the variable ``into``; returns the result.
-    ``expanded``: ``x`` is a stride-0 expand (``out.sum()``'s grad), which
-    ``reshape(...).contiguous()`` materializes before the permute copies it."""
+    ``strided``: ``x`` is not contiguous as ``layout`` (``out.sum()``'s stride-0 grad, a
+    transposed view), so ``reshape(...).contiguous()`` copies it before the permute does."""
     before, after = order
     sent_shape = permuted(layout, before)  # (P, B, n, h, D)
     sent = x
-    if expanded:  # input_t = input.reshape(...).contiguous()
+    if strided:  # input_t = input.reshape(...).contiguous()
         sent = f.new(f"{name}: materialized", layout, dtype, "clone")
         f.hold("input_t", sent)
         f.drop(sent)
@@ -129,16 +160,17 @@ def all_to_all(f: Frame, x: str, layout: tuple, order: tuple[tuple, tuple], dtyp
 
 
 def heads_all_to_all(f: Frame, u: Ulysses, x: str, heads: int, name: str, into: str,
-                     expanded: bool = False) -> str:
+                     strided: bool = False) -> str:
     """Rows to heads: ``x`` (B, n, heads, D) to (B, N, heads / P, D)."""
     d, layout = u.d, (u.d.B, u.d.N, u.P, heads // u.P, u.d.D)  # [B, n, P, h, D]
-    return all_to_all(f, x, layout, SCATTER_HEADS, d.dtype, name, into, expanded)
+    return all_to_all(f, x, layout, SCATTER_HEADS, d.dtype, name, into, strided)
 
 
-def rows_all_to_all(f: Frame, u: Ulysses, x: str, heads: int, name: str, into: str) -> str:
+def rows_all_to_all(f: Frame, u: Ulysses, x: str, heads: int, name: str, into: str,
+                    strided: bool = False) -> str:
     """Heads to rows: ``x`` (B, N, heads / P, D) to (B, n, heads, D)."""
     d, layout = u.d, (u.d.B, u.P, u.d.N, heads // u.P, u.d.D)  # [B, P, n, h, D]
-    return all_to_all(f, x, layout, SCATTER_ROWS, d.dtype, name, into)
+    return all_to_all(f, x, layout, SCATTER_ROWS, d.dtype, name, into, strided)
 
 
 # the step's own tensors, held by the caller throughout (the protocol's q, k, v, grad_out)
@@ -152,24 +184,29 @@ def _local(name: str) -> str:
     return LOCAL_PREFIX + name
 
 
-def forward(u: Ulysses) -> tuple[list, tuple[str, ...]]:
+def forward(u: Ulysses) -> tuple[list, tuple[str, ...], tuple[str, ...]]:
     """``DistributedAttention.forward``: q, k, v to heads, the kernel, the output back to
-    rows; the events, and what the kernel's node saves."""
-    d, f = u.d, Frame()
+    rows; the events, what the kernel's node saves (of the layers, those it saves), and
+    the layers (the kernel's q, k, v)."""
+    d, f, local = u.d, Frame(), LOCAL[u.kernel]
     f.hold("caller", *CALLER)
     layers = tuple(heads_all_to_all(f, u, x, heads, f"{x} to heads", f"{x}_layer")
                    for x, heads in (("q", d.H), ("k", d.Hk), ("v", d.Hk)))
-    events, kept = kernel_forward(LOCAL[u.kernel], u.local)
+    events, kept = kernel_forward(local, u.local)
     kept = tuple(map(_local, kept))
-    f.kernel(prefixed(events, LOCAL_PREFIX), kept)
-    f.drop(*kept[1:])  # the call returns the output alone; autograd keeps the rest
+    f.kernel(prefixed(events, LOCAL_PREFIX), kept[:1])  # what it saves is autograd's
+    f.drop(*kept[1:])  # the call returns the output alone
     f.hold("context_layer", kept[0])
-    out = rows_all_to_all(f, u, kept[0], d.H, "output to rows", "output")
-    f.hold("saved", *layers, kept[0])
-    f.drop(*[v for v in list(f.bound) if v not in ("saved", "output", "caller")])
+    out = rows_all_to_all(f, u, kept[0], d.H, "output to rows", "output",
+                          "out" in local.strided(u.local))
+    f.hold("locals", *layers, kept[0])  # DistributedAttention's, to its return
+    f.drop(*[v for v in list(f.bound) if v not in ("locals", "output", "caller")])
     f.flush()
-    saved = layers + kept
-    return roled(roled(f.events, saved, S), (out,), O) + [free(*layers, kept[0])], saved
+    saves = local.saves(u.local)
+    saved = (tuple(t for x, t in zip(("q", "k", "v", "out"), layers + kept[:1]) if x in saves)
+             + kept[1:])
+    events = roled(roled(f.events, saved, S), (out,), O) + [free(*layers, kept[0])]
+    return events, saved, layers
 
 
 def kernel_forward(local: Local, d: Dims) -> tuple[list, tuple[str, ...]]:
@@ -183,28 +220,40 @@ def kernel_forward(local: Local, d: Dims) -> tuple[list, tuple[str, ...]]:
     return events, ("out", *saved)
 
 
-def backward(u: Ulysses, saved: tuple[str, ...]) -> list:
-    """The output's all-to-all back, the kernel's backward (its grads and out laid out
-    (B, N, h, D): no copies), its saved tensors released, then v's, k's and q's grads to
-    rows, each the leaf's grad as it is."""
-    d, f = u.d, Frame()
+def backward(u: Ulysses, saved: tuple[str, ...], layers: tuple[str, ...]) -> list:
+    """The output's all-to-all back, the kernel's backward (what it saved released where
+    its model says, ``layers`` its q, k, v; the rest as it returns), then v's, k's and q's
+    grads to rows, each as it is (a fused kernel's (B, N, h, D): no copy before)."""
+    d, f, local = u.d, Frame(), LOCAL[u.kernel]
     f.hold("caller", *CALLER)
-    heads_all_to_all(f, u, "grad_out", d.H, "grad to heads", "grad", d.loss == "sum")
-    events = [e for e in LOCAL[u.kernel].backward(u.local) if not isinstance(e, Release)]
-    dq, dk, dv = map(_local, ("dq", "dk", "dv"))
-    f.kernel(prefixed(events, LOCAL_PREFIX), (dq, dk, dv))
-    f.drop("grad")  # the engine's buffer for the kernel's node, gone with its call
+    grad = heads_all_to_all(f, u, "grad_out", d.H, "grad to heads", "grad", d.loss == "sum")
+    f.hold(_local("grad"), grad)  # the engine's buffer for the kernel's node
+    f.drop("grad")
+    grads = tuple(map(_local, local.grads(u.local)))  # dq, dk, dv
+    events = _inputs_named(prefixed(local.backward(u.local), LOCAL_PREFIX), layers)
+    f.kernel(events, grads)
+    f.drop(_local("grad"))  # gone with the call, unless the kernel let go of it before
     f.flush()
-    f.events.append(release(*saved))
-    grads = []
-    for x, dx, heads in (("v", dv, d.Hk), ("k", dk, d.Hk), ("q", dq, d.H)):
+    released = {n for e in events if isinstance(e, Release) for n in e.names}
+    f.events.append(release(*[t for t in saved if t not in released]))
+    strided = local.strided(u.local)
+    results = []
+    for x, dx, heads in zip(("v", "k", "q"), grads[::-1], (d.Hk, d.Hk, d.H)):
         f.hold("dx", dx)  # the engine's buffer for the all-to-all's node
         f.drop(dx)
-        grads.append(rows_all_to_all(f, u, dx, heads, f"{x}.grad", f"{x} grad"))
+        results.append(rows_all_to_all(f, u, dx, heads, f"{x}.grad", f"{x} grad",
+                                       f"d{x}" in strided))
         f.drop("dx")
     f.drop(*[v for v in list(f.bound) if not v.endswith(" grad") and v != "caller"])
     f.flush()
-    return roled(f.events, tuple(grads), G)
+    return roled(f.events, tuple(results), G)
+
+
+def _inputs_named(events: list, layers: tuple[str, ...]) -> list:
+    """The kernel's releases of its inputs (``local: v``) as of the layers they are."""
+    names = dict(zip(map(_local, ("q", "k", "v")), layers))
+    return [release(*(names.get(n, n) for n in e.names)) if isinstance(e, Release) else e
+            for e in events]
 
 
 def refusal(impl: str, user_code: bool, cp: int, shape, tp: int = 1) -> str:
@@ -213,8 +262,8 @@ def refusal(impl: str, user_code: bool, cp: int, shape, tp: int = 1) -> str:
     tensor-parallel ranks."""
     if impl not in KERNELS and not user_code:
         return (f"cp_method: ulysses is modelled with {', '.join(KERNELS)} as the local "
-                f"attention, not {impl} (attention written out: memcalc trace runs it, "
-                f"e.g. examples/attention/ulysses_eager.py)")
+                f"attention, not {impl} (your own code around DistributedAttention: memcalc "
+                f"trace runs it, e.g. examples/attention/ulysses_eager.py)")
     if shape.seq_len % cp:
         return f"seq_len: under {cp} ranks a multiple of {cp} (got N = {shape.seq_len:,})"
     heads, key_heads = shape.heads // tp, shape.key_heads // tp  # a tensor-parallel rank's
@@ -234,6 +283,6 @@ def program(d: Dims, kernel: str = "sdpa-flash"):
     from memcalc.impls.flash_attn import inputs
 
     u = Ulysses(d, d.cp, kernel)
-    events, saved = forward(u)
+    events, saved, layers = forward(u)
     # the rank's rows of q, k, v and grad_out as DeepSpeed takes them: (B, n, H, D)
-    return Program(tuple(events), tuple(with_loss(d, backward(u, saved))), inputs(d))
+    return Program(tuple(events), tuple(with_loss(d, backward(u, saved, layers))), inputs(d))

@@ -17,6 +17,7 @@ from itertools import product
 
 from memcalc.config import Config, make_config
 from memcalc.impls.ring import METHODS
+from memcalc.impls.ulysses import WRITTEN_OUT
 from memcalc.validation.compare import Check, figures_of
 
 # kernels and their rows per rank (in each a dtype), ranks, methods: small sizes (every rank
@@ -39,13 +40,18 @@ def grid() -> list[Config]:
 
 # DeepSpeed-Ulysses: (B, H, Hk, rows per rank, dtype, causal) at each P dividing the heads,
 # over each local attention it models. B = 1 and B = 2 take different copies
-# (memcalc.impls.ulysses). flash-attn's kernel is its trace stand-in, the model's events.
+# (memcalc.impls.ulysses), and the math path's matmuls copy with B = 2 but not with B = 1
+# nor one head a rank (P = 8). flash-attn's kernel is its trace stand-in, the model's events.
 ULYSSES = ((1, 8, 8, 256, "bf16", True), (2, 8, 8, 1000, "fp16", True),
            (1, 8, 4, 256, "fp16", True), (2, 8, 8, 256, "bf16", False))
+# float32, for the local attentions that take it (in float32 the math path saves v itself)
+ULYSSES_FP32 = ((1, 8, 8, 256, "fp32", True), (2, 8, 4, 256, "fp32", False))
 SDPA_KERNELS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+FP32 = ("sdpa-efficient",) + WRITTEN_OUT
 
 
-def ulysses_grid(kernels: tuple[str, ...] = SDPA_KERNELS + ("flash-attn",)) -> list[Config]:
+def ulysses_grid(kernels: tuple[str, ...] = SDPA_KERNELS + ("flash-attn",) + WRITTEN_OUT
+                 ) -> list[Config]:
     """The DeepSpeed-Ulysses configurations (d = 64), P = 2, 4, 8 where P divides Hk (and
     grouped heads only where the kernel takes them)."""
     from memcalc.impls import get_impl
@@ -53,7 +59,7 @@ def ulysses_grid(kernels: tuple[str, ...] = SDPA_KERNELS + ("flash-attn",)) -> l
     return [make_config(impl=kernel, batch=B, heads=H, kv_heads=Hk, head_dim=64, dtype=dtype,
                         causal=causal, seq_len=P * rows, cp=P, cp_method="ulysses")
             for kernel in kernels for P in (2, 4, 8)
-            for B, H, Hk, rows, dtype, causal in ULYSSES
+            for B, H, Hk, rows, dtype, causal in ULYSSES + (ULYSSES_FP32 * (kernel in FP32))
             if Hk % P == 0 and (Hk == H or get_impl(kernel).gqa)]
 
 
