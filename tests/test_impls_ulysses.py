@@ -177,6 +177,35 @@ def test_attention_written_out_traces_under_ulysses():
                                                              model.backward_peak_bytes)
 
 
+def test_deepspeeds_ulysses_for_hugging_face_traces_as_it_runs():
+    """``UlyssesSPAttentionHF`` (DeepSpeed's Ulysses for Hugging Face models) around
+    transformers' ``sdpa_attention_forward``, traced on its (B, H, N / P, D) rows: 8 heads
+    over 2 ranks, 512 rows a rank, bf16, SDPA's cuDNN kernel (torch's pick on an H100). It
+    saves what ``DistributedAttention`` around the same kernel saves, and its backward peak
+    is the same (cuDNN reads the (B, N, h, D)-strided grad as it is: innermost stride 1);
+    at the forward peak it holds transformers' ``transpose(1, 2).contiguous()`` of the
+    output more, B x 4 x 1,024 x 64 x 2 B, and the position ids gathered: this rank's
+    ``arange`` (512 x 8 B), P = 2 received (B x 512 x 8 B each) and their ``cat`` (B x
+    1,024 x 8 B). Every rank's step is the same."""
+    pytest.importorskip("transformers")
+    from memcalc.engine.inputs import parse_input
+    from memcalc.tracing import load_function, traced
+    from memcalc.tracing.target import Calling
+
+    inputs = tuple(parse_input(t) for t in ("q=B,H,N,D", "k=B,K,N,D", "v=B,K,N,D"))
+    for batch in (1, 2):
+        c = config(impl="sdpa-cudnn", heads=8, head_dim=64, seq_len=1024, cp=2, batch=batch)
+        step = traced(load_function("examples/attention/ulysses_hf.py:attn"), c,
+                      calling=Calling(inputs=inputs)).breakdown
+        model = predict(c)
+        output_copy = batch * 4 * 1024 * 64 * 2
+        positions = 512 * 8 + 2 * batch * 512 * 8 + batch * 1024 * 8
+        assert len(set(step.rank_peaks)) == 1
+        assert (step.saved_bytes, step.backward_peak_bytes) == (model.saved_bytes,
+                                                                 model.backward_peak_bytes)
+        assert step.forward_peak_bytes == model.forward_peak_bytes + output_copy + positions
+
+
 def test_code_that_needs_a_process_group_is_told_to_trace_under_cp():
     """Without --cp there is no group: DeepSpeed's assertion becomes a hint."""
     from memcalc.engine.inputs import parse_input

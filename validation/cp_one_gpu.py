@@ -1,7 +1,7 @@
 """Context parallelism measured on one GPU: each rank's step of PyTorch's ring attention run
 for real, rank after rank, in one process, on a fake process group.
 
-    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS [ring|ulysses|math|eager]]  # on a GPU
+    python validation/cp_one_gpu.py OUT.json [MAX_SECONDS [ring|ulysses|math|eager|hf]]
 
 ``cp_live.py`` needs P GPUs (NCCL will not put two ranks of a group on one device). Here one
 process plays rank r of P in turn: a fake process group in which it is rank r
@@ -19,7 +19,8 @@ pytorch/pytorch#150398), a fake group keeps nothing.
 rows (``memcalc.validation.context_parallel.rank_call``), in the same fake group; ``math``
 around the math path and the naive family on the (B, N, H / P, D) tensors' transposed views
 (the matmuls' layout copies); ``eager`` around ``examples/attention/ulysses_eager.py``'s
-attention written out, traced (no model column).
+attention written out, and ``hf`` DeepSpeed's Ulysses for Hugging Face models
+(``examples/attention/ulysses_hf.py``, transformers installed): traced, no model column.
 
 For each (configuration, rank), memcalc's protocol (``memcalc.validation.cuda.measure``) and
 three columns beside it, each the five figures:
@@ -75,12 +76,23 @@ def math_sized() -> list:
 
 
 def eager_sized() -> list:
-    """DeepSpeed-Ulysses around attention written out (``EAGER``), which only the trace
-    models: B = 2, 8 heads of 64, bf16, 1,024 and 4,096 rows, P = 2, 4, 8 (the impl named is
-    a placeholder the configuration needs; the trace runs the file)."""
+    """DeepSpeed-Ulysses around attention written out (``EXAMPLES["eager"]``), traced:
+    B = 2, 8 heads of 64, bf16, 1,024 and 4,096 rows, P = 2, 4, 8 (the impl named is a
+    placeholder the configuration needs; the trace runs the file)."""
     return [make_config(impl="sdpa-flash", batch=2, heads=8, head_dim=64, dtype="bf16",
                         causal=True, seq_len=rows, cp=P, cp_method="ulysses")
             for rows in (1024, 4096) for P in (2, 4, 8)]
+
+
+def hf_sized() -> list:
+    """DeepSpeed's Ulysses for Hugging Face models (``EXAMPLES["hf"]``), traced: B = 1 and
+    2, 8 heads of 64 (4 key/value heads too), bf16, 4,096 rows, P = 2, 4, 8 where P divides
+    the key/value heads; and 32 heads of 128 at 16,384 rows, P = 4."""
+    return [make_config(impl="sdpa-flash", batch=B, heads=8, kv_heads=Hk, head_dim=64,
+                        dtype="bf16", causal=True, seq_len=4096, cp=P, cp_method="ulysses")
+            for B in (1, 2) for Hk in (8, 4) for P in (2, 4, 8) if Hk % P == 0] + [
+        make_config(impl="sdpa-flash", batch=1, heads=32, head_dim=128, dtype="bf16",
+                    causal=True, seq_len=16384, cp=4, cp_method="ulysses")]
 
 
 # the configurations of each kind of run: torch's ring, DeepSpeed-Ulysses over the fused
@@ -88,25 +100,30 @@ def eager_sized() -> list:
 RUNS = {"ring": lambda: llama_sized()[:2] + grid() + llama_sized()[2:],
         "ulysses": lambda: ulysses_grid(SDPA_KERNELS) + llama_sized(("ulysses",)),
         "math": lambda: math_sized() + ulysses_grid(WRITTEN_OUT),
-        "eager": eager_sized}
-EAGER = "examples/attention/ulysses_eager.py:attn"
+        "eager": eager_sized, "hf": hf_sized}
+# the runs of an example traced (no model), and how it is called
+EXAMPLES = {"eager": ("examples/attention/ulysses_eager.py:attn", ("q=B,N,H,D", "k=B,N,H,D",
+                                                                   "v=B,N,H,D")),
+            "hf": ("examples/attention/ulysses_hf.py:attn", ("q=B,H,N,D", "k=B,K,N,D",
+                                                             "v=B,K,N,D"))}
 
 
-def eager_call() -> tuple:
-    """The eager example and its (B, N / P, H, D) inputs."""
-    from memcalc.impls.flash_attn import BNHD
+def example_call(run: str) -> tuple:
+    """The example of ``run`` and its inputs."""
+    from memcalc.engine.inputs import parse_input
     from memcalc.tracing import load_function
 
-    return load_function(EAGER), BNHD
+    target, inputs = EXAMPLES[run]
+    return load_function(target), tuple(map(parse_input, inputs))
 
 
-def eager_columns(config, rank: int) -> dict:
-    """The trace of the eager example (a fake group's collectives: DeepSpeed's are
-    synchronous, NCCL's stash changes nothing); no model."""
+def example_columns(config, rank: int, run: str) -> dict:
+    """The trace of the example (a fake group's collectives: DeepSpeed's are synchronous,
+    NCCL's stash changes nothing); no model."""
     from memcalc.tracing import TraceOptions, traced
     from memcalc.tracing.target import Calling
 
-    fn, inputs = eager_call()
+    fn, inputs = example_call(run)
     trace = figures_of(traced(fn, config, TraceOptions(group="fake"),
                               calling=Calling(inputs=inputs), rank=rank).breakdown)
     return {"trace_fake": trace, "trace": trace, "model": None}
@@ -126,9 +143,9 @@ def as_rank(config, rank: int):
 
 
 def measured(config, run: str = "ring"):
-    """memcalc's protocol on the GPU for the rank's step (``rank_call``, or the eager
+    """memcalc's protocol on the GPU for the rank's step (``rank_call``, or the run's
     example)."""
-    fn, inputs = eager_call() if run == "eager" else rank_call(config)
+    fn, inputs = example_call(run) if run in EXAMPLES else rank_call(config)
     return cuda.measure(config, torch, fn=fn, inputs=inputs)
 
 
@@ -169,7 +186,8 @@ def case(config, rank: int, run: str = "ring") -> dict:
            "N": config.shape.seq_len, "batch": config.shape.batch, "heads": config.shape.heads,
            "kv_heads": config.shape.key_heads, "head_dim": config.shape.head_dim,
            "causal": config.causal, "method": config.cp_method, "rank": rank}
-    columns_of = eager_columns if run == "eager" else columns
+    columns_of = ((lambda c, r: example_columns(c, r, run)) if run in EXAMPLES
+                  else columns)
     if not _recorded(row, "error", lambda: row.update(columns_of(config, rank))):
         return row
     if _recorded(row, "error", lambda: row.update(live=live(config, rank, run))):

@@ -87,6 +87,17 @@ def forward(d: Dims, grad: bool, ws: Workspace) -> list:
     ]
 
 
+def grad_copied(grad_strides: tuple) -> bool:
+    """Whether ``run_cudnn_SDP_bprop`` copies the output's grad to the output's layout
+    (``permute_to_matching_layout``, ``aten/src/ATen/native/cudnn/MHA.cpp``): with cuDNN
+    9.5.1 and later only when its innermost stride is not 1, as the stride-0 expand of
+    ``out.sum()``'s grad; a grad of other strides is read as it is (measured on an H100,
+    torch 2.11+cu130: a (B, N, H, d)-strided grad against a (B, H, N, d) output, no copy).
+    Built against an older cuDNN (``CUDNN_VERSION < 90501``) torch copies on any stride
+    difference of the dims longer than 1 (not modelled)."""
+    return grad_strides[-1] != 1
+
+
 def backward(d: Dims, grad_copy: bool, ws: Workspace, grads: Role = T) -> list:
     """``_cudnn_attention_backward``: the grad permuted to o's layout, dq, dk, dv (``grads``:
     their role; a trace tells the leaves' grads itself), the workspace; then autograd

@@ -157,7 +157,6 @@ def kernel_step_backward(paths, backend: str):
     def step(query, key, value, out, logsumexp, is_causal=False, **kwargs):
         kernel = _kernel(paths, backend, query, key, value, is_causal)
         kernel.out_copy = not out.transpose(1, 2).is_contiguous()
-        kernel.out_stride = out.stride()
         return kernel.backward(kwargs[GRAD_OUT[backend]])
     return step
 

@@ -344,15 +344,22 @@ def check_dtypes(func, args, kwargs) -> None:
                            f"autocast: --autocast bf16)") from None
 
 
+# custom ops that are collectives allocating their output alone: DeepSpeed's all-to-all for
+# Hugging Face models (deepspeed/sequence/layer.py, 0.19.8: torch.empty_like, then c10d's
+# synchronous all_to_all_single into it)
+COLLECTIVE_OPS = frozenset({"deepspeed::dim_zero_all_to_all"})
+
+
 def observe(paths: CudaPaths, func) -> None:
     """Name what the trace cannot see inside ``func`` on a GPU."""
     namespace = func.namespace
     op = func.overloadpacket.__name__
-    paths.collectives += namespace in ("c10d", "_c10d_functional")
+    known = f"{namespace}::{op}" in COLLECTIVE_OPS
+    paths.collectives += namespace in ("c10d", "_c10d_functional") or known
     # the collectives allocate no caching-allocator block inside (NCCL's buffers are its
     # own); the functional ones' stash: collectives.py; c10d's in-place ones, as
     # DeepSpeed-Ulysses calls them, are synchronous: the stash ends with the call
-    if namespace not in ("aten", "prim", "prims", "_c10d_functional", "c10d"):
+    if namespace not in ("aten", "prim", "prims", "_c10d_functional", "c10d") and not known:
         paths.note(UNMODELLED["custom"].format(op=f"{namespace}::{op}"))
     elif op in REDUCTIONS:
         paths.note(UNMODELLED["reduction"].format(op=f"aten::{op}"))

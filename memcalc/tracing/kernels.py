@@ -60,7 +60,6 @@ class Kernel:
     kept: dict = field(default_factory=dict)  # saved for backward (autograd holds them)
     padded: bool = False
     out_copy: bool = False
-    out_stride: tuple = ()
     inputs: int = 3  # the tensors the call takes and returns grads for: q, k, v (or packed)
 
     @property
@@ -117,7 +116,6 @@ class Kernel:
         self.replay(events, {"out": make}, grad)
         out = self.live.pop("out")
         self.out_copy = not out.transpose(1, 2).is_contiguous()
-        self.out_stride = out.stride()
         if self.padded:
             self.kept["out"] = out  # the node saves the padded output
             return out[..., : d.D]
@@ -146,7 +144,7 @@ class Kernel:
                                                 dtype=t.dtype, device="meta").transpose(1, 2))
                     for n, t in zip(names, (self.q, self.k, self.v))}
         else:
-            grad_copy = grad_out.stride() != self.out_stride
+            grad_copy = cudnn.grad_copied(grad_out.stride())
             events = cudnn.backward(d, grad_copy, self.paths.workspace)
             names = ("dq", "dk", "dv")
             real = {n: (lambda t=t: empty_like(t)) for n, t in zip(names, (self.q, self.k, self.v))}
