@@ -67,10 +67,11 @@ def test_grid_cases_run_each_configuration_once_on_the_device():
 def test_fused_cases_are_the_live_grid_on_the_device():
     fused = cases.fused_cases(ENV)
     # live.json: sdpa-flash 2 causal x 2 dtypes x 3 lengths x 2 head dims = 24, sdpa-efficient
-    # the same 24, 2 forward-only (one per impl), 2 explicit configurations: 52
-    assert len(fused) == 24 + 24 + 2 + 2
+    # the same 24, 2 forward-only (one per impl), 2 explicit configurations: 52; sdpa-cudnn
+    # the same 24, grouped heads 1, loss="sum" 2 causal x 2 lengths = 4, forward-only 1: 30
+    assert len(fused) == 24 + 24 + 2 + 2 + 30
     assert {c.kind for c in fused} == {"fused"}
-    assert {c.config.impl for c in fused} == {"sdpa-flash", "sdpa-efficient"}
+    assert {c.config.impl for c in fused} == {"sdpa-flash", "sdpa-efficient", "sdpa-cudnn"}
     assert {c.config.device.memory_bytes for c in fused} == {80 * 2**30}
     first, last = fused[0].config, fused[-1].config
     assert (first.impl, first.dtype.value, first.causal, first.shape.seq_len) == (
@@ -201,7 +202,7 @@ def test_the_flash_attn_packages_live_cases_run_only_where_the_package_is_instal
     env = {"device": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
            "sm_count": "132", "total_memory": str(84_938_850_304), "CUBLAS_WORKSPACE_CONFIG": ""}
     impls = {c.config.impl for c in cases.fused_cases(env)}
-    assert impls == {"sdpa-flash", "sdpa-efficient"}
+    assert impls == {"sdpa-flash", "sdpa-efficient", "sdpa-cudnn"}
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name in ("flash_attn", "flash_attn_interface")

@@ -73,3 +73,19 @@ def test_the_h100_run_is_given_back_whole():
     assert (len(outcomes), outcomes.count("measured"), outcomes.count("oom")) == (706, 703, 3)
     assert report["environment"]["parameter_grads"] == "reset"
     assert recheck(report) == []
+
+
+def test_the_cudnn_kernel_on_its_own_as_the_h100_ran_it():
+    """``memcalc validate --backend cuda --cases fused --impl sdpa-cudnn`` on the same H100
+    (the live grid's cuDNN products: bf16 and fp16, causal or not, 256, 1,000 and 4,096
+    rows, d = 64 and 128: 2 x 2 x 3 x 2 = 24; grouped heads: 1; ``loss="sum"``, whose
+    stride-0 grad cuDNN copies to the output's layout, causal or not at 1,000 and 4,096
+    rows: 4; forward only: 1; 30 in all). Every figure equal to the model's: the one-GPU
+    cuDNN model met on its own, not only inside the ring and DeepSpeed-Ulysses."""
+    report = json.loads(REPORT.with_name(
+        "cudnn-fused-nvidia-h100-80gb-hbm3-2.11.0-cu130.json").read_text())
+    configs = [c["config"] for c in report["checks"]]
+    assert len(configs) == 30 and {c["impl"] for c in configs} == {"sdpa-cudnn"}
+    assert sum(c["protocol"]["loss"] == "sum" for c in configs) == 4
+    assert all(c["outcome"] == "measured" for c in report["checks"])
+    assert recheck(report) == []

@@ -46,25 +46,28 @@ from memcalc.impls.frame import Frame, prefixed, roled
 S, O, G, T = Role.saved, Role.output, Role.gradient, Role.temporary
 
 
-def _fused(d: Dims) -> tuple:
+def _none(d: Dims) -> tuple:
+    """A fused kernel's output and grads: made in the caller's (B, N, h, D) layout."""
     return ()
 
 
 @dataclass(frozen=True)
 class Local:
     """A kernel as ``DistributedAttention``'s local attention, on (B, N, h, D)-contiguous
-    q, k, v: its forward's events and its backward's, as its model declares them (the
-    incoming grad ``grad``, what it saves of its inputs ``q``, ``k``, ``v`` released in
-    place); of ``q``, ``k``, ``v`` and ``out``, those its node saves; the names of q's, k's
-    and v's grads; those of ``out``, ``dq``, ``dk``, ``dv`` not (B, N, h, D)-contiguous,
-    which the all-to-all copies first. A fused kernel saves them all and makes its output
-    and grads in the callers' layout."""
+    q, k, v, each field a function of the local sizes:
+
+    * ``forward``, ``backward``: its events as its model declares them (in backward the
+      incoming grad is ``grad``; a release of ``q``, ``k`` or ``v`` is of that layer);
+    * ``saves``: which of ``q``, ``k``, ``v``, ``out`` its node saves (a fused kernel: all);
+    * ``grads``: the names of q's, k's and v's grads;
+    * ``strided``: which of ``out``, ``dq``, ``dk``, ``dv`` are not (B, N, h, D)-contiguous,
+      so that the all-to-all copies them first (a fused kernel: none)."""
 
     forward: Callable[[Dims], list]
     backward: Callable[[Dims], list]
     saves: Callable[[Dims], tuple] = lambda d: ("q", "k", "v", "out")
     grads: Callable[[Dims], tuple] = lambda d: ("dq", "dk", "dv")
-    strided: Callable[[Dims], tuple] = _fused
+    strided: Callable[[Dims], tuple] = _none
 
 
 LOCAL = {
