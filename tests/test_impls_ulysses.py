@@ -206,6 +206,24 @@ def test_deepspeeds_ulysses_for_hugging_face_traces_as_it_runs():
         assert step.forward_peak_bytes == model.forward_peak_bytes + output_copy + positions
 
 
+def test_a_trace_runs_what_deepspeed_does_with_fewer_key_value_heads_than_ranks(capsys):
+    """2 key/value heads over 4 ranks: ``breakdown`` refuses it (DeepSpeed's uneven heads are
+    not modelled); ``trace`` runs DeepSpeed's own code, whose Hugging Face Ulysses repeats
+    each key/value head to one a rank (``kv_replication_factor``)."""
+    pytest.importorskip("transformers")
+    from memcalc.cli import main
+
+    sizes = "--cp 4 --cp-method ulysses --seq 1024 --heads 8 --kv-heads 2 --head-dim 64 " \
+            "--dtype bf16 --batch 1"
+    assert main(f"breakdown --impl sdpa-cudnn --causal {sizes}".split()) == 2
+    assert "4 ranks must divide the heads (8) and the key/value heads (2)" in \
+        capsys.readouterr().err
+    inputs = "--input q=B,H,N,D --input k=B,K,N,D --input v=B,K,N,D"
+    assert main(f"trace examples/attention/ulysses_hf.py:attn {inputs} {sizes}".split()) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 of 4 shown: every rank's step is the same" in out
+
+
 def test_code_that_needs_a_process_group_is_told_to_trace_under_cp():
     """Without --cp there is no group: DeepSpeed's assertion becomes a hint."""
     from memcalc.engine.inputs import parse_input

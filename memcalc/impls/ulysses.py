@@ -270,11 +270,11 @@ def refusal(impl: str, user_code: bool, cp: int, shape, tp: int = 1) -> str:
     if shape.seq_len % cp:
         return f"seq_len: under {cp} ranks a multiple of {cp} (got N = {shape.seq_len:,})"
     heads, key_heads = shape.heads // tp, shape.key_heads // tp  # a tensor-parallel rank's
-    if heads % cp or key_heads % cp:
+    if (heads % cp or key_heads % cp) and not user_code:  # a trace runs DeepSpeed's own
         per = " a tensor-parallel rank holds" if tp > 1 else ""
         return (f"cp: {cp} ranks must divide the heads ({heads}) and the key/value heads "
-                f"({key_heads}){per} under ulysses (DeepSpeed's uneven-head all-to-all is "
-                "not modelled)")
+                f"({key_heads}){per} under ulysses (DeepSpeed's uneven heads are not "
+                "modelled; memcalc trace runs its code)")
     return ""
 
 
