@@ -53,7 +53,7 @@ def gqa(d: Dims) -> bool:
 def saves_v(d: Dims) -> bool:
     """Whether ``bmm(p, v)`` saves the caller's v itself (float32, no GQA, folded as a
     view): the one input the math path saves."""
-    return not upcast(d) and not gqa(d) and folds(d, "v")
+    return saved_v(d, leaves=False) == "v"
 
 
 def inputs_fp32(d: Dims) -> list:
@@ -64,8 +64,8 @@ def inputs_fp32(d: Dims) -> list:
     return [
         new("q32", (d.B, d.H, d.N, d.D), F32, A, "_to_copy"),  # (B, H, N, D) query_acc
         new("k32", kv, F32, A, "_to_copy"),  # (B, Hk, M, D) key_acc
-        new("v32", kv, F32, S if not gqa(d) and folds(d, "v") else A,
-            "_to_copy"),  # (B, Hk, M, D) saved by bmm(p, v), or its fold
+        new("v32", kv, F32, S if saved_v(d) == "v32" else A,
+            "_to_copy"),  # (B, Hk, M, D) saved by bmm(p, v), unless its fold or repeat is
     ]
 
 
