@@ -299,7 +299,7 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
 
 
 def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
-          gpu_gb=None, reserve=None, **options):
+          optimizer=None, grad_accum=1, gpu_gb=None, reserve=None, **options):
     """The breakdown of your own function or module's step, traced on the meta device as
     the GPU runs it (needs torch): a function, an ``nn.Module`` instance (its weights are
     left as they are), or an ``nn.Module`` class (built with no arguments on the meta
@@ -309,7 +309,10 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     the sizes ``batch``, ``seq_len``, ``kv_len``, ``heads``, ``kv_heads``, ``head_dim``);
     ``no_grad`` names floating inputs that need no gradient; ``autocast="bf16"`` runs the
     forward under ``torch.autocast("cuda", ...)``; ``param_dtype="bf16"`` puts a module's
-    floating parameters and buffers in that dtype (``model.to(torch.bfloat16)``). ``causal=True`` is passed as its
+    floating parameters and buffers in that dtype (``model.to(torch.bfloat16)``);
+    ``optimizer="adamw"`` (``adam``, ``sgd``; ``:fused``, ``:forloop``) adds its
+    ``step()`` and ``zero_grad()`` as a training loop runs them, after ``grad_accum``
+    forward and backward passes. ``causal=True`` is passed as its
     ``causal`` or ``is_causal`` argument (refused when it takes neither); ``gpu_gb``,
     ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
 
@@ -325,6 +328,7 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     _needs_torch("memcalc.trace")
     from memcalc.tracing import (Calling, TraceError, check_causal, check_inputs, label_of,
                                  prepared, register_function, trace as run)
+    from memcalc.tracing.optimizers import loop_of
 
     options = _options("trace", options, ("gpu_gb", "reserve"))
     if not callable(fn):
@@ -345,7 +349,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
         fn = prepared(fn, label_of(fn))
         calling = Calling(check_inputs(fn, given, "inputs"),
                           autocast_dtype(autocast, "autocast"),
-                          torch_dtype(param_dtype, "param_dtype"))
+                          torch_dtype(param_dtype, "param_dtype"),
+                          loop_of(optimizer, grad_accum, ("optimizer", "grad_accum")))
     except TraceError as error:
         raise ValueError(str(error).removeprefix("--trace ")) from None
     config = make_config(**{**options, "impl": register_function(fn, label_of(fn), calling)})
@@ -356,7 +361,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
 
 trace.__signature__ = inspect.Signature(
     [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD), _kw("inputs"),
-     _kw("no_grad", ()), _kw("autocast"), _kw("param_dtype"), _kw("gpu_gb"), _kw("reserve"),
+     _kw("no_grad", ()), _kw("autocast"), _kw("param_dtype"), _kw("optimizer"),
+     _kw("grad_accum", 1), _kw("gpu_gb"), _kw("reserve"),
      *(p for p in _config_parameters() if p.name != "impl")])
 
 

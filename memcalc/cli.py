@@ -156,6 +156,13 @@ def input_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch", metavar="X.Y", default=None,
                    help="the torch release whose SDPA backend rules apply, 2.4 to 2.14 "
                         "(default: the installed torch)")
+    p.add_argument("--optimizer", default=None, metavar="NAME[:IMPL]",
+                   help="train the target's parameters: the step adds optimizer.step() and "
+                        "zero_grad(set_to_none=True), a training loop's: adamw, adam or sgd "
+                        "(momentum 0.9), foreach as torch picks on CUDA, or :fused, :forloop")
+    p.add_argument("--grad-accum", type=whole, default=1, metavar="K",
+                   help="forward and backward passes per optimizer step, grads accumulating "
+                        "(default 1)")
 
 
 def release_of(args) -> dict:
@@ -167,11 +174,13 @@ def release_of(args) -> dict:
 
 
 def calling_from(args, fn):
-    """``--input``, ``--no-grad``, ``--autocast`` and ``--param-dtype`` as the
-    ``memcalc.tracing.Calling`` of ``fn`` (raises its TraceError when they do not fit it)."""
+    """``--input``, ``--no-grad``, ``--autocast``, ``--param-dtype``, ``--optimizer`` and
+    ``--grad-accum`` as the ``memcalc.tracing.Calling`` of ``fn`` (raises its TraceError
+    when they do not fit it)."""
     from memcalc.engine.inputs import inputs_of
     from memcalc.names import autocast_dtype, torch_dtype
     from memcalc.tracing import Calling, check_inputs
+    from memcalc.tracing.optimizers import loop_of
 
     autocast = autocast_dtype(args.autocast)
     param_dtype = torch_dtype(args.param_dtype, "--param-dtype")
@@ -179,7 +188,8 @@ def calling_from(args, fn):
         raise ValueError(f"--no-grad {args.no_grad[0]}: give the inputs with --input first "
                          f"(without it the target takes q, k, v, which need grad)")
     inputs = inputs_of(args.input, args.no_grad) if args.input else None
-    return Calling(check_inputs(fn, inputs), autocast, param_dtype)
+    loop = loop_of(args.optimizer, args.grad_accum)
+    return Calling(check_inputs(fn, inputs), autocast, param_dtype, loop)
 
 
 def traced_options_given(args) -> str | None:
@@ -187,7 +197,9 @@ def traced_options_given(args) -> str | None:
     told no target."""
     for flag, value in (("--input", (args.input or [None])[0]), ("--autocast", args.autocast),
                         ("--param-dtype", args.param_dtype), ("--torch", args.torch),
-                        ("--no-grad", (args.no_grad or [None])[0])):
+                        ("--no-grad", (args.no_grad or [None])[0]),
+                        ("--optimizer", args.optimizer),
+                        ("--grad-accum", args.grad_accum if args.grad_accum != 1 else None)):
         if value is not None:
             return f"{flag} {value}"
     return None

@@ -63,8 +63,8 @@ def test_help_lists_the_options():
     import inspect
 
     parameters = inspect.signature(memcalc.trace).parameters
-    assert list(parameters)[:7] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
-                                    "gpu_gb", "reserve"]
+    assert list(parameters)[:9] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
+                                    "optimizer", "grad_accum", "gpu_gb", "reserve"]
     assert "seq_len" in parameters
     assert "impl" not in parameters
 

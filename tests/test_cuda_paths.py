@@ -368,7 +368,7 @@ def test_a_learned_bias_gets_the_efficient_kernels_grad_bias(tmp_path, capsys):
     assert code == 0, data
     alive = {c["name"].split(" (")[0]: c["bytes"] for c in data["components"]}
     assert alive["efficient grad_bias"] == 2 * 4 * 1000 * 1008 * 2 == 16_128_000
-    assert alive["sum"] == 4 * 1000 * 1000 * 2 == 8_000_000
+    assert alive["bias.grad"] == 4 * 1000 * 1000 * 2 == 8_000_000  # the sum, its grad
     assert data["backward_peak_bytes"] == (4 * 1_024_000 + 8_000_000 + 1_024_000
                                            + 3 * 1_024_000 + 16_777_216 + 8_000_000)
     assert any("cudnn: attn_mask requires grad" in note for note in data["notes"])

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from memcalc.engine.dims import Dims  # noqa: E402
 from memcalc.engine.inputs import Input  # noqa: E402
 from memcalc.tracing.tracer import Tracer, TracerProbe  # noqa: E402
-from memcalc.tracing.protocol import Measured, make_inputs, run_protocol  # noqa: E402
+from memcalc.tracing.protocol import Measured, Training, make_inputs, run_protocol  # noqa: E402
 
 SHAPE, KV_SHAPE = (1, 2, 8, 4), (1, 2, 6, 4)
 
@@ -56,7 +56,7 @@ class LogProbe:
     def max_reserved(self):
         return self._read("max_reserved")
 
-    def reset_peak(self):
+    def reset_peak(self, phase=""):
         self.log.append(f"reset ({sum(r() is not None for r in self.outputs)} alive)")
 
     def block_bytes(self, tensor):
@@ -90,7 +90,7 @@ class ZeroProbe:
     def max_reserved(self):
         return 0
 
-    def reset_peak(self):
+    def reset_peak(self, phase=""):
         pass
 
     def block_bytes(self, tensor):
@@ -153,6 +153,50 @@ def test_training_warms_up_unread_then_reads_each_phase():
     assert m == Measured(saved_bytes=5000 - 1000 - 512,  # a1 - a0 - block(out) = 3,488
                          forward_peak_bytes=9000, backward_peak_bytes=7000,
                          reserved_peak_bytes=10240)  # max(8192, 10240)
+
+
+class LogOptimizer:
+    """An optimizer that writes its calls into ``log``, with how many outputs are alive."""
+
+    def __init__(self, log, outputs):
+        self.log, self.outputs = log, outputs
+
+    def step(self):
+        self.log.append(f"step ({sum(r() is not None for r in self.outputs)} alive)")
+
+    def zero_grad(self, set_to_none=True):
+        self.log.append(f"zero_grad set_to_none={set_to_none}")
+
+
+def test_a_training_loop_holds_its_loss_into_the_next_forward():
+    """With an optimizer, each step is a loop's: ``accumulate`` forward and backward passes,
+    ``step()`` and ``zero_grad(set_to_none=True)``, the warm-up's the same unread. The loss
+    held as ``loss = model(...)`` holds it: through the optimizer (1 alive at its step) and
+    into the next forward, dropped only when that returns (the measured step's first reset
+    sees the warm-up's still alive); each phase is read from its own reset, the forward and
+    backward peaks the highest of the micro-steps."""
+    log, outputs = [], []
+    probe = LogProbe(log, outputs, allocated=[1000, 5000, 2000, 7000],
+                     max_allocated=[9000, 9500, 7000, 6000, 4000],
+                     max_reserved=[8192, 10240, 4096, 6144, 2048])
+    inputs = make_inputs(torch, dims(), "cpu")
+    m = run_protocol(torch, logged_attn(log, outputs), probe, inputs, forward_only=False,
+                     training=Training(LogOptimizer(log, outputs), accumulate=2))
+    warm = ["forward grad=True", "backward", "forward grad=True", "backward",
+            "step (1 alive)", "zero_grad set_to_none=True"]
+    micro = ["allocated", "forward grad=True", "allocated", "block_bytes", "max_allocated",
+             "max_reserved"]
+    assert log == warm + ["reset (1 alive)", *micro, "reset (1 alive)", "backward",
+                          "max_allocated", "max_reserved",
+                          "reset (1 alive)", *micro, "reset (1 alive)", "backward",
+                          "max_allocated", "max_reserved",
+                          "reset (1 alive)", "step (1 alive)", "zero_grad set_to_none=True",
+                          "max_reserved", "max_allocated"]
+    assert m == Measured(saved_bytes=7000 - 2000 - 512,  # the last micro-step's a1 - a0 - out
+                         forward_peak_bytes=9000,  # max(9000, 7000): micro-steps 1, 2
+                         backward_peak_bytes=9500,  # max(9500, 6000)
+                         reserved_peak_bytes=10240,  # max(8192, 10240, 4096, 6144, 2048)
+                         optimizer_peak_bytes=4000)
 
 
 @pytest.mark.parametrize("loss", ["grad", "sum"])

@@ -65,6 +65,15 @@ def test_the_output_is_the_loss_or_the_first_tensor(returned, index, what):
     assert out is tensors[index] and said == what
 
 
+def test_a_tuple_with_one_0d_floating_tensor_gives_it_as_the_loss():
+    """nanoGPT's ``logits, loss = model(X, Y)``: the loop calls ``loss.backward()``."""
+    logits, loss = torch.zeros(2, 3), torch.zeros(())
+    assert primary((logits, loss)) == (loss, "tuple: its [1] (a 0-d loss)")
+    count = torch.zeros((), dtype=torch.int64)  # not floating: no loss, the first tensor
+    assert primary((logits, count))[0] is logits
+    assert primary((logits, loss, torch.zeros(())))[0] is logits  # two: which one is not said
+
+
 def test_an_output_without_a_tensor_is_refused():
     with pytest.raises(TraceError, match="must return a tensor .* not NoneType"):
         primary(None)

@@ -35,7 +35,7 @@ class ScriptedProbe:
     def max_reserved(self):
         return next(self.reserved_values)
 
-    def reset_peak(self):
+    def reset_peak(self, phase=""):
         self.calls.append("reset")
 
     def block_bytes(self, tensor):

@@ -50,8 +50,8 @@ def test_with_the_grads_the_run_kept_the_tracer_gives_back_model_code_too(report
 
     run = tracer.run_protocol
     monkeypatch.setattr(tracer, "run_protocol",
-                        lambda torch, fn, probe, made, forward_only, parameters=():
-                        run(torch, fn, probe, made, forward_only, ()))
+                        lambda torch, fn, probe, made, forward_only, parameters=(), *loop:
+                        run(torch, fn, probe, made, forward_only, (), *loop))
     env = dict(report["environment"], parameter_grads="kept")
     found = recheck({**report, "environment": env,
                      "checks": [c for c in report["checks"] if c["case"] == "modelcode"]})

@@ -35,7 +35,8 @@ def register_judge(judge) -> None:
     _JUDGE[:] = [judge]
 
 
-_SUMS = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes")  # cached per instance
+_SUMS = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
+         "optimizer_peak_bytes")  # cached per instance
 
 
 def _total(components: tuple[Component, ...]) -> int:
@@ -48,6 +49,9 @@ class Breakdown(Result):
     forward_live: tuple[Component, ...]
     backward_live: tuple[Component, ...]
     saved: tuple[Component, ...]
+    # a traced training step's optimizer.step() and zero_grad(): alive at their peak (none:
+    # the step has no optimizer)
+    optimizer_live: tuple[Component, ...] = ()
     reserved_peak_bytes: int
     rank: int | None = None  # under context parallelism: the busiest rank, shown
     rank_peaks: tuple[int, ...] = ()  # and every rank's max_memory_allocated
@@ -71,15 +75,26 @@ class Breakdown(Result):
         return _total(self.backward_live)
 
     @computed_field
-    @property
-    def peak_bytes(self) -> int:
-        """``max_memory_allocated`` over the whole step."""
-        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+    @cached_property
+    def optimizer_peak_bytes(self) -> int | None:
+        """The peak of ``optimizer.step()`` and ``zero_grad()``; None without an optimizer."""
+        return _total(self.optimizer_live) if self.optimizer_live else None
 
     @computed_field
     @property
-    def peak_phase(self) -> Literal["forward", "backward"]:
-        return "backward" if self.backward_peak_bytes > self.forward_peak_bytes else "forward"
+    def peak_bytes(self) -> int:
+        """``max_memory_allocated`` over the whole step."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes,
+                   self.optimizer_peak_bytes or 0)
+
+    @computed_field
+    @property
+    def peak_phase(self) -> Literal["forward", "backward", "optimizer"]:
+        """The phase whose peak is the step's: the first of forward, backward, optimizer
+        to reach it."""
+        peaks = {"forward": self.forward_peak_bytes, "backward": self.backward_peak_bytes,
+                 "optimizer": self.optimizer_peak_bytes or 0}
+        return next(phase for phase, peak in peaks.items() if peak == self.peak_bytes)
 
     @computed_field
     @property
@@ -94,7 +109,8 @@ class Breakdown(Result):
 
     @property
     def _peak_live(self) -> tuple[Component, ...]:
-        return self.backward_live if self.peak_phase == "backward" else self.forward_live
+        return {"forward": self.forward_live, "backward": self.backward_live,
+                "optimizer": self.optimizer_live}[self.peak_phase]
 
     def figures(self) -> dict[str, int]:
         """The phase figures by name, for comparisons and tables."""
@@ -105,7 +121,8 @@ class Breakdown(Result):
         (``records``), ``saved`` (``bytes`` requested, ``allocated`` the block) and the
         config."""
         figures = {k: getattr(self, k) for k in ("saved_bytes", "forward_peak_bytes",
-                   "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "workspace_bytes")}
+                   "backward_peak_bytes", "optimizer_peak_bytes", "peak_bytes",
+                   "reserved_peak_bytes", "workspace_bytes")}
         judged = self.fit().verdict(self.budget) if self.has_budget else {}
         ranks = {} if self.rank is None else {  # under --cp: the rank shown, and every rank's
             "rank": self.rank, "rank_peak_bytes": list(self.rank_peaks),

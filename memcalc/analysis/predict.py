@@ -116,14 +116,19 @@ def _like(ledger: Ledger, config: Config) -> Ledger:
 
 def _rank_replayed(config: Config, d, ledger: Ledger, program: Program | None = None
                    ) -> Breakdown:
-    peaks: dict[str, tuple[Component, ...]] = {}
-    step = replay(ledger, d, program or step_program(get_impl(config.impl), d),
-                  lambda phase: peaks.update({phase: ledger.peak_live}))
-    forward = peaks["forward"]
+    peaks: dict[str, tuple[int, tuple[Component, ...]]] = {}
+
+    def read(phase: str) -> None:  # a phase measured again (a micro-step) keeps the higher
+        if ledger.allocator.peak_allocated > peaks.get(phase, (-1,))[0]:
+            peaks[phase] = (ledger.allocator.peak_allocated, ledger.peak_live)
+
+    step = replay(ledger, d, program or step_program(get_impl(config.impl), d), read)
+    forward = peaks["forward"][1]
     if d.forward_only:  # under no_grad nothing is kept for a backward: the tracer's roles
         forward = tuple(_unsaved(c) for c in forward)
     return Breakdown(config=config, forward_live=forward,
-                     backward_live=peaks.get("backward", ()),
+                     backward_live=peaks.get("backward", (0, ()))[1],
+                     optimizer_live=peaks.get("optimizer", (0, ()))[1],
                      saved=tuple(v.component for v in step.saved),
                      reserved_peak_bytes=step.reserved_peak)
 

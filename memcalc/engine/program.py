@@ -40,6 +40,7 @@ class Role(str, Enum):
     workspace = "workspace"
     parameter = "parameter"  # an nn.Module's parameters: resident, made before the step
     buffer = "buffer"  # registered buffers and module-level tensors: resident as well
+    optimizer_state = "optimizer state"  # moments, momentum buffers: made by the first step()
 
 
 class _TensorFields(NamedTuple):
@@ -88,7 +89,11 @@ class Release:
 
 @dataclass(frozen=True)
 class Cublas:
-    pass
+    """The op just declared called cuBLAS, on the thread of its phase (forward and the
+    optimizer: the main thread; backward: the autograd engine's), or on ``thread`` where
+    the events of several phases run as one list (a traced warm-up step)."""
+
+    thread: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,7 @@ def cublas() -> Cublas:
     return _CUBLAS
 
 
-_CUBLAS = Cublas()  # a value without fields: one serves every declaration
+_CUBLAS = Cublas()  # an immutable value: one serves every declaration
 
 
 def last_save() -> Mark:
@@ -143,19 +148,43 @@ def first_unpack() -> Mark:
     return Mark(FIRST_UNPACK)
 
 
+class Phase(NamedTuple):
+    """One measured phase of a step, from a reset peak: ``forward``, ``backward`` (on the
+    autograd engine's thread) or ``optimizer`` (``step()`` and ``zero_grad()``)."""
+
+    label: str
+    events: tuple[Event, ...]
+
+
 @dataclass(frozen=True)
 class Program:
     """What one training step of an implementation allocates, forward then backward, and
     what exists before it: ``inputs``, allocated before the warm-up step (None: ``q, k, v``
     and ``grad_out``, ``memcalc.engine.inputs.input_tensors``; a traced module's parameters,
-    buffers and own inputs otherwise)."""
+    buffers and own inputs otherwise).
+
+    A traced training loop's step is more than a forward and a backward (micro-steps whose
+    grads accumulate, an optimizer whose state the warm-up creates): then ``warm_up`` holds
+    the warm-up step's events as traced, every free in them (its cuBLAS calls name their
+    thread), and ``phases`` the measured step phase by phase; ``forward`` and ``backward``
+    are its first micro-step's."""
 
     forward: tuple[Event, ...]
     backward: tuple[Event, ...]
     inputs: tuple[Event, ...] | None = None
+    warm_up: tuple[Event, ...] | None = None
+    phases: tuple[Phase, ...] | None = None
+
+    def measured(self, grad: bool) -> tuple[Phase, ...]:
+        """The measured step's phases: ``phases``, or the forward then (with ``grad``) the
+        backward."""
+        if self.phases is not None:
+            return self.phases
+        return (Phase("forward", self.forward),) + ((Phase("backward", self.backward),)
+                                                    if grad else ())
 
 
-__all__ = ["Dims", "Event", "Mark", "Program", "Role", "Tensor", "cublas", "first_unpack",
+__all__ = ["Dims", "Event", "Mark", "Phase", "Program", "Role", "Tensor", "cublas", "first_unpack",
            "free", "last_save", "new", "release"]
 
 

@@ -183,34 +183,49 @@ class Step(NamedTuple):
 
 def replay(ledger: Ledger, d: Dims, program: Program, on_phase=None) -> Step:
     """The measurement protocol over ``ledger``: inputs, a warm-up step, then the measured
-    forward and backward, each from a reset peak. ``on_phase(name)`` is called at the end
-    of each measured phase (``"forward"``, ``"backward"``), where the caller reads its
-    peak."""
+    phases (forward and backward; a traced training loop's micro-steps and optimizer), each
+    from a reset peak. ``on_phase(name)`` is called at the end of each measured phase
+    (``"forward"``, ``"backward"``, ``"optimizer"``), where the caller reads its peak."""
     grad = not d.forward_only
     _run(ledger, step_inputs(program, d), "main", grad)
     ledger.allocator.mark_warm_up()
+    _warm_up(ledger, program, grad)
+    reserved, saved = None, []
+    for label, events in program.measured(grad):
+        ledger.reset_peak()
+        before = set(ledger.live)
+        _phase(ledger, label, len(events))
+        _run(ledger, events, THREADS[label], grad)
+        (on_phase or _ignore)(label)
+        peak = ledger.allocator.peak_reserved
+        reserved = peak if reserved is None else ledger.allocator.sizes.top(reserved, peak)
+        if label == "forward":  # the last forward's: what it left alive for its backward
+            saved = [v for k, v in ledger.live.items()
+                     if k not in before and v.role is not Role.output]
+    ledger.phase("end")
+    if program.warm_up is None:
+        _release(ledger, Role.output)  # protocol: del out
+    return Step(saved, reserved)
+
+
+# the thread each measured phase runs its cuBLAS calls on
+THREADS = {"forward": "main", "backward": "autograd", "optimizer": "main"}
+
+
+def _warm_up(ledger: Ledger, program: Program, grad: bool) -> None:
+    """The warm-up step: the program's own (a traced training loop's, its frees included),
+    else the forward and backward, then the protocol's ``del out`` and grads reset; the
+    measured step then mirrors its small pool where that is exact (the same requests)."""
+    if program.warm_up is not None:
+        _phase(ledger, "warm-up", len(program.warm_up))
+        _run(ledger, program.warm_up, "main", grad)
+        return
     _phase(ledger, "warm-up", len(program.forward) + grad * len(program.backward))
     _run(ledger, program.forward, "main", grad)  # creates the workspaces, fills the cache
     if grad:
         _run(ledger, program.backward, "autograd", grad)
     _release(ledger, Role.output, Role.gradient)  # del out; q.grad = k.grad = v.grad = None
     ledger.allocator.mirror_small_pool()  # the same small-pool decisions as the warm-up's
-    ledger.reset_peak()
-    before = set(ledger.live)
-    _phase(ledger, "forward", len(program.forward))
-    _run(ledger, program.forward, "main", grad)
-    (on_phase or _ignore)("forward")
-    reserved = ledger.allocator.peak_reserved
-    saved = [v for k, v in ledger.live.items() if k not in before and v.role is not Role.output]
-    ledger.reset_peak()
-    if grad:
-        _phase(ledger, "backward", len(program.backward))
-        _run(ledger, program.backward, "autograd", grad)
-        (on_phase or _ignore)("backward")
-    reserved = ledger.allocator.sizes.top(reserved, ledger.allocator.peak_reserved)
-    ledger.phase("end")
-    _release(ledger, Role.output)  # protocol: del out
-    return Step(saved, reserved)
 
 
 def _ignore(phase: str) -> None:
@@ -218,7 +233,7 @@ def _ignore(phase: str) -> None:
 
 
 _SAID = {"warm-up": "warm-up step", "forward": "measured forward",
-         "backward": "measured backward"}
+         "backward": "measured backward", "optimizer": "measured optimizer step"}
 
 
 def _phase(ledger: Ledger, label: str, events: int) -> None:
@@ -291,7 +306,7 @@ def _run(ledger: Ledger, events, thread: str, grad: bool) -> None:
                     for name in event.names:
                         free(name)
             elif kind is Cublas:
-                ledger.ensure_workspace(thread)
+                ledger.ensure_workspace(event.thread or thread)
 
 
 _BATCH = 1024  # events counted at once towards the time limit

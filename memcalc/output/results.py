@@ -115,6 +115,7 @@ FIGURE_LABELS = {
     "saved_bytes": "saved for backward",
     "forward_peak_bytes": "forward peak",
     "backward_peak_bytes": "backward peak",
+    "optimizer_peak_bytes": "optimizer peak (step, zero_grad)",
     "peak_bytes": "peak (max_memory_allocated)",
     "reserved_peak_bytes": "reserved peak (max_memory_reserved)",
     "workspace_bytes": "cuBLAS workspaces",
@@ -153,7 +154,7 @@ def figure_rows(b) -> list[tuple]:
     """``(key, bytes)`` of each figure; in a budget the step fits only by release-and-
     retry, the reserved peak twice: unbounded and in the budget, ``(key, bytes, label)``
     (an 80 GiB step showed 86.05 GiB reserved beside "fits")."""
-    rows = [(k, getattr(b, k)) for k in FIGURE_LABELS]
+    rows = [(k, getattr(b, k)) for k in FIGURE_LABELS if getattr(b, k) is not None]
     fit = b.fit() if b.has_budget else None
     if fit is None or not fit.retried:
         return rows

@@ -41,7 +41,7 @@ from memcalc.analysis.breakdown import Breakdown
 from memcalc.config import Config
 from memcalc.errors import one_line as _first_line
 from memcalc.engine.inputs import QKV, Input, sizes_read
-from memcalc.engine.program import Cublas, Dims, Free, Program, Release, Role, Tensor
+from memcalc.engine.program import Cublas, Dims, Free, Phase, Program, Release, Role, Tensor
 from memcalc.impls.device import gpu_of
 from memcalc.impls.reductions import Reduction, scratch_events
 from memcalc.impls.sdpa_cudnn import Workspace
@@ -122,7 +122,9 @@ def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
     return Traced(breakdown=result, gpu=config.device.spec.label, cuda_paths=options.cuda,
                   notes=notes, kernels=tuple(paths.kernels) if paths else (),
                   inputs=tuple(i.text() for i in inputs if inputs is not QKV),
-                  autocast=calling.autocast, param_dtype=calling.param_dtype, **checked)
+                  autocast=calling.autocast, param_dtype=calling.param_dtype,
+                  optimizer=calling.loop.optimizer.text() if calling.loop.optimizer else None,
+                  grad_accum=calling.loop.accumulate, **checked)
 
 
 def _returned(call: Bound) -> tuple[str, ...]:
@@ -190,7 +192,8 @@ def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[I
     def run():
         with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
             return measure(config, call, capacity, paths, state,
-                           output_like(call, config, options, inputs), tracer, inputs)
+                           output_like(call, config, options, inputs), tracer, inputs,
+                           call.loop)
 
     return _guarded(run, call.fn, called_with(config, inputs))
 
@@ -380,32 +383,66 @@ def _interpolate(xs, ys) -> Poly:
     return Poly(tuple(coefficients))
 
 
-def step_events(tracer, probe) -> tuple[list, list, list]:
-    """The step as program events, from a tracer's log: what exists before the warm-up
-    (resident state, inputs, grad_out), the measured forward and the measured backward."""
+def step_events(tracer, probe) -> list[tuple[str, list]]:
+    """The step as segments of program events, from a tracer's log: ``("inputs", ...)``,
+    what exists before the warm-up (resident state, inputs, grad_out); for a training
+    loop's step, ``("warm-up", ...)`` as traced (its optimizer creates state); then each
+    measured phase, ``("forward", ...)``, ``("backward", ...)``, ``("optimizer", ...)``,
+    from the reset of its peak to the next reset, the last one to its peak's reading."""
     events = tracer.events
-    marks = [i for i, e in enumerate(events) if e[0] == "mark"]
-    # marks: inputs, reset, a0, a1, forward peak [, reset, backward peak]
-    inputs = events[:marks[0]]
-    forward = events[marks[2] + 1: marks[3]]
-    backward = events[marks[5] + 1: marks[6]] if len(marks) >= 7 else []
-    return _convert(inputs, forward, backward, probe.output_key)
+    marks = [(i, e[1]) for i, e in enumerate(events) if e[0] == "mark"]
+    resets = [(i, what.removeprefix("reset_peak ")) for i, what in marks
+              if what.startswith("reset_peak")]
+    first = marks[0][0]  # "inputs": the warm-up step starts here
+    ends = [i for i, _ in resets[1:]] + [max(i for i, what in marks if what == "max_allocated")]
+    segments = [("inputs", events[:first])]
+    if any(label == "optimizer" for _, label in resets):
+        segments.append(("warm-up", events[first + 1:resets[0][0]]))
+    segments += [(label, [e for e in events[i + 1:end] if e[0] != "mark"])
+                 for (i, label), end in zip(resets, ends)]
+    return _convert(segments, probe.output_key)
 
 
-def _convert(inputs: list, forward: list, backward: list, output_key) -> tuple[list, list, list]:
-    """Name each allocation, give it a role (before the step: its own, or input; alive at
-    the end of its phase: saved or gradient; else activation or temporary), and turn frees
-    of saved tensors into releases. A reduction's scratch becomes its ``Reduction``, whose
-    buffers the fitted program recomputes at each length."""
+def _convert(segments: list[tuple[str, list]], output_key) -> list[tuple[str, list]]:
+    """Name each allocation and give it a role (before the step: its own, or input; in a
+    warm-up: a resident one's, else activation; alive at the end of its phase: saved,
+    gradient; else activation or temporary), and turn frees of saved tensors into
+    releases. A reduction's scratch becomes its ``Reduction``, whose buffers the fitted
+    program recomputes at each length."""
     names: dict = {}
-    inputs, forward, backward = (_reductions(events) for events in (inputs, forward, backward))
-    before = [_event(e, names, _given_role(e)) for e in inputs]
-    out_index = max((i for i, e in _alive(forward).items() if e[1] == output_key), default=None)
-    fwd = [_event(e, names, _role(i, e, _alive(forward), out_index, Role.saved, Role.activation))
-           for i, e in enumerate(forward)]
-    bwd = [_event(e, names, _role(i, e, _alive(backward), None, Role.gradient, Role.temporary))
-           for i, e in enumerate(backward)]
-    return [e for e in before if e], [e for e in fwd if e], [e for e in bwd if e]
+    converted = []
+    # the output is the last forward's (storage keys are addresses, reused by other steps)
+    last = max(i for i, (label, _) in enumerate(segments) if label == "forward")
+    for n, (label, events) in enumerate(segments):
+        events = _reductions(events)
+        alive = _alive(events)
+        out_index = max((i for i, e in alive.items() if e[1] == output_key), default=None) \
+            if n == last else None
+        roles = [_phase_role(label, i, e, alive, out_index) for i, e in enumerate(events)]
+        made = [_event(e, names, role) for e, role in zip(events, roles)]
+        converted.append((label, [e for e in made if e]))
+    return converted
+
+
+def _phase_role(label: str, index: int, event, alive: dict, out_index) -> Role | None:
+    """The role of an allocation in segment ``label`` (``_convert``)."""
+    if event[0] != "alloc":
+        return None
+    if label == "inputs":
+        return _given_role(event)
+    if label == "warm-up":
+        role = event[2].role
+        return role if role in RESIDENT else Role.activation
+    if index == out_index:
+        return Role.output
+    kept, dropped = {"forward": (Role.saved, Role.activation),
+                     "backward": (Role.gradient, Role.temporary),
+                     "optimizer": (Role.temporary, Role.temporary)}[label]
+    return kept if index in alive else dropped
+
+
+# what exists before a phase and outlives it, in a role of its own
+RESIDENT = (Role.parameter, Role.buffer, Role.optimizer_state, Role.input)
 
 
 def _given_role(event) -> Role | None:
@@ -428,14 +465,6 @@ def _alive(events: list) -> dict[int, tuple]:
     return {i: events[i] for i in current.values()}
 
 
-def _role(index: int, event, alive: dict, out_index, kept: Role, dropped: Role) -> Role | None:
-    if event[0] != "alloc":
-        return None
-    if index == out_index:
-        return Role.output
-    return kept if index in alive else dropped
-
-
 def _reductions(events: list) -> list:
     """``events`` with each ``reduce`` ... ``reduce_end`` span (a kernel's own buffers,
     allocated and freed inside it) replaced by its ``Reduction``."""
@@ -454,7 +483,7 @@ def _reductions(events: list) -> list:
 def _event(event, names: dict, role):
     kind = event[0]
     if kind == "cublas":
-        return Cublas()
+        return Cublas(event[1])
     if kind == "reduce":
         return event[1]
     if kind == "alloc":
@@ -487,9 +516,21 @@ def traced_program(fn: Callable, config: Config, calling: Calling = Calling(),
     options = options or TraceOptions()
     samples = [_sample_events(call, config, n, calling.inputs, options) for n in SAMPLE_LENGTHS]
     _check_same_structure(samples)
-    before, forward, backward = (_fit_events([s[i] for s in samples]) for i in range(3))
+    labels = [label for label, _ in samples[0]]
+    fitted = [_fit_events([s[i][1] for s in samples]) for i in range(len(labels))]
     gpu = gpu_of(config.dims)
-    return lambda n: Program(_at(forward, n, gpu), _at(backward, n, gpu), _at(before, n, gpu))
+    return lambda n: _program([(label, _at(f, n, gpu)) for label, f in zip(labels, fitted)])
+
+
+def _program(segments: list[tuple[str, tuple]]) -> Program:
+    """Fitted segments at one length as a program: inputs, forward and backward; a
+    training loop's warm-up and measured phases besides."""
+    phases = tuple(Phase(label, events) for label, events in segments[1:] if label != "warm-up")
+    forward, backward = (next((p.events for p in phases if p.label == label), ())
+                         for label in ("forward", "backward"))
+    warm_up = next((events for label, events in segments if label == "warm-up"), None)
+    return Program(forward, backward, segments[0][1], warm_up,
+                   phases if warm_up is not None else None)
 
 
 def _at(fitted: list, n: int, gpu) -> tuple:
@@ -505,7 +546,7 @@ def _at(fitted: list, n: int, gpu) -> tuple:
 
 
 def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...],
-                   options: TraceOptions) -> tuple[list, list, list]:
+                   options: TraceOptions) -> list[tuple[str, list]]:
     from memcalc.tracing.state import kept, on_meta
     from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
@@ -516,14 +557,15 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
     def run():
         with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
             run_traced(sample, call, tracer, probe, state,
-                       output_like(call, sample, options, inputs), inputs)
+                       output_like(call, sample, options, inputs), inputs, call.loop)
 
     _guarded(run, call.fn, called_with(sample, inputs))
     return step_events(tracer, probe)
 
 
 def _check_same_structure(samples: list) -> None:
-    shapes = {tuple(_skeleton(e) for e in s[0] + s[1] + s[2]) for s in samples}
+    shapes = {tuple((label, *(_skeleton(e) for e in events)) for label, events in s)
+              for s in samples}
     if len(shapes) != 1:
         raise TraceError("the step's op sequence changes with seq_len (data-dependent "
                          "control flow?): it cannot be solved as a polynomial in seq_len")

@@ -359,7 +359,9 @@ def observe(paths: CudaPaths, func) -> None:
     # the collectives allocate no caching-allocator block inside (NCCL's buffers are its
     # own); the functional ones' stash: collectives.py; c10d's in-place ones, as
     # DeepSpeed-Ulysses calls them, are synchronous: the stash ends with the call
-    if namespace not in ("aten", "prim", "prims", "_c10d_functional", "c10d") and not known:
+    # profiler:: marks a record_function range (the optimizer's step is one): no memory
+    if namespace not in ("aten", "prim", "prims", "_c10d_functional", "c10d", "profiler") \
+            and not known:
         paths.note(UNMODELLED["custom"].format(op=f"{namespace}::{op}"))
     elif op in REDUCTIONS:
         paths.note(UNMODELLED["reduction"].format(op=f"aten::{op}"))

@@ -20,7 +20,7 @@ class Probe(Protocol):
     def allocated(self) -> int: ...
     def max_allocated(self) -> int: ...
     def max_reserved(self) -> int: ...
-    def reset_peak(self) -> None: ...
+    def reset_peak(self, phase: str = "") -> None: ...
     def block_bytes(self, tensor) -> int: ...
 
 
@@ -32,10 +32,27 @@ class Measured:
     forward_peak_bytes: int
     backward_peak_bytes: int
     reserved_peak_bytes: int
+    optimizer_peak_bytes: int | None = None  # a training loop's step() and zero_grad()
 
     @property
     def peak_bytes(self) -> int:
-        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+        return max(self.forward_peak_bytes, self.backward_peak_bytes,
+                   self.optimizer_peak_bytes or 0)
+
+
+@dataclass(frozen=True)
+class Training:
+    """What makes the step a training loop's: ``optimizer`` (anything with torch's
+    ``step()`` and ``zero_grad(set_to_none=...)``; None: none) stepped after
+    ``accumulate`` forward and backward passes whose grads accumulate."""
+
+    optimizer: object = None
+    accumulate: int = 1
+
+    @property
+    def loop(self) -> bool:
+        """Whether the step runs as a training loop (else the attention protocol)."""
+        return self.optimizer is not None or self.accumulate > 1
 
 
 class Inputs(NamedTuple):
@@ -88,7 +105,7 @@ def _made(torch, i: Input, d: Dims, device):
 def _step(torch, attn: Callable, inputs: Inputs, probe: Probe | None):
     """Forward and backward once; with a probe, read the counters around each phase."""
     if probe is not None:
-        probe.reset_peak()
+        probe.reset_peak("forward")
         a0 = probe.allocated()
     out = attn(*inputs.leaves)
     if probe is None:
@@ -96,11 +113,49 @@ def _step(torch, attn: Callable, inputs: Inputs, probe: Probe | None):
         return None
     saved = probe.allocated() - a0 - probe.block_bytes(out)
     fwd_peak, fwd_reserved = probe.max_allocated(), probe.max_reserved()
-    probe.reset_peak()
+    probe.reset_peak("backward")
     _backward(torch, out, inputs.grad_out)
     del out
     reserved = max(fwd_reserved, probe.max_reserved())
     return Measured(saved, fwd_peak, probe.max_allocated(), reserved)
+
+
+def _loop_step(torch, attn: Callable, inputs: Inputs, probe: Probe | None,
+               training: Training, parameters: tuple, held: list) -> Measured | None:
+    """One optimizer step as a training loop runs it: ``training.accumulate`` forward and
+    backward passes, the grads accumulating, then ``optimizer.step()`` and
+    ``zero_grad(set_to_none=True)``. ``held`` is the loop's ``loss`` variable (a list of
+    at most one): ``loss = model(...)`` drops the previous step's output only when the
+    forward has returned, and this step's is held through the optimizer, into the next.
+    With a probe, the figures: each phase's peak the highest of its micro-steps."""
+    forward, backward, reserved, saved = [], [], [], 0
+    for _ in range(training.accumulate):
+        if probe is not None:
+            probe.reset_peak("forward")
+            a0 = probe.allocated()
+        out = attn(*inputs.leaves)
+        if probe is not None:
+            saved = probe.allocated() - a0 - probe.block_bytes(out)
+            forward.append(probe.max_allocated())
+            reserved.append(probe.max_reserved())
+        held[:] = [out]  # the previous step's loss dies here
+        del out
+        if probe is not None:
+            probe.reset_peak("backward")
+        _backward(torch, held[0], inputs.grad_out)
+        if probe is not None:
+            backward.append(probe.max_allocated())
+            reserved.append(probe.max_reserved())
+    if probe is not None:
+        probe.reset_peak("optimizer")
+    if training.optimizer is not None:
+        training.optimizer.step()
+        training.optimizer.zero_grad(set_to_none=True)
+    _zero_grad((*inputs.leaves, *parameters))  # inputs' grads too, as the protocol resets them
+    if probe is None:
+        return None
+    return Measured(saved, max(forward), max(backward),
+                    max(*reserved, probe.max_reserved()), probe.max_allocated())
 
 
 def _backward(torch, out, dout) -> None:
@@ -120,16 +175,22 @@ def _backward(torch, out, dout) -> None:
 
 
 def run_protocol(torch, attn: Callable, probe: Probe, inputs: Inputs, forward_only: bool,
-                 parameters: tuple = ()) -> Measured:
+                 parameters: tuple = (), training: Training = Training()) -> Measured:
     """Warm-up step, reset, then the measured step (DESIGN.md section 1).
 
     ``inputs`` from ``make_inputs``; the warm-up output and the leaf grads are released
     before the measured step, the grads of ``parameters`` (a traced module's) too, as
-    ``zero_grad(set_to_none=True)`` does.
+    ``zero_grad(set_to_none=True)`` does. A ``training`` loop's step (an optimizer,
+    accumulated micro-steps) runs as ``_loop_step`` says, warm-up and measured alike: the
+    warm-up's ``step()`` creates the optimizer's state.
     """
     if forward_only:
         return _forward_only(torch, attn, probe, inputs.leaves)
     _zero_grad(parameters)  # a module traced before keeps its grads: a step starts without
+    if training.loop:
+        held: list = []  # the loop's ``loss``
+        _loop_step(torch, attn, inputs, None, training, parameters, held)
+        return _loop_step(torch, attn, inputs, probe, training, parameters, held)
     _step(torch, attn, inputs, None)
     _zero_grad((*inputs.leaves, *parameters))
     return _step(torch, attn, inputs, probe)
@@ -147,7 +208,7 @@ def _forward_only(torch, attn: Callable, probe: Probe, leaves: tuple) -> Measure
     with torch.no_grad():
         out = attn(*leaves)
         del out
-        probe.reset_peak()
+        probe.reset_peak("forward")
         a0 = probe.allocated()
         out = attn(*leaves)
         saved = probe.allocated() - a0 - probe.block_bytes(out)

@@ -21,6 +21,8 @@ class Traced(Result):
     inputs: tuple[str, ...] = ()  # what the target was called with, as --input says it
     autocast: str | None = None  # the autocast region around the forward (--autocast)
     param_dtype: str | None = None  # the module's floating state as module.to(dtype) makes it
+    optimizer: str | None = None  # the training loop's (--optimizer), as the option names it
+    grad_accum: int = 1  # forward and backward passes per optimizer step (--grad-accum)
 
     def summary(self) -> str:
         lines = [f"traced as on {self.gpu}: CUDA code paths emulated (memcalc README, "
@@ -35,6 +37,8 @@ class Traced(Result):
         if self.autocast:
             lines.append(f"forward under torch.autocast('cuda', dtype=torch.{self.autocast}) "
                          f"(--autocast)")
+        if self.optimizer or self.grad_accum > 1:
+            lines.append(loop_line(self.optimizer, self.grad_accum))
         lines += [f"- {n}" for n in self.notes]
         if self.budget is not None:
             lines += [self.budget.describe(), self.fit.describe()]
@@ -66,4 +70,23 @@ class Traced(Result):
         return {**self.breakdown.to_dict(), "gpu": self.gpu, "cuda_paths": self.cuda_paths,
                 "notes": list(self.notes), "kernels": list(self.kernels),
                 "inputs": list(self.inputs), "autocast": self.autocast,
-                "param_dtype": self.param_dtype, **extra}
+                "param_dtype": self.param_dtype, "optimizer": self.optimizer,
+                "grad_accum": self.grad_accum, **extra}
+
+
+def loop_line(optimizer: str | None, grad_accum: int) -> str:
+    """What the training loop around the step ran: ``trained as a loop does: 2 forward and
+    backward passes, then torch.optim.AdamW(foreach=True).step() and zero_grad(...)``."""
+    from memcalc.tracing.optimizers import parse_optimizer
+
+    spec = parse_optimizer(optimizer)
+    passes = f"{grad_accum} forward and backward passes, grads accumulating, then " \
+        if grad_accum > 1 else "forward, backward, then "
+    if spec is None:
+        return f"trained as a loop does: {passes}the grads reset"
+    step = "on the GPU (a float32 0-d tensor each)" if spec.step_on_device else \
+        "a CPU scalar (no GPU memory)"
+    return (f"trained as a loop does: {passes}{spec.describe()}.step() and "
+            f"zero_grad(set_to_none=True) (--optimizer {spec.text()}); its state made by "
+            f"the warm-up's step, state['step'] {step}; the loss held as "
+            f"`loss = model(...)` holds it")

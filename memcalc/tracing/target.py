@@ -24,6 +24,7 @@ from memcalc.engine.inputs import QKV, Input, letters_help
 
 EXAMPLE_DIMS = "('B', 'N', 768)"
 from memcalc.tracing.errors import TraceError
+from memcalc.tracing.optimizers import Loop
 
 
 def load_function(spec: str) -> Callable:
@@ -230,11 +231,13 @@ class Bound:
     (``primary``) and notes what that was when ``fn`` returned more (``returned``)."""
 
     def __init__(self, fn: Callable, inputs: tuple[Input, ...] = QKV, causal: bool = False,
-                 autocast: str | None = None, param_dtype: str | None = None):
+                 autocast: str | None = None, param_dtype: str | None = None,
+                 loop: Loop = Loop()):
         params = _parameters(fn) or {}
         self.fn = fn
         self.autocast = autocast
         self.param_dtype = param_dtype  # the module's floating state in it (on_meta)
+        self.loop = loop  # the training loop's optimizer and micro-steps
         keywords = any(p.kind is p.VAR_KEYWORD for p in params.values())
         self.names = [None if inputs is QKV or _positional(params.get(i.name), keywords)
                       else i.name for i in inputs]
@@ -270,23 +273,27 @@ def _positional(p: inspect.Parameter | None, keywords: bool) -> bool:
 @dataclass(frozen=True)
 class Calling:
     """How a traced target is called: its inputs, the autocast region around its forward
-    (``bfloat16`` or ``float16``; None: none but the target's own), and the dtype of its
-    module's floating parameters and buffers (None: as built)."""
+    (``bfloat16`` or ``float16``; None: none but the target's own), the dtype of its
+    module's floating parameters and buffers (None: as built), and the training loop
+    around it (an optimizer, accumulated micro-steps: ``memcalc.tracing.optimizers``)."""
 
     inputs: tuple[Input, ...] = QKV
     autocast: str | None = None
     param_dtype: str | None = None
+    loop: Loop = Loop()
 
 
 def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
     """``fn`` with ``config``'s options, to be called as ``calling`` says."""
-    return Bound(fn, calling.inputs, config.causal, calling.autocast, calling.param_dtype)
+    return Bound(fn, calling.inputs, config.causal, calling.autocast, calling.param_dtype,
+                 calling.loop)
 
 
 def primary(out) -> tuple[object, str]:
     """The tensor a step's backward starts from, and what was returned when that was more
     than one tensor: a tensor itself; a Hugging Face ``ModelOutput`` or a dict with a
-    ``loss`` (``loss.backward()``); else a tuple's or a dict's first tensor (an attention
+    ``loss`` (``loss.backward()``); a tuple holding one 0-d floating tensor, the loss
+    (nanoGPT's ``logits, loss``); else a tuple's or a dict's first tensor (an attention
     module's ``(output, weights)``). The rest is dropped before the backward."""
     import torch
 
@@ -298,6 +305,10 @@ def primary(out) -> tuple[object, str]:
     values = list(out.values()) if hasattr(out, "values") and hasattr(out, "keys") else \
         list(out) if isinstance(out, (tuple, list)) else []
     keys = list(out.keys()) if hasattr(out, "keys") else list(range(len(values)))
+    losses = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.dim() == 0
+              and v.is_floating_point()]
+    if len(losses) == 1 and isinstance(out, (tuple, list)) and len(values) > 1:
+        return values[losses[0]], f"{type(out).__name__}: its [{losses[0]}] (a 0-d loss)"
     for key, value in zip(keys, values):
         if isinstance(value, torch.Tensor):
             where = f"[{key!r}]" if isinstance(key, str) else f"[{key}]"

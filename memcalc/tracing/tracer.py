@@ -39,6 +39,7 @@ from memcalc.engine.inputs import QKV, Input
 from memcalc.impls.reductions import Reduction, accumulator_bytes, scratch_events
 from memcalc.impls.device import Gpu, gpu_of
 from memcalc.tracing.collectives import Collectives
+from memcalc.tracing.optimizers import Loop
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
 from memcalc.tracing.shadows import Shadows
 
@@ -68,6 +69,7 @@ CUBLAS_OPS = frozenset(
     {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
 )
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim", "")
 _MEMCALC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REFERENCE_DIR = os.path.join(_MEMCALC_DIR, "validation", "reference")
 _HARNESS = os.path.join(_MEMCALC_DIR, "tracing", "protocol.py")
@@ -127,9 +129,19 @@ def _log_sigmoid_forward(x):
     return torch.empty_like(x), x.new_empty((0,))
 
 
+def _fused_step_in_place(*args, **kwargs) -> None:
+    """``_fused_sgd_`` (``aten/src/ATen/native/cuda/FusedSgdKernel.cu``): updates the
+    parameters and momentum buffers in place through ``multi_tensor_apply``, whose
+    metadata is a kernel argument: nothing allocated. torch 2.13 gives it no meta kernel
+    (``_fused_adam_``/``_fused_adamw_`` have one, which allocates nothing either)."""
+    return None
+
+
 CUDA_COMPOSITES = {**{op.default: SAFE_SOFTMAX for op in
                       [getattr(torch.ops.aten, "_safe_softmax", None)] if op is not None},
-                   torch.ops.aten.log_sigmoid_forward.default: _log_sigmoid_forward}
+                   torch.ops.aten.log_sigmoid_forward.default: _log_sigmoid_forward,
+                   **{getattr(torch.ops.aten._fused_sgd_, overload): _fused_step_in_place
+                      for overload in torch.ops.aten._fused_sgd_.overloads()}}
 
 
 def _reduced_input(out, self):
@@ -267,9 +279,12 @@ class Tracer(TorchDispatchMode):
         # (``collectives.py``)
         group = paths.cp.group if paths and paths.cp else "nccl"
         self.collectives = Collectives(paths.release.torch if paths else torch_release(), group)
-        # ("alloc", key, component) | ("free", key) | ("cublas",) | ("mark", what):
+        # ("alloc", key, component) | ("free", key) | ("cublas", thread) | ("mark", what):
         # the run as a program, for memcalc/trace.py
         self.events: list[tuple] = []
+        # the measured phase running (``TracerProbe.reset_peak``): the optimizer's
+        # allocations on the main thread are its temporaries, not activations
+        self.phase = ""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -312,7 +327,7 @@ class Tracer(TorchDispatchMode):
                 held = CUDA_TEMPORARIES[func](self, out, *args, **(kwargs or {}))
         if op in CUBLAS_OPS:
             self.ledger.ensure_workspace(_thread(), _where()[0])
-            self.events.append(("cublas",))
+            self.events.append(("cublas", _thread()))
             if op in LT_OPS and self.separate_lt_workspace() and _lt_addmm(out, *args,
                                                                            **(kwargs or {})):
                 self.ledger.ensure_workspace(_thread(), _where()[0], "cuBLASLt",
@@ -391,7 +406,8 @@ class Tracer(TorchDispatchMode):
         a temporary in backward, an activation in forward (roles the end of the step may
         change)."""
         role = Role.input if op == "randn" else (
-            Role.temporary if _thread() == "autograd" else Role.activation)
+            Role.temporary if _thread() == "autograd" or self.phase == "optimizer"
+            else Role.activation)
         self.adopt(t, component(name, role, op, tuple(t.shape),
                                 str(t.dtype).removeprefix("torch."), t.untyped_storage().nbytes()))
 
@@ -412,6 +428,17 @@ class Tracer(TorchDispatchMode):
         self.order[key] = len(self.events)
         self.ledger.alloc(key, named)
         self.events.append(("alloc", key, self.ledger.live[key].component))
+
+    def relabel(self, t: torch.Tensor, **update) -> None:
+        """Give ``t``'s tracked storage another name, role or op (``update``: Component
+        fields), in the ledger and in the event log a program is made from."""
+        key = t.untyped_storage()._cdata
+        if key not in self.ledger.live:
+            return
+        live = self.ledger.live[key]
+        live.component = live.component.model_copy(update=update)
+        live.role = live.component.role
+        self.events[self.order[key]] = ("alloc", key, live.component)
 
     def role_of(self, t: torch.Tensor) -> Role:
         """The role ``t``'s storage was tracked with."""
@@ -489,31 +516,52 @@ class TracerProbe:
     def __init__(self, tracer: Tracer):
         self.tracer = tracer
         self.allocator = tracer.ledger.allocator
-        self.marks: list[set] = []  # live keys at each ``allocated()`` read
-        self.peaks: list[tuple[Component, ...]] = []  # live set at each ``max_allocated()``
+        self.start: set = set()  # live keys when the phase running started
+        # each measured phase's peak and the live set there (a phase measured again, a
+        # micro-step, keeps the higher; the first of equals)
+        self.peaks: dict[str, tuple[int, tuple[Component, ...]]] = {}
+        self.grads: set[int] = set()  # ids of the temporaries a backward left alive
+        self.leaves: tuple = ()  # (name, tensor) of the leaves that need grad: q, a weight
         self.output_key = None
-        self.resets = 0
 
     def allocated(self) -> int:
         self.tracer.mark("allocated")
-        self.marks.append(set(self.tracer.ledger.live))
         return self.allocator.allocated
 
     def max_allocated(self) -> int:
         self.tracer.mark("max_allocated")
-        self.peaks.append(self.tracer.ledger.peak_live)
-        return self.allocator.peak_allocated
+        peak, phase = self.allocator.peak_allocated, self.tracer.phase
+        if phase == "backward":  # what it leaves alive are the leaf grads
+            self._name_grads()
+            self.grads = {id(c) for c in self.tracer.ledger.components()
+                          if c.role is Role.temporary}
+        if peak > self.peaks.get(phase, (-1,))[0]:
+            self.peaks[phase] = (peak, self.tracer.ledger.peak_live)
+        return peak
+
+    def _name_grads(self) -> None:
+        """Call each leaf's grad after it, keeping the node that made it
+        (``c_attn.weight.grad (AddmmBackward0)``), before the peak's live set is read."""
+        live = self.tracer.ledger.live
+        for name, t in self.leaves:
+            key = t.grad.untyped_storage()._cdata if t.grad is not None else None
+            if key in live and live[key].role is Role.temporary:
+                where = located_name(live[key].component.name)[1]
+                self.tracer.relabel(t.grad, name=f"{name}.grad ({where})" if where
+                                    else f"{name}.grad")
 
     def max_reserved(self) -> int:
         return self.allocator.peak_reserved
 
-    def reset_peak(self) -> None:
-        """Reset the peak; the protocol resets it where the measured forward and the
-        backward start, which the ledger's history marks as phases (for plots)."""
-        self.tracer.mark("reset_peak")
-        self.tracer.ledger.phase(("forward", "backward")[min(self.resets, 1)])
-        self.resets += 1
+    def reset_peak(self, phase: str = "") -> None:
+        """Reset the peak where the protocol's measured ``phase`` starts (``forward``,
+        ``backward``, ``optimizer``), which the event log and the ledger's history mark
+        (for programs and plots)."""
+        self.tracer.mark(f"reset_peak {phase}")
+        self.tracer.phase = phase
+        self.tracer.ledger.phase(phase)
         self.tracer.ledger.reset_peak()
+        self.start = set(self.tracer.ledger.live)  # a forward's: a0, what it saves is not
 
     def block_bytes(self, tensor) -> int:
         """Block of ``out``, read right after the forward: the moment to note what the
@@ -522,7 +570,7 @@ class TracerProbe:
         live = self.tracer.ledger.live
         self.output = live[key].component
         self.saved = tuple(v.component for k, v in live.items()
-                           if k not in self.marks[0] and k != key)
+                           if k not in self.start and k != key)
         return self.tracer.ledger.block_bytes(key)
 
 
@@ -549,7 +597,7 @@ def _where() -> tuple[str, str]:
         path = os.path.abspath(frame.f_code.co_filename)
         if path == _HARNESS:  # the protocol's own call (the backward's seed, --loss sum)
             return "protocol", ""
-        if _is_user_code(path):
+        if _is_user_code(path) or path.startswith(_OPTIM_DIR):  # the optimizer's step
             code = linecache.getline(path, frame.f_lineno).strip()
             return f"{os.path.basename(path)}:{frame.f_lineno}", code
         frame = frame.f_back
@@ -558,22 +606,28 @@ def _where() -> tuple[str, str]:
 
 def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe,
                state: tuple = (), out_like: tuple | None = None,
-               inputs: tuple[Input, ...] = QKV) -> Measured:
+               inputs: tuple[Input, ...] = QKV, loop: Loop = Loop()) -> Measured:
     """The protocol for ``fn`` on the meta device, under ``tracer`` (and, when the tracer
     has CUDA paths, their torch-function rules). ``state``: ``(name, tensor, role)`` the
     function keeps resident (a module's parameters and buffers), counted from the start;
     ``out_like``: ``grad_out``'s ``(shape, dtype)`` when not q's; ``inputs``: what ``fn``
-    is called with, in order (``q, k, v`` by default)."""
+    is called with, in order (``q, k, v`` by default); ``loop``: the training loop's
+    optimizer and micro-steps, if any."""
     proto = config.protocol
-    with tracer, function_modes(tracer):
+    with tracer, function_modes(tracer), loop.running():
         for name, t, role in state:
             tracer.adopt(t, component(name, role, "resident", tuple(t.shape),
                                       str(t.dtype).removeprefix("torch."), 0), located=False)
         made = make_inputs(torch, config.dims, "meta", inputs, out_like)
         _name_inputs(tracer, made, inputs, config.dims)
         tracer.mark("inputs")  # the warm-up step starts here
-        parameters = tuple(t for _, t, role in state if role is Role.parameter and t.requires_grad)
-        measured = run_protocol(torch, fn, probe, made, proto.forward_only, parameters)
+        parameters = tuple((name, t) for name, t, role in state
+                           if role is Role.parameter and t.requires_grad)
+        probe.leaves = parameters + tuple((i.name, t) for i, t in zip(inputs, made.leaves)
+                                          if t.requires_grad)
+        measured = run_protocol(torch, fn, probe, made, proto.forward_only,
+                                tuple(t for _, t in parameters),
+                                loop.training(tracer, parameters))
         del made
     return measured
 
@@ -605,43 +659,40 @@ def _name_inputs(tracer: Tracer, made, inputs: tuple[Input, ...], d) -> None:
     (``randn``: the meta device makes them with ``empty``), not by the line that made them."""
     names = [(i.name, i.filled(d)) for i in inputs] + [("grad_out", "randn")]
     for (name, fill), t in zip(names, (*made.leaves, made.grad_out)):
-        key = t.untyped_storage()._cdata if t is not None else None
-        if key in tracer.ledger.live:
-            live = tracer.ledger.live[key]
-            live.role = Role.input
-            live.component = live.component.model_copy(
-                update={"name": name, "source": "", "role": Role.input, "op": fill})
+        if t is not None:
+            tracer.relabel(t, name=name, source="", role=Role.input, op=fill)
 
 
 def measure(config: Config, fn: Callable, capacity: int | None = None,
             paths=None, state: tuple = (), out_like: tuple | None = None,
-            tracer: Tracer | None = None, inputs: tuple[Input, ...] = QKV) -> Breakdown:
+            tracer: Tracer | None = None, inputs: tuple[Input, ...] = QKV,
+            loop: Loop = Loop()) -> Breakdown:
     """Run the protocol for ``config`` on the meta device and read the breakdown off the
     trace of ``fn`` (``fn(q, k, v)`` unless ``inputs`` says otherwise). With
     ``capacity``, the allocator model raises ``OutOfMemory`` where the device would.
     ``paths`` (``memcalc.tracing.cuda_paths.CudaPaths``): follow a GPU's code paths;
-    ``state``, ``out_like``, ``inputs``: see ``run_traced``; ``tracer``: a tracer to run
-    under (to read its history afterwards)."""
+    ``state``, ``out_like``, ``inputs``, ``loop``: see ``run_traced``; ``tracer``: a
+    tracer to run under (to read its history afterwards)."""
     tracer = tracer or Tracer(config.workspace_bytes, capacity, paths, gpu_of(config.dims))
     probe = TracerProbe(tracer)
-    measured = run_traced(config, fn, tracer, probe, state, out_like,
-                          inputs)
-    relabel = _roles(tracer, probe)
-    backward_live = probe.peaks[1] if len(probe.peaks) > 1 else ()
-    result = Breakdown(config=config, forward_live=relabel(probe.peaks[0]),
-                       backward_live=relabel(backward_live), saved=relabel(probe.saved),
+    measured = run_traced(config, fn, tracer, probe, state, out_like, inputs, loop)
+    relabel = _roles(probe)
+    live = {phase: relabel(probe.peaks.get(phase, (0, ()))[1])
+            for phase in ("forward", "backward", "optimizer")}
+    result = Breakdown(config=config, forward_live=live["forward"],
+                       backward_live=live["backward"], optimizer_live=live["optimizer"],
+                       saved=relabel(probe.saved),
                        reserved_peak_bytes=measured.reserved_peak_bytes)
     _check_consistent(result, measured)
     return result
 
 
-def _roles(tracer: Tracer, probe: TracerProbe) -> Callable:
-    """Roles the trace only knows at the end: what the forward left alive is saved, the
-    output is the output, and what the backward left alive are the leaf grads."""
+def _roles(probe: TracerProbe) -> Callable:
+    """Roles the trace only knows once a phase ends: what the forward left alive is saved,
+    the output is the output, and what the backward left alive are the leaf grads."""
     roles = {id(c): Role.saved for c in probe.saved}
     roles[id(probe.output)] = Role.output
-    roles.update({id(c): Role.gradient for c in tracer.ledger.components()
-                  if c.role is Role.temporary})
+    roles.update({key: Role.gradient for key in probe.grads})
 
     def relabel(components):
         return tuple(c.model_copy(update={"role": roles[id(c)]}) if id(c) in roles else c
@@ -652,7 +703,8 @@ def _roles(tracer: Tracer, probe: TracerProbe) -> Callable:
 
 def _check_consistent(result: Breakdown, measured: Measured) -> None:
     """The live sets must add up to the counters the protocol read."""
-    for name in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes"):
+    for name in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                 "optimizer_peak_bytes"):
         if getattr(result, name) != getattr(measured, name):
             raise AssertionError(f"trace bookkeeping: {name} {getattr(result, name)} "
                                  f"!= counter {getattr(measured, name)}")

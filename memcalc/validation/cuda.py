@@ -58,7 +58,7 @@ class CudaProbe:
     def max_reserved(self) -> int:
         return self.cuda.max_memory_reserved()
 
-    def reset_peak(self) -> None:
+    def reset_peak(self, phase: str = "") -> None:
         self.cuda.synchronize()
         self.cuda.reset_peak_memory_stats()
 
@@ -181,7 +181,7 @@ class _Uncounted:
 
     max_allocated = max_reserved = allocated
 
-    def reset_peak(self) -> None:
+    def reset_peak(self, phase: str = "") -> None:
         pass
 
     def block_bytes(self, tensor) -> int:
