@@ -18,6 +18,7 @@ from memcalc.engine.units import GiB, human
 ROLE_COLOURS = {
     "input": "#9e9e9e", "saved": "#d62728", "activation": "#ff7f0e", "temporary": "#1f77b4",
     "gradient": "#2ca02c", "output": "#8c564b", "workspace": "#bcbd22",
+    "parameter": "#9467bd", "buffer": "#c5b0d5", "optimizer state": "#e377c2",
 }
 
 
@@ -71,7 +72,8 @@ def plot_timeline(config, path: str | None = None, recorded=None):
             label="reserved (cached segments)")
     _mark_phases(ax, events)
     _mark_saved_and_peak(ax, events, result, scale, unit)
-    ax.set_xlabel("allocation events of the measured step (forward, then backward)")
+    phases = ", ".join(dict.fromkeys(e.label for e in events if e.kind == "phase"))
+    ax.set_xlabel(f"allocation events of the measured step ({phases})")
     ax.set_ylabel(f"memory ({unit})")
     ax.set_ylim(0, max(e.reserved for e in events) / scale * 1.08)
     ax.set_title(f"{config.impl}: one training step, {config.label()}\n"
