@@ -2,6 +2,7 @@
 from the allocator model (the emulated tracer as the probe), with knobs that make the
 "live" figures differ from the emulated ones the way a real GPU could."""
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -60,23 +61,48 @@ class ExtraReserved:
         return self.probe.max_reserved() + self.extra
 
 
+@contextmanager
+def _running(tracer, fn):
+    """The tracer's dispatch mode and, on CUDA's paths, its torch-function rules, with what
+    a GPU holds before the step: the state of ``fn``'s module, made before the tracer saw
+    it (``memory_allocated`` counts it), adopted as the tracer adopts it."""
+    from memcalc.tracing.state import on_device
+    from memcalc.tracing.tracer import component, function_modes
+
+    with tracer, function_modes(tracer) if tracer.paths is not None else nullcontext(), \
+            on_device(getattr(fn, "fn", fn), "meta", getattr(fn, "param_dtype", None)) as state:
+        for name, t, role in state:
+            tracer.adopt(t, component(name, role, "resident", tuple(t.shape),
+                                      str(t.dtype).removeprefix("torch."), 0), located=False)
+        yield
+
+
 class FakeGpu(cuda.LiveGpu):
     """``LiveGpu`` on the meta device. ``workspace_factor`` scales every cuBLAS workspace,
     ``forward_scratch`` keeps that many bytes alive through each forward (a kernel's
-    temporary), ``extra_reserved`` adds to the reserved peak (allocator segments)."""
+    temporary), ``extra_reserved`` adds to the reserved peak (allocator segments);
+    ``cuda_paths``: its kernels are the CUDA ones the tracer follows (SDPA's backend,
+    fused dropout), else the meta device's own."""
 
-    def __init__(self, workspace_factor=1, forward_scratch=0, extra_reserved=0, cuda_=None):
+    def __init__(self, workspace_factor=1, forward_scratch=0, extra_reserved=0, cuda_=None,
+                 cuda_paths=False):
         self.runs = []
         self.workspace_factor, self.forward_scratch = workspace_factor, forward_scratch
-        self.extra_reserved = extra_reserved
+        self.extra_reserved, self.cuda_paths = extra_reserved, cuda_paths
+        self.running = None  # the code the run measures
         super().__init__(torch=torch, cuda=cuda_ or FakeCuda(), device="meta",
                          probe_for=self._probe_for)
 
     def _probe_for(self, config, capacity):
-        tracer = Tracer(config.workspace_bytes * self.workspace_factor, capacity)
+        from memcalc.impls.device import gpu_of
+        from memcalc.tracing import TraceOptions, _paths
+
+        paths = _paths(config, TraceOptions()) if self.cuda_paths else None
+        tracer = Tracer(config.workspace_bytes * self.workspace_factor, capacity, paths,
+                        gpu_of(config.dims))
         probe = TracerProbe(tracer)
-        return tracer, (ExtraReserved(probe, self.extra_reserved) if self.extra_reserved
-                        else probe)
+        return _running(tracer, self.running), (ExtraReserved(probe, self.extra_reserved)
+                                                if self.extra_reserved else probe)
 
     def calibrate(self, used_before):
         def allocate(nbytes):
@@ -88,11 +114,12 @@ class FakeGpu(cuda.LiveGpu):
 
         return calibrate(self.cuda, allocate, used_before)
 
-    def measure(self, config, fn, capacity=None, inputs=None):
+    def measure(self, config, fn, capacity=None, inputs=None, *loop):
         from memcalc.engine.inputs import QKV
 
         self.runs.append(config)
-        return super().measure(config, self._with_scratch(fn), capacity, inputs or QKV)
+        self.running = fn
+        return super().measure(config, self._with_scratch(fn), capacity, inputs or QKV, *loop)
 
     def _with_scratch(self, fn):
         if not self.forward_scratch:

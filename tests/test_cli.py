@@ -229,12 +229,12 @@ def test_trace_refuses_what_it_cannot_pass_on(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["gpus", "--seq", "5"], "--seq is an option of breakdown, compare, oom, sweep and trace, "
-                             "not of gpus"),
+    (["gpus", "--seq", "5"], "--seq is an option of breakdown, compare, oom, sweep, trace and "
+                             "validate, not of gpus"),
     (["breakdown", "--solve", "batch"], "--solve is an option of oom, not of breakdown"),
     (["--seq=5", "breakdown"], "--seq goes after the command (memcalc breakdown --seq ...)"),
     (["--seq", "5"], "--seq: options follow a command (memcalc COMMAND --seq ...); --seq is an "
-                     "option of breakdown, compare, oom, sweep and trace"),
+                     "option of breakdown, compare, oom, sweep, trace and validate"),
     (["breakdown", "--sq", "5"], "--sq (did you mean '--seq'?)"),
 ])
 def test_an_option_in_the_wrong_place_says_where_it_belongs(capsys, argv, said):

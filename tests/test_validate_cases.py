@@ -149,12 +149,12 @@ class StubGpu:
         self.figures, self.error, self.scratch_result = figures, error, scratch
         self.scratch_reads = 0
 
-    def measure(self, config, fn, capacity=None, inputs=None):
+    def measure(self, config, fn, capacity=None, inputs=None, loop=None):
         if self.error is not None:
             raise self.error
         return SimpleNamespace(**self.figures)
 
-    def scratch(self, config, fn, inputs=None):
+    def scratch(self, config, fn, inputs=None, loop=None):
         self.scratch_reads += 1
         if isinstance(self.scratch_result, Exception):
             raise self.scratch_result

@@ -163,9 +163,10 @@ def test_records_hold_each_difference_and_cause_by_figure():
                       "diff_saved_bytes": 0, "diff_forward_peak_bytes": 0,
                       "diff_backward_peak_bytes": WS, "diff_peak_bytes": 0,
                       "diff_reserved_peak_bytes": 0,
+                      "diff_optimizer_peak_bytes": None,  # no optimizer: no such figure
                       "cause_saved_bytes": None, "cause_forward_peak_bytes": None,
                       "cause_backward_peak_bytes": WORKSPACE, "cause_peak_bytes": None,
-                      "cause_reserved_peak_bytes": None}
+                      "cause_reserved_peak_bytes": None, "cause_optimizer_peak_bytes": None}
     assert list(record) == list(RECORD_KEYS)
     assert csv_as_json(report.to_csv()) == [record]  # the CSV holds the same, cell by cell
 

@@ -188,15 +188,14 @@ def test_model_codes_parameter_grads_are_reset_as_the_tracer_resets_them():
     protocol, which sets their grads to None before the measured step."""
     import torch
 
-    from memcalc.config import make_config
-    from memcalc.tracing import Calling, bound
-    from memcalc.validation.cuda import parameters_of
+    from memcalc.tracing.state import on_device, trained
     from memcalc.validation.modelcode import FusedQKV
 
-    config = make_config(seq_len=16)
     module = FusedQKV()
     module.c_proj.bias.requires_grad_(False)
-    got = parameters_of(bound(module, config, Calling()))
+    with on_device(module, "cpu") as state:  # the harness's: the module on the device
+        got = [t for _, t in trained(state)]
     assert [tuple(p.shape) for p in got] == [(768, 256), (768,), (256, 256)]
-    assert parameters_of(lambda q, k, v: q) == ()
+    with on_device(lambda q, k, v: q, "cpu") as state:
+        assert trained(state) == ()
     assert all(isinstance(p, torch.nn.Parameter) for p in got)

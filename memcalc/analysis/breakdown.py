@@ -22,6 +22,14 @@ from memcalc.output.result import Result
 # the figures every backend reports and every comparison checks
 FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "peak_bytes",
            "reserved_peak_bytes")
+OPTIMIZER_PEAK = "optimizer_peak_bytes"  # and a training loop's step, where it has one
+
+
+def figure_names(result) -> tuple[str, ...]:
+    """The figures of ``result`` (a ``Breakdown``, a protocol's ``Measured``) to report and
+    compare: ``FIGURES``, and the optimizer's peak where the step had one."""
+    return FIGURES + ((OPTIMIZER_PEAK,) if getattr(result, OPTIMIZER_PEAK, None) is not None
+                      else ())
 
 
 # How a step is judged against a budget: ``memcalc.analysis.budget`` (which builds on this module)
@@ -113,8 +121,8 @@ class Breakdown(Result):
                 "optimizer": self.optimizer_live}[self.peak_phase]
 
     def figures(self) -> dict[str, int]:
-        """The phase figures by name, for comparisons and tables."""
-        return {k: getattr(self, k) for k in FIGURES}
+        """The phase figures by name, for comparisons and tables (``figure_names``)."""
+        return {k: getattr(self, k) for k in figure_names(self)}
 
     def to_dict(self) -> dict:
         """JSON-ready: the figures at the top level, ``components`` alive at the peak

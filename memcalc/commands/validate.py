@@ -4,7 +4,8 @@ import math
 import os
 import sys
 
-from memcalc.cli import check_output, emit, format_options, impl_option, naming
+from memcalc.cli import (check_output, emit, format_options, impl_option, input_options,
+                         naming, shape_options)
 from memcalc.names import CASE_KINDS, EMULATED_KINDS, unknown
 
 HELP = "compare predictions with the emulated trace or a live GPU run"
@@ -30,6 +31,34 @@ def add_arguments(parser) -> None:
                              f"emulated, of {','.join(EMULATED_KINDS)} (default: grid; cp: "
                              f"context parallelism, every rank against torch's ring attention)")
     format_options(parser)
+    parser.add_argument("--trace", metavar="FILE.py:FUNCTION", default=None,
+                        help="check your own function or nn.Module instead of the shipped "
+                             "cases: its step as oom --trace solves it (fitted over lengths), "
+                             "traced directly, and with --backend cuda run on this GPU, figure "
+                             "by figure; it takes memcalc trace's options (--input, --seq, "
+                             "--optimizer, ...). The file is imported (its code runs)")
+    target = parser.add_argument_group("with --trace, as memcalc trace takes them")
+    input_options(target)
+    shape_options(target, impls="none")
+
+
+# the options that describe a --trace target's step: refused without --trace
+TARGET_OPTIONS = ("input", "no_grad", "autocast", "param_dtype", "torch", "optimizer",
+                  "grad_accum", "seq", "batch", "heads", "head_dim", "dtype", "kv_len",
+                  "kv_heads", "causal", "gpu", "loss", "forward_only", "deterministic",
+                  "cp", "cp_method", "tp", "cublas_workspace_config")
+
+
+def check_target_options(args, parser_defaults: dict) -> None:
+    """Without ``--trace`` the shipped cases run: an option of a target's step is refused,
+    not ignored."""
+    if args.trace is not None:
+        return
+    for dest in TARGET_OPTIONS:
+        if getattr(args, dest, None) != parser_defaults.get(dest):
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag}: describes a traced target's step; give --trace "
+                             f"FILE.py:FUNCTION (without it validate runs the shipped cases)")
 
 
 def check_grid(path: str | None) -> None:
@@ -87,11 +116,14 @@ def run(args) -> int:
 
     from memcalc.names import impl_list
 
+    check_target_options(args, DEFAULTS)
+    if args.out and not (os.path.isdir(args.out) or args.out.endswith("/")):
+        check_output(args.out, "--out")
+    if args.trace is not None:
+        return _run_target(args)
     check_grid(args.grid)
     impls = impl_list(args.impl)
     seconds, kinds = parse_seconds(args.max_seconds), parse_cases(args.cases)
-    if args.out and not (os.path.isdir(args.out) or args.out.endswith("/")):
-        check_output(args.out, "--out")
     live = args.backend == "cuda"
     if seconds is not None and not live:
         raise ValueError("--max-seconds: only with --backend cuda")
@@ -113,3 +145,46 @@ def run(args) -> int:
                   "checked (pip install 'memcalc[deepspeed]')", file=sys.stderr)
     return 0 if report.ok else 1
 
+
+
+def _defaults() -> dict:
+    """The parser's defaults of the target's options (what "not given" is)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return {dest: parser.get_default(dest) for dest in TARGET_OPTIONS}
+
+
+DEFAULTS = _defaults()
+
+
+def _run_target(args) -> int:
+    """``--trace``: the target's step predicted, traced and (``--backend cuda``) run live;
+    1 when a figure differs."""
+    for option, given in (("--impl", args.impl), ("--grid", args.grid),
+                          ("--cases", args.cases), ("--max-seconds", args.max_seconds)):
+        if given:
+            raise ValueError(f"{option}: checks the shipped cases; --trace checks its target")
+    import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
+
+    from memcalc.cli import calling_from, config_from
+    from memcalc.tracing import TraceError, check_causal, load_function, register_function
+    from memcalc.validation import validate_target
+
+    try:
+        fn = load_function(args.trace)
+        calling = calling_from(args, fn)
+        config = config_from(args, impl=register_function(fn, args.trace, calling))
+        check_causal(fn, config)
+    except TraceError as error:
+        text = str(error).removeprefix(f"--trace {args.trace}: ")
+        raise ValueError(f"target {args.trace}: {text.splitlines()[0]}") from None
+    report = validate_target(fn, config, calling, backend=args.backend)
+    if args.out:
+        from memcalc.validation import write_report
+
+        with naming("--out"):
+            write_report(report, args.out)
+    emit(report, args.format)
+    return 0 if report.ok else 1

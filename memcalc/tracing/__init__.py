@@ -648,11 +648,17 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling(),
 
 
 def _config_of(impl: str, d: Dims) -> Config:
-    """A config with the sizes of ``d`` (for sampling traces)."""
-    from memcalc.config import DType, Protocol, Shape
+    """A config with the sizes of ``d`` (for sampling traces), on a device of ``d``'s
+    compute capability and SM count: the CUDA paths a trace follows (the SDPA backend, a
+    reduction's split) are that GPU's. (Without them every fitted program was traced as on
+    an H100: ``oom --trace --gpu a100-80gb --autocast bf16`` solved cuDNN's step, which
+    torch runs on sm90 only, instead of flash's.)"""
+    from memcalc.config import Device, DType, Protocol, Shape
 
     dtype = next(t for t in DType if t.torch_name == d.dtype)
-    return Config(impl=impl, dtype=dtype, causal=d.causal, chunk=d.chunk,
+    device = Device(gpu=None, memory_bytes=1 << 40, compute_capability=d.compute_capability,
+                    sm_count=d.sm_count)  # its memory is not read: traces are unbounded
+    return Config(impl=impl, dtype=dtype, causal=d.causal, chunk=d.chunk, device=device,
                   shape=Shape(batch=d.B, heads=d.H, kv_heads=d.Hk, seq_len=d.N, head_dim=d.D),
                   mask=d.mask, protocol=Protocol(loss=d.loss, forward_only=d.forward_only,
                                     deterministic=d.deterministic))

@@ -119,9 +119,10 @@ class Loop:
         fused = self.optimizer is not None and self.optimizer.impl == "fused"
         return fused_on_meta() if fused else nullcontext()
 
-    def training(self, tracer, parameters: tuple):
+    def training(self, parameters: tuple, tracer=None):
         """The protocol's ``Training``: the optimizer built over ``parameters`` (``(name,
-        tensor)`` pairs that need grad), its state named in ``tracer`` once made."""
+        tensor)`` pairs that need grad); in a trace (``tracer``), its state named there
+        once made."""
         from memcalc.tracing.protocol import Training
 
         if self.optimizer is None:
@@ -133,7 +134,9 @@ class Loop:
                              f"parameters that need grad to optimize (an nn.Module, or a "
                              f"function using module-level modules)")
         optimizer = build(self.optimizer, (t for _, t in parameters))
-        return Training(NamedState(optimizer, parameters, tracer), self.accumulate)
+        if tracer is not None:
+            optimizer = NamedState(optimizer, parameters, tracer)
+        return Training(optimizer, self.accumulate)
 
 
 class NamedState:

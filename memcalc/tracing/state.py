@@ -37,32 +37,41 @@ def instantiate(cls, spec: str):
 
 @contextmanager
 def on_meta(fn: Callable, dtype: str | None = None) -> Iterator[tuple[Resident, ...]]:
-    """The tensors ``fn`` keeps resident, on the meta device while the block runs: a
-    module's own state, or for a plain function the modules and meta tensors among the
+    """``on_device(fn, "meta", dtype)``: the state a trace runs with."""
+    with on_device(fn, "meta", dtype) as state:
+        yield state
+
+
+@contextmanager
+def on_device(fn: Callable, device: str, dtype: str | None = None
+              ) -> Iterator[tuple[Resident, ...]]:
+    """The tensors ``fn`` keeps resident, on ``device`` while the block runs: a module's
+    own state, or for a plain function the modules and tensors on ``device`` among the
     module-level names its code refers to (``referenced``), each storage once. With
     ``dtype`` (``--param-dtype``), a module's floating parameters and buffers are in that
     dtype, as ``module.to(dtype)`` makes them (pure bf16 training).
 
-    The user's objects are left as they were: a module's parameters and buffers off the
-    meta device are swapped for meta copies for the block and back after it (a notebook's
+    The user's objects are left as they were: a module's parameters and buffers elsewhere
+    (a trace's on the CPU; a live run's on the meta device, as examples build models) are
+    swapped for empty copies on ``device`` for the block and back after it (a notebook's
     trained model keeps its weights; moving it with ``module.to("meta")`` erased them).
     One copy per tensor, so weights tied across modules stay tied: one weight, and one
     grad, counted."""
     import torch
 
     swapped: list[tuple[dict, str, object]] = []  # (a module's store, key, the user's tensor)
-    copies: dict[int, object] = {}  # id(the user's tensor) -> its meta copy
+    copies: dict[int, object] = {}  # id(the user's tensor) -> its copy on the device
     try:
         to = getattr(torch, dtype) if dtype else None
         if isinstance(fn, torch.nn.Module):
-            found = _module_state("", _swapped_to_meta(fn, swapped, copies, to))
+            found = _module_state("", _swapped(fn, device, swapped, copies, to))
         else:
             found = []
             for name, value in referenced(fn):
                 if isinstance(value, torch.nn.Module):
                     found += _module_state(f"{name}.",
-                                           _swapped_to_meta(value, swapped, copies, to))
-                elif isinstance(value, torch.Tensor) and value.device.type == "meta":
+                                           _swapped(value, device, swapped, copies, to))
+                elif isinstance(value, torch.Tensor) and value.device.type == device:
                     # a module-level nn.Parameter is a parameter: its grad is cleared between
                     # steps
                     role = Role.parameter if isinstance(value, torch.nn.Parameter) else Role.buffer
@@ -153,33 +162,40 @@ def referenced(fn: Callable) -> list[tuple[str, object]]:
     return [(name, value) for name, value in namespace.items() if name in names]
 
 
-def _swapped_to_meta(module, swapped: list, copies: dict, dtype=None):
-    """``module`` with each parameter and buffer off the meta device (or, with ``dtype``,
-    floating in another dtype) replaced by a meta copy (the same copy wherever one tensor
-    is held), noted in ``swapped`` to be put back."""
+def _swapped(module, device: str, swapped: list, copies: dict, dtype=None):
+    """``module`` with each parameter and buffer off ``device`` (or, with ``dtype``,
+    floating in another dtype) replaced by an empty copy on it (the same copy wherever one
+    tensor is held), noted in ``swapped`` to be put back."""
     for sub in module.modules():
         for store in (sub._parameters, sub._buffers):
             for key, t in list(store.items()):
                 cast = dtype is not None and t is not None and t.is_floating_point() \
                     and t.dtype != dtype
-                if t is None or (t.device.type == "meta" and not cast):
+                if t is None or (t.device.type == device and not cast):
                     continue
                 if id(t) not in copies:
-                    copies[id(t)] = _meta_copy(t, dtype if cast else None)
+                    copies[id(t)] = _copy_on(t, device, dtype if cast else None)
                 swapped.append((store, key, t))
                 store[key] = copies[id(t)]
     return module
 
 
-def _meta_copy(t, dtype=None):
-    """A tensor like ``t`` on the meta device (in ``dtype`` if given): a parameter stays a
-    parameter, with its ``requires_grad``."""
+def _copy_on(t, device: str, dtype=None):
+    """An empty tensor like ``t`` on ``device`` (in ``dtype`` if given): a parameter stays
+    a parameter, with its ``requires_grad``."""
     import torch
 
-    copy = torch.empty_like(t, device="meta", dtype=dtype)
+    copy = torch.empty_like(t, device=device, dtype=dtype)
     if isinstance(t, torch.nn.Parameter):
         return torch.nn.Parameter(copy, requires_grad=t.requires_grad)
     return copy
+
+
+def trained(state: tuple[Resident, ...]) -> tuple[tuple[str, object], ...]:
+    """``(name, tensor)`` of the parameters in ``state`` that need grad: what the protocol
+    resets the grads of, and what an optimizer trains."""
+    return tuple((name, t) for name, t, role in state
+                 if role is Role.parameter and t.requires_grad)
 
 
 def _module_state(prefix: str, module) -> list[Resident]:

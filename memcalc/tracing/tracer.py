@@ -42,6 +42,7 @@ from memcalc.tracing.collectives import Collectives
 from memcalc.tracing.optimizers import Loop
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
 from memcalc.tracing.shadows import Shadows
+from memcalc.tracing.state import trained
 
 # addmm with a bias vector runs through cuBLASLt (``isInputCompliesAddmmCudaLt``, Blas.cpp),
 # which through torch 2.11 takes a workspace of its own per handle and stream, after the
@@ -621,13 +622,12 @@ def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe,
         made = make_inputs(torch, config.dims, "meta", inputs, out_like)
         _name_inputs(tracer, made, inputs, config.dims)
         tracer.mark("inputs")  # the warm-up step starts here
-        parameters = tuple((name, t) for name, t, role in state
-                           if role is Role.parameter and t.requires_grad)
+        parameters = trained(state)
         probe.leaves = parameters + tuple((i.name, t) for i, t in zip(inputs, made.leaves)
                                           if t.requires_grad)
         measured = run_protocol(torch, fn, probe, made, proto.forward_only,
                                 tuple(t for _, t in parameters),
-                                loop.training(tracer, parameters))
+                                loop.training(parameters, tracer))
         del made
     return measured
 

@@ -47,9 +47,11 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
 
         checks += cp_checks(progress)
     if shipped and "grid" in kinds:  # the model code's fitted programs (oom --trace) too
+        from memcalc.validation import training
         from memcalc.validation.modelcode import fitted_checks
 
         checks += fitted_checks()
+        checks += fitted_checks(training.training_code(), training.register(), "training")
     return Report(backend=backend, environment=runner.environment(), checks=checks)
 
 
@@ -83,7 +85,33 @@ def _live(configs: list[Config], impls, out, max_seconds, kinds) -> Report:
     return session.run(gpu, build, used_before, out, max_seconds)
 
 
-__all__ = ["Check", "Report", "figures_of", "predict", "validate"]
+def validate_target(fn, config: Config, calling, backend: str = "emulated",
+                    gpu=None) -> Report:
+    """One traced target's step (``memcalc validate --trace``; ``config.impl`` registered
+    for ``fn`` called as ``calling``): the program ``oom --trace`` solves, fitted over
+    lengths, against a direct trace (``emulated``) and, with ``backend="cuda"``, against
+    the step run on the GPU under the protocol (``gpu``: a ``cuda.LiveGpu``, this
+    machine's by default; none: a ``CudaUnavailable`` that says so in one line)."""
+    from memcalc.validation.cases import Case, run_case
+
+    if backend == "cuda":
+        from memcalc.validation import cuda
+
+        gpu = gpu or cuda.LiveGpu(cuda._torch())
+        env = gpu.environment()
+        case = Case("trace", cuda.live_config(config, env), fn, calling=calling)
+        return Report(backend="cuda", environment=env, checks=(run_case(case, gpu),))
+    from memcalc.validation import emulated
+
+    case = Case("trace", config, fn, calling=calling)
+    predicted, detail = case.model()
+    traced, outcome, why = case.emulated()
+    check = Check(config=config, predicted=predicted, measured=traced, outcome=outcome,
+                  detail=why, case="trace", model_detail=detail)
+    return Report(backend="emulated", environment=emulated.environment(), checks=(check,))
+
+
+__all__ = ["Check", "Report", "figures_of", "predict", "validate", "validate_target"]
 
 
 def write_report(report: Report, out: str | Path) -> Path:

@@ -25,7 +25,7 @@ from typing import Callable
 from memcalc.config import Config, DType, Shape
 from memcalc.errors import one_line
 from memcalc.names import CASE_KINDS
-from memcalc.validation.compare import Check, case_key
+from memcalc.validation.compare import FITTED_KINDS, Check, case_key
 
 LIVE_GRID = Path(__file__).resolve().parents[1] / "data" / "live.json"
 KINDS = CASE_KINDS  # declared with the CLI's vocabulary
@@ -58,17 +58,26 @@ class Case:
             from memcalc.validation.reference import reference_fn
 
             return reference_fn(self.config)
-        from memcalc.tracing import Calling, bound
+        from memcalc.tracing import bound
 
         if self.calling is None:
             return bound(self.fn, self.config)
         import torch
 
+        if not isinstance(self.fn, type):  # an instance or a function: its state is placed
+            return bound(self.fn, self.config, self.calling)  # on the device as it runs
         with torch.device(device):
             module = self.fn()
         if self.calling.param_dtype:
             module.to(getattr(torch, self.calling.param_dtype))
-        return bound(module, self.config, self.calling or Calling())
+        return bound(module, self.config, self.calling)
+
+    @property
+    def loop(self):
+        """The training loop model code runs in (``memcalc.tracing.optimizers.Loop``)."""
+        from memcalc.tracing.optimizers import Loop
+
+        return self.calling.loop if self.calling is not None else Loop()
 
     @property
     def inputs(self) -> tuple:
@@ -79,24 +88,48 @@ class Case:
         return get_impl(self.config.impl).inputs if self.calling is None else self.calling.inputs
 
     def model(self) -> tuple[dict[str, int] | None, str]:
-        """The model's figures (the tracer's for user code), or None and why."""
+        """The model's figures (the tracer's for user code; for a training step, the program
+        ``oom --trace`` solves, fitted over lengths), or None and why."""
         try:
+            if self.kind in FITTED_KINDS:
+                return self._fitted()
             if self.fn is not None:
                 from memcalc.tracing import Calling, prepared, trace
 
-                fn = prepared(self.fn, self.config.impl) if self.calling else self.fn
-                return (trace(fn, self.config, calling=self.calling or Calling()).figures(),
-                        "memcalc trace")
+                return self._traced(), "memcalc trace"
             from memcalc.analysis.predict import predict
 
             return predict(self.config).figures(), ""
         except Exception as error:  # noqa: BLE001 - a model that cannot answer is a record
             return None, f"{type(error).__name__}: {one_line(error)}"
 
+    def _fitted(self) -> tuple[dict[str, int], str]:
+        """The fitted program's figures at this length; where sizes are not polynomials in
+        N (a fused kernel's padded buffers), a direct trace's, and why."""
+        from memcalc.analysis.predict import predict
+        from memcalc.tracing import TraceError
+
+        try:
+            return predict(self.config).figures(), "the program oom --trace solves"
+        except TraceError as error:
+            return self._traced(), f"memcalc trace (not fitted: {one_line(error)})"
+
+    def _traced(self) -> dict[str, int]:
+        """A direct trace of the case's code, as ``memcalc trace`` runs it."""
+        from memcalc.tracing import Calling, prepared, trace
+
+        fn = prepared(self.fn, self.config.impl) if self.calling else self.fn
+        return trace(fn, self.config, calling=self.calling or Calling()).figures()
+
     def emulated(self) -> tuple[dict[str, int] | None, str, str]:
         """The meta-device trace on the installed torch: figures, outcome, detail."""
         from memcalc.impls import get_impl
 
+        if self.kind in FITTED_KINDS:
+            try:
+                return self._traced(), "measured", "memcalc trace"
+            except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+                return None, "error", f"{type(error).__name__}: {one_line(error)}"
         if self.fn is not None:
             return None, "absent", "user code: the tracer is its model"
         if not get_impl(self.config.impl).traced:
@@ -161,16 +194,28 @@ def usercode_cases(env: dict[str, str]) -> list[Case]:
 
 
 def modelcode_cases(env: dict[str, str]) -> list[Case]:
-    """Each model-code module (``memcalc/validation/modelcode.py``) at two lengths, batch 2,
-    fp32 inputs (autocast where its calling says so)."""
-    from memcalc.validation.cuda import live_config
+    """Each model-code module (``memcalc/validation/modelcode.py``) at two lengths."""
     from memcalc.validation.modelcode import model_code, register
 
-    names = register()
-    return [Case("modelcode", live_config(Config(impl=names[key],
-                                                 shape=Shape(batch=2, seq_len=n)), env),
-                 code.module, calling=code.calling)
-            for key, code in model_code().items() for n in (1024, 4096)]
+    return _code_cases("modelcode", model_code(), register(), env)
+
+
+def training_cases(env: dict[str, str]) -> list[Case]:
+    """Each training step (``memcalc/validation/training.py``) at two lengths."""
+    from memcalc.validation.training import register, training_code
+
+    return _code_cases("training", training_code(), register(), env)
+
+
+def _code_cases(kind: str, codes: dict, names: dict[str, str], env: dict[str, str]
+                ) -> list[Case]:
+    """Each module of ``codes`` (registered as ``names``) at two lengths, batch 2, fp32
+    inputs (autocast, the parameters' dtype and the training loop as its calling says)."""
+    from memcalc.validation.cuda import live_config
+
+    return [Case(kind, live_config(Config(impl=names[key], shape=Shape(batch=2, seq_len=n)),
+                                   env), code.module, calling=code.calling)
+            for key, code in codes.items() for n in (1024, 4096)]
 
 
 def oom_cases(env: dict[str, str], capacity: int) -> list[Case]:
@@ -197,6 +242,7 @@ def all_cases(kinds: tuple[str, ...], grid_configs: list[Config], env: dict[str,
     build = {"oom-threshold": lambda: oom_cases(env, capacity), "fused": lambda: fused_cases(env),
              "usercode": lambda: usercode_cases(env),
              "modelcode": lambda: modelcode_cases(env),
+             "training": lambda: training_cases(env),
              "grid": lambda: grid_cases(grid_configs, env)}
     cases = [c for kind in KINDS if kind in kinds for c in build[kind]()]
     return [c for c in cases if impls is None or c.config.impl in impls]
@@ -221,19 +267,20 @@ def run_case(case: Case, gpu) -> Check:
 
 
 def _live(case: Case, gpu) -> tuple[str, dict[str, int] | None, str]:
-    from memcalc.analysis.breakdown import FIGURES
+    from memcalc.validation.compare import figures_of
 
     try:
-        m = gpu.measure(case.config, case.code(gpu.device), case.capacity, case.inputs)
+        m = gpu.measure(case.config, case.code(gpu.device), case.capacity, case.inputs,
+                        case.loop)
     except gpu.oom_errors as error:
         return "oom", None, one_line(error)
     except Exception as error:  # noqa: BLE001 - an unsupported kernel, say: recorded
         return "error", None, f"{type(error).__name__}: {one_line(error)}"
-    return "measured", {k: getattr(m, k) for k in FIGURES}, ""
+    return "measured", figures_of(m), ""
 
 
 def _scratch(case: Case, gpu) -> dict[str, int]:
     try:
-        return gpu.scratch(case.config, case.code(gpu.device), case.inputs)
+        return gpu.scratch(case.config, case.code(gpu.device), case.inputs, case.loop)
     except Exception:  # noqa: BLE001 - a diagnostic: its failure must not lose the run
         return {}

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import computed_field
 
-from memcalc.analysis.breakdown import FIGURES
+from memcalc.analysis.breakdown import FIGURES, OPTIMIZER_PEAK, figure_names
 from memcalc.output.result import Result
 from memcalc.config import Config
 from memcalc.output.render import Column, Table, record_table
@@ -27,6 +27,10 @@ WORKSPACE = "workspace"  # emulated != live by a whole number of cuBLAS workspac
 ALLOCATOR = "allocator"  # only the reserved peak differs: segments, not tensors
 KERNEL = "allocator or kernel"  # any other emulated != live: block sizes, kernel temporaries
 UNTRACED = "no emulated trace"  # model != live and nothing in between to tell why
+FITTED = "fitted program"  # a traced step's program (oom --trace's) != its direct trace
+# cases whose model is the program fitted over lengths and whose emulated column is a
+# direct trace (training steps, a target validated with --trace)
+FITTED_KINDS = ("training", "trace")
 
 
 def case_key(case: str, config: Config, capacity: int | None) -> str:
@@ -36,8 +40,9 @@ def case_key(case: str, config: Config, capacity: int | None) -> str:
 
 
 def figures_of(result) -> dict[str, int]:
-    """The compared figures of a ``Breakdown`` (or anything with those attributes)."""
-    return {k: getattr(result, k) for k in FIGURES}
+    """The compared figures of a ``Breakdown`` (or anything with those attributes):
+    ``FIGURES``, and a training step's optimizer peak (``figure_names``)."""
+    return {k: getattr(result, k) for k in figure_names(result)}
 
 class Check(Result):
     """One configuration: the model's figures and the backend's, or why there are none.
@@ -49,7 +54,7 @@ class Check(Result):
     tolerance: int = 0
     outcome: Outcome = "measured"
     detail: str = ""
-    case: str = "grid"  # grid | fused | usercode | oom-threshold
+    case: str = "grid"  # grid | fused | usercode | modelcode | training | trace | oom-threshold
     model_detail: str = ""
     # live backend only (None elsewhere): the meta-device trace on the installed torch
     emulated: dict[str, int] | None = None
@@ -71,7 +76,8 @@ class Check(Result):
         """measured - predicted, in bytes, per figure."""
         if self.measured is None or self.predicted is None:
             return {}
-        return {k: self.measured[k] - self.predicted[k] for k in FIGURES if k in self.measured}
+        return {k: self.measured[k] - self.predicted[k] for k in self.measured
+                if k in self.predicted}
 
     @computed_field
     @property
@@ -88,7 +94,8 @@ class Check(Result):
     def _cause(self, figure: str) -> str:
         if self.emulated is None:
             return UNTRACED
-        parts = [RELEASE] if self.predicted[figure] != self.emulated[figure] else []
+        first = FITTED if self.case in FITTED_KINDS else RELEASE
+        parts = [first] if self.predicted[figure] != self.emulated[figure] else []
         gap = self.measured[figure] - self.emulated[figure]
         if gap:
             parts.append(self._live_cause(figure, gap))
@@ -99,7 +106,8 @@ class Check(Result):
         allocated difference a block size or a kernel; the reserved peak follows the
         allocated figures' causes, and differing alone it is the allocator's segments."""
         if figure == "reserved_peak_bytes":
-            gaps = {k: self.measured[k] - self.emulated[k] for k in FIGURES if k != figure}
+            gaps = {k: self.measured[k] - self.emulated[k] for k in self.measured
+                    if k != figure and k in self.emulated}
             causes = sorted({self._live_cause(k, g) for k, g in gaps.items() if g})
             return " / ".join(causes) or ALLOCATOR
         return WORKSPACE if gap % self.config.workspace_bytes == 0 else KERNEL
@@ -210,7 +218,7 @@ class Report(Result):
         return self.mismatches == 0
 
     def summary(self) -> str:
-        figures = len(self.checks) * len(FIGURES)
+        figures = sum(len(c.differences) or len(FIGURES) for c in self.checks)
         text = (f"{self.backend}: {len(self.checks)} configurations, {figures} figures, "
                 f"{self.mismatches} mismatches")
         if self.causes:
@@ -230,6 +238,8 @@ class Report(Result):
 
     def tables(self) -> list[Table]:
         env = ", ".join(f"{k}={v}" for k, v in self.environment.items())
+        if len(self.checks) == 1 and self.checks[0].case == "trace":
+            return [figure_table(self.checks[0], self.backend, f"{self.summary()}\n{env}")]
         return [Table(f"{self.summary()}\n{env}", self._columns(), self._shown())]
 
     def csv_table(self) -> Table:
@@ -261,8 +271,8 @@ class Report(Result):
 RECORD_KEYS = ("case", "configuration", "impl", "batch", "heads", "seq_len", "head_dim", "dtype",
                "causal", "gpu", "outcome", "verdict", "ok", "predicted_peak_bytes",
                "emulated_peak_bytes",
-               "measured_peak_bytes", *(f"diff_{k}" for k in FIGURES),
-               *(f"cause_{k}" for k in FIGURES))
+               "measured_peak_bytes", *(f"diff_{k}" for k in (*FIGURES, OPTIMIZER_PEAK)),
+               *(f"cause_{k}" for k in (*FIGURES, OPTIMIZER_PEAK)))
 
 
 def _record(c: Check) -> dict:
@@ -279,3 +289,30 @@ def _record(c: Check) -> dict:
            **{f"diff_{k}": v for k, v in c.differences.items()},
            **{f"cause_{k}": v for k, v in c.attribution.items()}}
     return {key: row.get(key) for key in RECORD_KEYS}
+
+
+def figure_table(check: Check, backend: str, title: str) -> Table:
+    """One traced target's check figure by figure (``memcalc validate --trace``): the
+    program ``oom --trace`` solves, the direct trace and, live, the GPU's run, with the
+    difference from the first and where it comes from."""
+    from memcalc.output.results import FIGURE_LABELS
+
+    live = backend == "cuda"
+    traced = check.emulated if live else check.measured
+    keys = [k for k in FIGURE_LABELS if k in (check.predicted or traced or {})]
+    columns = [Column("figure", lambda k: FIGURE_LABELS[k]),
+               Column("oom --trace's program", lambda k: _cell(check.predicted, k), "right"),
+               Column("memcalc trace", lambda k: _cell(traced, k), "right", drop=1)]
+    if live:
+        columns.append(Column("this GPU", lambda k: _cell(check.measured, k), "right"))
+    columns += [Column("difference (B)", lambda k: check.differences.get(k, "-"), "right"),
+                Column("cause", lambda k: check.attribution.get(k, ""), wrap=True, drop=2)]
+    notes = [f"{_label(check)}: {check.verdict()}"] + [
+        f"{what}: {text}" for what, text in (("model", check.model_detail),
+                                            ("run", check.detail),
+                                            ("trace", check.emulated_detail)) if text]
+    return Table(title, columns, keys, notes)
+
+
+def _cell(figures: dict[str, int] | None, key: str):
+    return figures.get(key, "-") if figures else "-"

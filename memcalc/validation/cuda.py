@@ -21,7 +21,9 @@ from typing import Callable
 from memcalc.config import Config, Device
 from memcalc.validation.calibration import Calibration, calibrate
 from memcalc.engine.inputs import QKV, Input
+from memcalc.tracing.optimizers import Loop
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
+from memcalc.tracing.state import trained
 
 
 class CudaUnavailable(ValueError):
@@ -89,7 +91,7 @@ def environment(torch=None, cuda=None) -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        # model code's parameter grads are reset before the measured step (``parameters_of``);
+        # model code's parameter grads are reset before the measured step (``measure``);
         # a report without this key kept them (memcalc.validation.recorded)
         "parameter_grads": "reset",
     }
@@ -107,33 +109,33 @@ def live_config(config: Config, env: dict[str, str]) -> Config:
 
 
 def measure(config: Config, torch=None, probe=None, device: str = "cuda",
-            fn: Callable | None = None, inputs: tuple[Input, ...] = QKV) -> Measured:
-    """One protocol run of ``config``'s reference code (or ``fn``, called with ``inputs``)
-    from an empty allocator."""
+            fn: Callable | None = None, inputs: tuple[Input, ...] = QKV,
+            loop: Loop = Loop()) -> Measured:
+    """One protocol run of ``config``'s reference code (or ``fn``, called with ``inputs``,
+    in the training ``loop``) from an empty allocator. Model code's parameters and buffers
+    not on ``device`` (a module an example built on the meta device) run as empty copies
+    on it (``memcalc.tracing.state.on_device``), the user's objects left as they were; the
+    grads of those that need grad are reset before the measured step, as
+    ``zero_grad(set_to_none=True)`` does and the tracer does. (The first live run, on an
+    H200, kept them from the warm-up: its model-code figures hold every parameter's grad.)"""
+    from memcalc.tracing.state import on_device
     from memcalc.validation.reference import reference_fn
 
     torch = torch or _torch()
     probe = probe or CudaProbe(torch.cuda)
     fn = fn or reference_fn(config)
-    out_like = _output_like(torch, config, device, fn, inputs)
-    _release(torch)
-    inputs = make_inputs(torch, config.dims, device, inputs, out_like)
-    try:
-        return run_protocol(torch, fn, probe, inputs, config.protocol.forward_only,
-                            parameters_of(fn))
-    finally:
-        del inputs
+    with on_device(getattr(fn, "fn", fn), device, getattr(fn, "param_dtype", None)) as state, \
+            loop.running():
+        parameters = trained(state)
+        out_like = _output_like(torch, config, device, fn, inputs)
         _release(torch)
-
-
-def parameters_of(fn: Callable) -> tuple:
-    """The parameters of model code's module (``fn`` bound by ``memcalc.tracing.bound``) that
-    need grad: the protocol resets their grads with the inputs' before the measured step,
-    as ``zero_grad(set_to_none=True)`` does and the tracer does. (The first live run, on an
-    H200, kept them from the warm-up: its model-code figures hold every parameter's grad.)"""
-    module = getattr(fn, "fn", fn)
-    parameters = getattr(module, "parameters", None)
-    return tuple(p for p in parameters() if p.requires_grad) if callable(parameters) else ()
+        inputs = make_inputs(torch, config.dims, device, inputs, out_like)
+        try:
+            return run_protocol(torch, fn, probe, inputs, config.protocol.forward_only,
+                                tuple(t for _, t in parameters), loop.training(parameters))
+        finally:
+            del inputs
+            _release(torch)
 
 
 def _output_like(torch, config: Config, device: str, fn: Callable,
@@ -218,13 +220,13 @@ class LiveGpu:
         return self.cuda.mem_get_info()[0]
 
     def measure(self, config: Config, fn: Callable, capacity: int | None = None,
-                inputs: tuple[Input, ...] = QKV) -> Measured:
-        """One protocol run of ``fn`` called with ``inputs``; with ``capacity``, reserved
-        memory is capped at exactly that many bytes (``exact_capacity``) for the run, as
-        the model's ``capacity`` does."""
+                inputs: tuple[Input, ...] = QKV, loop: Loop = Loop()) -> Measured:
+        """One protocol run of ``fn`` called with ``inputs`` in the training ``loop``; with
+        ``capacity``, reserved memory is capped at exactly that many bytes
+        (``exact_capacity``) for the run, as the model's ``capacity`` does."""
         context, probe = self.probe_for(config, capacity)
         with context, self._capped(capacity):
-            return measure(config, self.torch, probe, self.device, fn, inputs)
+            return measure(config, self.torch, probe, self.device, fn, inputs, loop)
 
     @contextmanager
     def _capped(self, capacity: int | None):
@@ -238,15 +240,15 @@ class LiveGpu:
         finally:
             self.cuda.set_per_process_memory_fraction(1.0)
 
-    def scratch(self, config: Config, fn: Callable,
-                inputs: tuple[Input, ...] = QKV) -> dict[str, int]:
+    def scratch(self, config: Config, fn: Callable, inputs: tuple[Input, ...] = QKV,
+                loop: Loop = Loop()) -> dict[str, int]:
         """Run the protocol again with every aten op bracketed by the counters (see
         ``op_scratch``): what each kind of op held beyond its outputs."""
         context, _ = self.probe_for(config, None)
         with context:
             return op_scratch(self.torch, self.cuda,
                               lambda: measure(config, self.torch, _Uncounted(), self.device, fn,
-                                              inputs))
+                                              inputs, loop))
 
 
 def op_scratch(torch, cuda, run: Callable[[], object]) -> dict[str, int]:

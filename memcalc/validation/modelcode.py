@@ -168,18 +168,20 @@ def register() -> dict[str, str]:
 FITTED_LENGTHS = (300, 1000)  # beyond the lengths the programs are fitted on (61 to 257)
 
 
-def fitted_checks() -> tuple:
-    """The emulated checks of model code: for each module whose sizes are polynomials in N,
-    the program fitted from its traces (what ``memcalc oom --trace`` solves) against a
-    direct trace, on the GPU's code paths, at lengths it was not fitted on."""
+def fitted_checks(codes: dict[str, ModelCode] | None = None,
+                  names: dict[str, str] | None = None, case: str = "modelcode") -> tuple:
+    """The emulated checks of model code (or of other ``codes`` registered as ``names``,
+    ``case``: the training steps'): for each module whose sizes are polynomials in N, the
+    program fitted from its traces (what ``memcalc oom --trace`` solves) against a direct
+    trace, on the GPU's code paths, at lengths it was not fitted on."""
     from memcalc.config import Config, Shape
     from memcalc.analysis.predict import predict
     from memcalc.tracing import prepared, trace
     from memcalc.validation.compare import Check, figures_of
 
-    names = register()
+    codes, names = codes or model_code(), names or register()
     checks = []
-    for key, code in model_code().items():
+    for key, code in codes.items():
         if not code.polynomial:
             continue
         fn = prepared(code.module, key)
@@ -187,5 +189,5 @@ def fitted_checks() -> tuple:
             config = Config(impl=names[key], shape=Shape(batch=2, seq_len=n))
             checks.append(Check(config=config, predicted=figures_of(predict(config)),
                                 measured=figures_of(trace(fn, config, calling=code.calling)),
-                                case="modelcode"))
+                                case=case))
     return tuple(checks)

@@ -9,7 +9,7 @@ selection, the cuBLASLt workspace), and lists where they differ:
 
 Model code recorded before ``parameter_grads`` appeared in a report's environment ran with
 the module's parameter grads kept from the warm-up step (``memcalc.validation.cuda``,
-``parameters_of``): those cases are listed as not comparable.
+``measure``): those cases are listed as not comparable.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from memcalc.config import Config
 
 KEPT_GRADS = "model code: the recorded run kept the parameters' grads (harness before the fix)"
+TRACED = ("usercode", "modelcode", "training")  # cases whose model is the tracer
 
 
 def recheck(report: dict) -> list[tuple[str, str, dict | str]]:
@@ -45,7 +46,7 @@ def recheck(report: dict) -> list[tuple[str, str, dict | str]]:
         if kind == "modelcode" and "parameter_grads" not in env:
             found.append((kind, check["config"]["impl"], KEPT_GRADS))
             continue
-        if kind in ("usercode", "modelcode"):
+        if kind in TRACED:
             case = traced[(kind, Config.model_validate(check["config"]).model_dump_json())]
             model = _traced_figures(case, env)
         else:
@@ -61,7 +62,7 @@ def _user_cases(report: dict) -> list:
     """The user- and model-code cases of the report's device, which register their names."""
     from memcalc.validation.cases import all_cases
 
-    kinds = tuple({c["case"] for c in report["checks"]} & {"usercode", "modelcode"})
+    kinds = tuple({c["case"] for c in report["checks"]} & set(TRACED))
     return all_cases(kinds, [], report["environment"], 0) if kinds else []
 
 

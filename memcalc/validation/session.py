@@ -36,10 +36,12 @@ def load_previous(path: Path, environment: dict[str, str]) -> Report | None:
     if not path.exists():
         return None
     from memcalc.validation.modelcode import register as register_models
+    from memcalc.validation.training import register as register_training
     from memcalc.validation.usercode import register
 
     register()  # its cases name the user-code implementations
     register_models()  # and the model code's
+    register_training()  # and the training steps'
     try:
         report = Report.model_validate_json(path.read_text())
     except ValueError as error:
