@@ -35,6 +35,16 @@ def test_tensors_of_one_name_are_counted_not_ranged():
     assert row.allocated == 4 * 131072  # 4 x (8 x 1 x 64 x 64 x 4 B)
 
 
+def test_a_number_inside_the_names_is_ranged_in_place():
+    """A model's layers: ``model.layers.{0..31}.mlp.weight (32)``, not the long first and
+    last names in full; a number at the end keeps ``S0..S2``; two numbers that vary, the
+    full names."""
+    layers = [tensor(f"model.layers.{i}.mlp.weight", role=Role.parameter) for i in range(32)]
+    assert collapse(layers)[0].name == "model.layers.{0..31}.mlp.weight (32)"
+    grid = [tensor(f"b{i}.h{i}.w") for i in range(3)]
+    assert collapse(grid)[0].name == "b0.h0.w..b2.h2.w (3)"
+
+
 def test_a_different_shape_or_role_is_another_kind():
     rows = collapse([tensor("S0"), tensor("S1"), tensor("S2", (8, 1, 32, 64)),
                      tensor("S3", role=Role.temporary), tensor("S4")])

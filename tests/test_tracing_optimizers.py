@@ -245,3 +245,18 @@ def test_json_has_the_optimizer_peak_or_null(capsys):
     code, out, _ = run(capsys, "trace", f"{GPT}:TinyGPT", *CLI_INPUTS, "--seq", "64",
                        "--batch", "1", "--json")
     assert json.loads(out)["optimizer_peak_bytes"] is None
+
+
+def test_the_table_says_what_dominates_by_role(capsys, monkeypatch):
+    """Where a model's state is alive at the peak, a table of it by role, largest first:
+    AdamW's state is twice the weights (fp32: 2 x 6,822,912 x 4 B = 54,583,296 B, each a
+    block of its own size); a breakdown of attention alone has no such table."""
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, err = run(capsys, "trace", f"{GPT}:TinyGPT", *CLI_INPUTS, "--seq", "64",
+                         "--batch", "1", "--optimizer", "adamw")
+    assert code == 0, err
+    table = out.split("by role\n", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
+    assert rows["optimizer"][1:4] == ["state", "56", "54,583,296"]  # 2 x 28 parameters
+    assert rows["parameter"][1:3] == ["28", "27,291,648"]  # 6,822,912 x 4 B
+    assert "by role" not in run(capsys, "breakdown", "--seq", "1024")[1]

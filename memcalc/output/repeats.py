@@ -26,10 +26,15 @@ class Repeated:
 
     @property
     def name(self) -> str:
-        """``S0..S127 (128)``; ``4 x mul (user.py:7)`` when the names are all the same (a
-        traced loop's tensors are named by their op and source line)."""
+        """``S0..S127 (128)``; ``layers.{0..31}.mlp.weight (32)`` when the one number that
+        varies is inside the name (a model's layers: the first and last names in full
+        would say the rest twice); ``4 x mul (user.py:7)`` when the names are all the same
+        (a traced loop's tensors are named by their op and source line)."""
         first, last, n = self.members[0].name, self.members[-1].name, len(self.members)
-        return f"{n:,} x {first}" if first == last else f"{first}..{last} ({n:,})"
+        if first == last:
+            return f"{n:,} x {first}"
+        inside = _one_number_inside(first, last)
+        return f"{inside} ({n:,})" if inside else f"{first}..{last} ({n:,})"
 
     @cached_property  # a table reads it per column: summed once
     def bytes(self) -> int:
@@ -49,6 +54,20 @@ class Repeated:
     dtype = property(lambda self: self.members[0].dtype)
     shape = property(lambda self: self.members[0].shape)
     source = property(lambda self: self.members[0].source)
+
+
+def _one_number_inside(first: str, last: str) -> str | None:
+    """``layers.{0..31}.mlp`` for ``layers.0.mlp`` and ``layers.31.mlp``: where the names
+    share their text and all their numbers but one, which text follows; else None."""
+    texts, numbers = _NUMBER.split(first), _NUMBER.findall(first)
+    if texts != _NUMBER.split(last):
+        return None
+    varying = [i for i, (a, b) in enumerate(zip(numbers, _NUMBER.findall(last))) if a != b]
+    if len(varying) != 1 or not texts[varying[0] + 1]:
+        return None
+    i = varying[0]
+    numbers[i] = f"{{{numbers[i]}..{_NUMBER.findall(last)[i]}}}"
+    return "".join(t + n for t, n in zip(texts, numbers + [""]))
 
 
 def _kind(component) -> tuple:

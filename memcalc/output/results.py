@@ -144,10 +144,35 @@ def components_table(b, rows, live) -> Table:
 
 
 def breakdown_tables(b) -> list[Table]:
-    """What is alive at the peak (a loop's tensors by kind), then the figures."""
+    """What is alive at the peak (a loop's tensors by kind), what by role where a model's
+    state is among it, then the figures."""
     live = b.components
     components = components_table(b, collapse(live), live)
-    return [components, Table(None, FIGURE_COLUMNS, figure_rows(b))]
+    return [components, *role_tables(b.peak_bytes, live),
+            Table(None, FIGURE_COLUMNS, figure_rows(b))]
+
+
+# roles of what a model keeps from step to step: where any is alive at the peak, the peak is
+# also shown by role (what dominates: the weights, their grads, the optimizer's state, or
+# the step's activations)
+RESIDENT_ROLES = ("parameter", "buffer", "optimizer state")
+
+
+def role_tables(peak: int, live) -> list[Table]:
+    """What is alive at the peak by role, largest first, when a model's state is in it."""
+    totals: dict[str, list[int]] = {}
+    for c in live:
+        count_and_bytes = totals.setdefault(c.role.value, [0, 0])
+        count_and_bytes[0] += 1
+        count_and_bytes[1] += c.allocated
+    if not set(totals) & set(RESIDENT_ROLES):
+        return []
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    columns = [Column("role", lambda r: r[0]), Column("tensors", lambda r: r[1][0], "right"),
+               Column("allocated", lambda r: r[1][1], "right", drop=1),
+               Column("size", lambda r: human(r[1][1]), "right"),
+               Column("share", lambda r: share(r[1][1], peak), "right")]
+    return [Table("by role", columns, rows)]
 
 
 def figure_rows(b) -> list[tuple]:
