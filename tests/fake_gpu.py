@@ -95,9 +95,9 @@ class FakeGpu(cuda.LiveGpu):
 
     def _probe_for(self, config, capacity):
         from memcalc.impls.device import gpu_of
-        from memcalc.tracing import TraceOptions, _paths
+        from memcalc.tracing import TraceOptions, paths_for
 
-        paths = _paths(config, TraceOptions()) if self.cuda_paths else None
+        paths = paths_for(config, TraceOptions()) if self.cuda_paths else None
         tracer = Tracer(config.workspace_bytes * self.workspace_factor, capacity, paths,
                         gpu_of(config.dims))
         probe = TracerProbe(tracer)

@@ -165,9 +165,9 @@ def test_a_capped_replay_mirrors_the_small_pool_and_replays_again_when_it_must_r
     broken = []
     replayed = predict_module._replayed_in
 
-    def spy(config, ledger):
+    def spy(config, ledger, *program):
         try:
-            return replayed(config, ledger)
+            return replayed(config, ledger, *program)
         except allocator.MirrorBroken:
             broken.append(config)
             raise

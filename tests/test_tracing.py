@@ -41,7 +41,12 @@ def test_fit_recovers_exact_polynomials():
     assert fit(xs, [-(-x // 64) * 64 for x in xs]) is None  # padded to 64: not polynomial
 
 
-def test_padded_sizes_cannot_be_solved(tmp_path):
+def test_padded_sizes_are_fitted_at_multiples_of_256_and_traced_elsewhere(tmp_path):
+    """A buffer padded to 64 rows is no polynomial in N, but is one at multiples of 256:
+    the program is fitted there (from 15,616 rows), and other lengths are traced directly;
+    either way the figures are a direct trace's."""
+    from memcalc.impls import get_impl
+
     source = tmp_path / "padded.py"
     source.write_text(
         "import torch.nn.functional as F\n"
@@ -50,9 +55,12 @@ def test_padded_sizes_cannot_be_solved(tmp_path):
         "    return F.pad(q, (0, 0, 0, pad))[..., : q.size(-2), :] * 1 + v\n")
     fn = load_function(f"{source}:attn")
     config = Config(impl=register_function(fn, "padded"), shape={"seq_len": 100})
-    assert trace(fn, config).peak_bytes > 0  # one size: fine
-    with pytest.raises(TraceError, match="not a polynomial.*solve those with --impl sdpa-flash"):
-        predict(config)
+    for n in (100, 20_480, 20_481):  # below the fitted lengths, a multiple of 256, not one
+        at = config.replace(seq_len=n)
+        assert figures_of(predict(at)) == figures_of(trace(fn, at))
+    how = get_impl(config.impl).how(config.dims)
+    assert how.startswith("its program fitted at multiples of 256 rows from 15,616 (the "
+                          "size of constant_pad_nd (padded.py:4) is not a polynomial in seq_len)")
 
 
 @pytest.mark.parametrize("body, message", [
@@ -282,7 +290,7 @@ def test_trace_names_the_release_whose_sdpa_rules_it_applies(capsys):
 def test_oom_trace_samples_under_the_release_asked_for(monkeypatch, capsys):
     """``oom --trace --torch 2.14``: every sampled trace follows 2.14's SDPA rules; without
     --trace the option is refused in one line."""
-    import memcalc.tracing as tracing
+    import memcalc.tracing.fitted as tracing
 
     seen, real = [], tracing._sample_events
     monkeypatch.setattr(tracing, "_sample_events",

@@ -13,7 +13,7 @@ import memcalc  # noqa: E402
 from memcalc.analysis.predict import predict  # noqa: E402
 from memcalc.engine.program import Role  # noqa: E402
 from memcalc.impls.device import gpu_of  # noqa: E402
-from memcalc.tracing import TraceOptions, _paths, load_function  # noqa: E402
+from memcalc.tracing import TraceOptions, load_function, paths_for  # noqa: E402
 from memcalc.tracing.optimizers import (OptimizerSpec, build, fused_on_meta,  # noqa: E402
                                         loop_of, parse_optimizer)
 from memcalc.tracing.tracer import Tracer, component, function_modes  # noqa: E402
@@ -75,7 +75,7 @@ def literal_loop(model, config, spec: str, accumulate: int = 1) -> dict[str, int
     Under memcalc's tracer (its model of the allocator and of CUDA's kernels) but not its
     protocol, which is what it checks."""
     d = config.dims
-    tracer = Tracer(config.workspace_bytes, None, _paths(config, TraceOptions()), gpu_of(d))
+    tracer = Tracer(config.workspace_bytes, None, paths_for(config, TraceOptions()), gpu_of(d))
     ledger, read = tracer.ledger, {}
     opt_spec = parse_optimizer(spec)
     with tracer, function_modes(tracer), \

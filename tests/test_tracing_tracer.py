@@ -119,3 +119,30 @@ def test_addmm_with_a_bias_takes_a_cublaslt_workspace_of_its_own_through_2_11(re
     traced = trace(_linear_step, config, TraceOptions(release=Release.of(release)))
     lt = [c for c in traced.forward_live if c.name.startswith("cuBLASLt workspace")]
     assert sum(c.bytes for c in lt) == lt_bytes
+
+
+class Embedded(torch.nn.Module):
+    """A token embedding of 1,000 rows of 64, summed: its backward is the embedding's."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(1000, 64)
+
+    def forward(self, ids):
+        return self.emb(ids).sum()
+
+
+@pytest.mark.parametrize("rows, sorted_", [(1536, False), (1537, True)])
+def test_the_embedding_backward_sorts_past_3072_indices(rows, sorted_):
+    """Batch 2: 3,072 indices take CUDA's one-kernel path, 3,074 the sort and segment sums
+    (``memcalc.impls.embedding``), whose buffers are alive at the backward's peak with
+    the grad: 3,074 / 10 + 1,000 = 1,307 partial sums of 64 floats among them."""
+    import memcalc
+
+    b = memcalc.trace(Embedded(), inputs={"ids": ("B", "N", "int64")}, seq_len=rows, batch=2)
+    names = {c.name.split(" (")[0]: c for c in b.backward_live}
+    partial = names.get("embedding grad_weight_per_segment")
+    assert (partial is not None) == sorted_
+    if sorted_:
+        assert partial.shape == (1307, 64) and partial.bytes == 1307 * 64 * 4
+        assert "emb.weight.grad" in names

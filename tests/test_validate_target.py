@@ -32,7 +32,7 @@ def test_the_program_and_the_trace_side_by_side(capsys, monkeypatch, width):
     for row in ("saved for backward", "optimizer peak (step, zero_grad)",
                 "reserved peak (max_memory_reserved)"):
         assert row in out
-    assert "model: the program oom --trace solves" in out
+    assert "model: oom --trace's: its program fitted over lengths" in out
 
 
 def test_its_json_is_the_report_of_one_check(capsys):

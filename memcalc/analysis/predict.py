@@ -37,46 +37,50 @@ def shared_predictions():
         _SHARED.reset(token)
 
 
-def predict(config: Config, capacity: int | None = None, ledger: Ledger | None = None) -> Breakdown:
-    """The breakdown of one step of ``config``, by replaying its program.
+def predict(config: Config, capacity: int | None = None, ledger: Ledger | None = None,
+            program: Program | None = None) -> Breakdown:
+    """The breakdown of one step of ``config``, by replaying its program (or ``program``,
+    another of the same step: a direct trace of traced code where its own is fitted).
 
     With ``capacity``, raises ``OutOfMemory`` where the device would; pass a recording
     ``ledger`` to keep the event history."""
     shared = _SHARED.get()
-    if shared is not None and capacity is None and ledger is None:
+    if shared is not None and capacity is None and ledger is None and program is None:
         if config not in shared:
-            shared[config] = _predict(config, None, None)
+            shared[config] = _predict(config, None, None, None)
         return shared[config]
-    return _predict(config, capacity, ledger)
+    return _predict(config, capacity, ledger, program)
 
 
-def _predict(config: Config, capacity: int | None, ledger: Ledger | None) -> Breakdown:
+def _predict(config: Config, capacity: int | None, ledger: Ledger | None,
+             program: Program | None) -> Breakdown:
     with collector_paused():  # on again once the program and the replay's ledger are gone
-        return _replayed(config, capacity, ledger)
+        return _replayed(config, capacity, ledger, program)
 
 
-def _replayed(config: Config, capacity: int | None, ledger: Ledger | None) -> Breakdown:
+def _replayed(config: Config, capacity: int | None, ledger: Ledger | None,
+              program: Program | None = None) -> Breakdown:
     """The replay, its small pool mirrored in the measured step where that is exact; a
     ledger of the caller's (its history is read afterwards) is never mirrored under a
     capacity, since a release there would have to replay it again."""
     if ledger is not None:
         ledger.allocator.may_mirror = capacity is None
-        return _replayed_in(config, ledger)
+        return _replayed_in(config, ledger, program)
     try:
-        return _replayed_in(config, Ledger(config.workspace_bytes, capacity))
+        return _replayed_in(config, Ledger(config.workspace_bytes, capacity), program)
     except MirrorBroken:  # the capped measured step released segments: every decision made
         ledger = Ledger(config.workspace_bytes, capacity)
         ledger.allocator.may_mirror = False
-        return _replayed_in(config, ledger)
+        return _replayed_in(config, ledger, program)
 
 
-def _replayed_in(config: Config, ledger: Ledger) -> Breakdown:
+def _replayed_in(config: Config, ledger: Ledger, program: Program | None = None) -> Breakdown:
     """One GPU's step; under context parallelism, every rank's (each in a ledger of its
     own: a rank that runs out is the step's ``OutOfMemory``), the busiest one's shown
     (``busiest``)."""
     d = config.dims
     if d.cp == 1:
-        return _rank_replayed(config, d, ledger)
+        return _rank_replayed(config, d, ledger, program)
     ranks = [_rank_replayed(config, d.replace(cp_rank=r), _like(ledger, config))
              for r in range(d.cp)]
     rank = busiest(ranks)

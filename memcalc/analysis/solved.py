@@ -42,6 +42,8 @@ class Solved(BaseModel):
     accepted: Accepted = Field(description="the values of field the implementation accepts")
     approximation: Quadratic | None
     evaluations: int = Field(description="full predictions the solver made")
+    note: str | None = Field(None, description="how the answer was found and confirmed, "
+                                               "where it needs saying (traced code)")
 
     @computed_field
     @property
@@ -99,7 +101,7 @@ class Solved(BaseModel):
             "fit_at_max": at_max.describe() if at_max else None,
             "fit_at_next": at_next.describe() if at_next else None,
             "approximation": self.approximation.to_dict() if self.approximation else None,
-            "evaluations": self.evaluations,
+            "evaluations": self.evaluations, "note": self.note,
         }
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from memcalc.output.result import Result
 from memcalc.analysis.budget import Budget, Fit
 from memcalc.analysis.closed_form import SYMBOL
+from memcalc.analysis.confirm import confirmed
 from memcalc.config import Config
 from memcalc.errors import refusal
 from memcalc.impls import impl_names
@@ -209,6 +210,7 @@ class OomReport(Result):
         lines += [f"  {r.impl}: {_formula(r)}" for r in self.results]
         rules = [note for r in self.results
                  for note in (_none_fits_note(r), _accepted_note(r)) if note]
+        rules += [f"{r.impl}: {r.note}" for r in self.results if r.note]
         return lines + rules + skips + caveats([r.impl for r in self.results])
 
     def headline(self) -> str:
@@ -304,7 +306,9 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
             config = accepted_start(base.replace(impl=name), field)
             reason = None if named else _too_big(config, field)
             if reason is None:
-                results.append(solver(config, budget.budget_bytes, field, time_limit=time_limit))
+                search = lambda c=config: solver(c, budget.budget_bytes, field,  # noqa: E731
+                                                 time_limit=time_limit)
+                results.append(confirmed(search(), config, budget.budget_bytes, search))
                 continue
         except Interrupted as stop:  # what the search had, proven or not
             if stop.solved is not None:

@@ -2,7 +2,7 @@
 
 from memcalc.cli import (INTERRUPTED, budget_from, budget_options, calling_from, check_chunk,
                          config_options, emit, format_options, input_options, shape_options,
-                         traced_options_given, work_options)
+                         traced_options_given, whole, work_options)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
 
@@ -20,6 +20,11 @@ def add_arguments(parser) -> None:
                              "device (imports and runs the named file as Python code), "
                              "called with q, k, v or --input's tensors")
     input_options(parser)
+    parser.add_argument("--multiple-of", type=whole, default=None, metavar="M",
+                        help="with --trace: only sequence lengths that are multiples of M, "
+                             "the lengths you run (a step with padded buffers is solved from "
+                             "a program fitted at multiples of 256, other lengths traced "
+                             "directly)")
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                         help="give up on an implementation after this long, saying what is "
                              "known so far (default: 60; a chunked program at millions of "
@@ -55,11 +60,15 @@ def _impls(args) -> list[str] | None:
 
     impls = impl_list(args.impl)
     if args.trace is None:
-        given = traced_options_given(args)
+        given = traced_options_given(args) or (
+            f"--multiple-of {args.multiple_of}" if args.multiple_of is not None else None)
         if given:
             raise ValueError(f"{given}: an option of a traced target; give --trace "
                              f"FILE.py:FUNCTION")
         return impls
+    if args.multiple_of is not None and args.multiple_of < 1:
+        raise ValueError(f"--multiple-of: a whole number of rows, at least 1 (got "
+                         f"{args.multiple_of})")
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
     from memcalc.tracing import TraceError, load_function, register_function
@@ -73,4 +82,5 @@ def _impls(args) -> list[str] | None:
     from memcalc.tracing import TraceOptions
 
     options = TraceOptions(**release_of(args))
-    return (impls or []) + [register_function(fn, args.trace, calling, options)]
+    return (impls or []) + [register_function(fn, args.trace, calling, options,
+                                              args.multiple_of or 1)]

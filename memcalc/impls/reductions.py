@@ -359,6 +359,11 @@ class Reduction(NamedTuple):
                                  self.out_itemsize, self.acc_itemsize, self.storage_offset,
                                  gpu)
 
+    def events(self, name: str, gpu: Gpu) -> list:
+        """The kernel's scratch as program events named ``name: ...`` (a traced call's,
+        recomputed at each length: ``memcalc.tracing.fitted``)."""
+        return scratch_events(name, self.scratch(gpu), "sum")
+
 
 def accumulator_bytes(out_dtype: str) -> int:
     """``sizeof(arg_t)`` of a sum or mean into ``out_dtype`` (a torch dtype's name): float

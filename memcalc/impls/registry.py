@@ -45,6 +45,10 @@ class Impl:
     inputs: tuple[Input, ...] = QKV  # what its step is called with (the live runs' too)
     masks: tuple[str, ...] = ()  # the kinds of Dims.mask (--mask) it reads
     user_code: bool = False  # a user's function registered by ``memcalc trace``
+    # traced code's program of one direct trace at exactly these sizes (its ``build`` may be
+    # fitted over lengths), to confirm an answer with; and how its programs are made
+    exact: Callable[[Dims], Program] | None = None
+    how: Callable[[Dims], str] | None = None
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""

@@ -16,3 +16,9 @@ class NotModelled(ValueError):
 class RefusedOnGpu(ValueError):
     """A check the GPU makes and the meta device skips (the operands of a matmul in two
     dtypes): the trace stops at the user's line with the message the GPU would raise."""
+
+
+class NotPolynomial(TraceError):
+    """The step's sizes are not polynomials in seq_len at the lengths sampled: a padded
+    buffer, or ops that change with the length (a kernel chosen by it). The traced step is
+    then solved by other means (``memcalc.tracing.fitted.Programs``)."""

@@ -36,7 +36,8 @@ from memcalc.config import Config
 from memcalc.engine.program import ITEMSIZE, Role, Tensor
 from memcalc.engine.replay import Ledger
 from memcalc.engine.inputs import QKV, Input
-from memcalc.impls.reductions import Reduction, accumulator_bytes, scratch_events
+from memcalc.impls.embedding import EmbeddingBackward
+from memcalc.impls.reductions import Reduction, accumulator_bytes
 from memcalc.impls.device import Gpu, gpu_of
 from memcalc.tracing.collectives import Collectives
 from memcalc.tracing.optimizers import Loop
@@ -171,8 +172,24 @@ def _reduction(tracer, out, self, dim=None, *rest, **kwargs):
     staging buffer and semaphores of an output split across blocks), freed as it returns."""
     copy = _reduced_input(out, self)
     source = self if copy is None else copy
-    tracer.reduction(reduction_of(source, _reduced_dims(self, dim), out.dtype), "sum")
+    tracer.scratch(reduction_of(source, _reduced_dims(self, dim), out.dtype), "sum")
     return [copy] if copy is not None else []
+
+
+def _embedding_backward(tracer, out, grad, indices, num_weights, padding_idx,
+                        scale_grad_by_freq) -> list:
+    """``embedding_dense_backward_cuda``'s buffers past 3,072 indices: the sort and the
+    segment sums (``memcalc.impls.embedding``), after the result, freed as it returns."""
+    dtype, index = (str(t.dtype).removeprefix("torch.") for t in (grad, indices))
+    call = EmbeddingBackward(indices.numel(), num_weights, grad.shape[-1], dtype, index,
+                             bool(scale_grad_by_freq), not indices.is_contiguous(),
+                             not grad.is_contiguous())
+    tracer.scratch(call, "embedding")
+    if call.sorted and tracer.paths is not None:
+        tracer.paths.note("embedding_dense_backward past 3,072 indices sorts them: its "
+                          "buffers are modelled (memcalc/impls/embedding.py), not the "
+                          "temporary storage CUB sizes for its sort and scans at run time")
+    return []
 
 
 def reduction_of(source: torch.Tensor, dims: tuple, out_dtype) -> Reduction:
@@ -245,6 +262,7 @@ CUDA_TEMPORARIES = {torch.ops.aten._softmax_backward_data.default:
                     lambda tracer, out, grad, output, *rest: grad * output,
                     torch.ops.aten.bmm.default: _bmm_copies,
                     torch.ops.aten.mm.default: _mm_copies,
+                    torch.ops.aten.embedding_dense_backward.default: _embedding_backward,
                     **{op: _reduction for op in (torch.ops.aten.sum.dim_IntList,
                                                  torch.ops.aten.sum.default,
                                                  torch.ops.aten.mean.dim,
@@ -343,29 +361,28 @@ class Tracer(TorchDispatchMode):
         release = self.paths.release.torch if self.paths is not None else torch_release()
         return tuple(release[:2]) < LT_UNIFIED_SINCE
 
-    def reduction(self, call: Reduction, op: str) -> None:
-        """Allocate and free what a reduction takes inside itself, in the order the model's
-        programs declare it (``scratch_events`` of ``Reduction.scratch``: the accumulation
-        buffer around every launch's buffer and semaphores, each launch's freed before the
-        next). Marked in the events (``reduce`` ... ``reduce_end``), so that a program
-        fitted over lengths recomputes them."""
+    def scratch(self, call, op: str) -> None:
+        """Allocate and free what a kernel takes inside itself, in the order its model
+        declares it (``call.events``: a ``Reduction``'s accumulation buffer around every
+        launch's buffer and semaphores, each launch's freed before the next; an
+        ``EmbeddingBackward``'s sort and segment sums). Marked in the events (``reduce`` ...
+        ``reduce_end``), so that a program fitted over lengths recomputes them."""
         self.events.append(("reduce", call))
         held = {}
-        for event in scratch_events(op, call.scratch(self.gpu), op):
+        for event in call.events(op, self.gpu):
             if isinstance(event, Tensor):
                 # shown as the op's own ("sum split-reduction buffer"), not a tensor's
-                held[event.name] = self._scratch_tensor(event.bytes,
-                                                        event.name.replace(": ", " ", 1))
+                held[event.name] = self._scratch_tensor(event, event.name.replace(": ", " ", 1))
             else:  # a Free
                 for name in event.names:
                     del held[name]
                 self.collect_frees()
         self.events.append(("reduce_end",))
 
-    def _scratch_tensor(self, nbytes: int, name: str) -> torch.Tensor:
+    def _scratch_tensor(self, event: Tensor, name: str) -> torch.Tensor:
         with self.quiet():
-            t = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-        self.track(t, "empty", name)
+            t = torch.empty(event.shape, dtype=getattr(torch, event.dtype), device="meta")
+        self.track(t, "empty", name)  # a buffer the kernel takes for itself
         return t
 
     def math_mask_add(self, scores: torch.Tensor) -> torch.Tensor:

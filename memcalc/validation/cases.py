@@ -104,15 +104,13 @@ class Case:
             return None, f"{type(error).__name__}: {one_line(error)}"
 
     def _fitted(self) -> tuple[dict[str, int], str]:
-        """The fitted program's figures at this length; where sizes are not polynomials in
-        N (a fused kernel's padded buffers), a direct trace's, and why."""
+        """The figures of the program ``oom --trace`` solves at this length (fitted over
+        lengths where it holds, else a direct trace), and how it is made."""
         from memcalc.analysis.predict import predict
-        from memcalc.tracing import TraceError
+        from memcalc.impls import get_impl
 
-        try:
-            return predict(self.config).figures(), "the program oom --trace solves"
-        except TraceError as error:
-            return self._traced(), f"memcalc trace (not fitted: {one_line(error)})"
+        how = get_impl(self.config.impl).how(self.config.dims)
+        return predict(self.config).figures(), f"oom --trace's: {how}"
 
     def _traced(self) -> dict[str, int]:
         """A direct trace of the case's code, as ``memcalc trace`` runs it."""

@@ -1,0 +1,185 @@
+"""A direct trace: one step of the user's function or model at one configuration, on the
+meta device along the GPU's code paths (``trace``, ``traced``), each rank's under ``--cp``,
+with what the trace took or could not see (``report.Traced``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from memcalc.analysis.breakdown import Breakdown
+from memcalc.config import Config
+from memcalc.engine.inputs import QKV, Input
+from memcalc.impls.device import gpu_of
+from memcalc.impls.sdpa_cudnn import Workspace
+from memcalc.tracing.errors import TraceError
+from memcalc.tracing.explain import called_with, guarded
+from memcalc.tracing.sdpa_select import Release as TorchRelease
+from memcalc.tracing.target import Bound, Calling, bound
+
+
+def installed_release() -> TorchRelease:
+    """The SDPA rules of the installed torch's release (with its PyPI wheel's cuDNN and
+    CUDA), else the newest known."""
+    import torch
+
+    try:
+        return TorchRelease.of(torch.__version__)
+    except ValueError:
+        return TorchRelease()
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """How a trace emulates the GPU: ``cuda=False`` follows the meta device's code paths
+    (what validation checks); ``release``: the torch release whose SDPA rules apply, with
+    its build's cuDNN/CUDA versions (default: the installed torch's); ``workspace``: cuDNN's
+    workspace sizes; ``group``: under ``--cp``, the process group's collectives as ``nccl``
+    runs them (default) or as a ``fake`` group does (``context_parallel.Ranks``)."""
+
+    cuda: bool = True
+    release: TorchRelease = field(default_factory=installed_release)
+    workspace: Workspace = Workspace()
+    group: str = "nccl"
+
+
+def trace(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
+          calling: Calling = Calling()) -> Breakdown:
+    """The breakdown of ``fn``'s step under ``config``, traced on the meta device as it
+    would run on ``config``'s GPU; ``fn`` is called as ``calling`` says (with ``q, k, v``
+    unless it gives other inputs: ``memcalc.engine.inputs``)."""
+    return traced(fn, config, options, calling=calling).breakdown
+
+
+def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
+           budget=None, history: list | None = None, calling: Calling = Calling(),
+           rank: int | None = None):
+    """``trace`` with its notes (SDPA backends and why, what is not modelled, which of
+    several returned values was the output) and, given a ``memcalc.analysis.budget.Budget``, whether
+    the step fits in it (a capped direct trace). ``history``: a list to extend with the
+    allocator ledger's history (for plots). Under ``--cp``, every rank is traced and the
+    busiest shown, or only ``rank`` when given."""
+    from memcalc.analysis.budget import fit
+    from memcalc.tracing.report import Traced
+
+    if calling.autocast and not options.cuda:
+        raise TraceError("--autocast: autocast is CUDA's; --meta-paths follows the meta "
+                         "device, where torch turns CUDA autocast off")
+    if config.cp > 1 and not options.cuda:
+        raise TraceError("--cp: context parallelism runs NCCL's collectives, on the GPU's "
+                         "code paths; not with --meta-paths")
+    call = bound(fn, config, calling)
+    inputs = calling.inputs
+    if rank is not None:
+        result, paths, tracer = _rank_traced(call, config, options, inputs, rank)
+    else:
+        result, paths, tracer, rank = _busiest_traced(call, config, options, inputs)
+    if history is not None:
+        history.extend(tracer.ledger.history)
+    checked = {}
+    if budget is not None:
+        replay = lambda capacity: _measure(call, config, options, inputs, capacity,  # noqa: E731
+                                           rank=rank)
+        checked = dict(budget=budget, fit=fit(config, budget.budget_bytes, result, replay))
+    notes = (*(paths.notes if paths else ()), *_returned(call))
+    return Traced(breakdown=result, gpu=config.device.spec.label, cuda_paths=options.cuda,
+                  notes=notes, kernels=tuple(paths.kernels) if paths else (),
+                  inputs=tuple(i.text() for i in inputs if inputs is not QKV),
+                  autocast=calling.autocast, param_dtype=calling.param_dtype,
+                  optimizer=calling.loop.optimizer.text() if calling.loop.optimizer else None,
+                  grad_accum=calling.loop.accumulate, **checked)
+
+
+def _returned(call: Bound) -> tuple[str, ...]:
+    """The note that says which returned value the backward started from, if there were
+    several."""
+    if not call.returned:
+        return ()
+    return (f"the function returned {call.returned} is the output the backward starts from "
+            "(the rest is dropped before it)",)
+
+
+def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
+                    inputs: tuple[Input, ...]) -> tuple:
+    """Every rank's step, the busiest one's shown as ``memcalc.analysis.predict`` shows
+    it: ``(breakdown, paths, tracer, rank)``."""
+    from memcalc.analysis.predict import busiest, ranked
+
+    ranks = [_rank_traced(call, config, options, inputs, r) for r in range(config.cp)]
+    breakdowns = [b for b, _, _ in ranks]
+    rank = busiest(breakdowns)
+    result, paths, tracer = ranks[rank]
+    if config.cp > 1:
+        result = ranked(result, rank, breakdowns)
+    return result, paths, tracer, rank
+
+
+def _rank_traced(call: Bound, config: Config, options: TraceOptions,
+                 inputs: tuple[Input, ...], rank: int) -> tuple:
+    """``(breakdown, paths, tracer)`` of one rank's step (the only one's without ``--cp``)."""
+    from memcalc.tracing.tracer import Tracer
+
+    paths = paths_for(config, options, rank)
+    tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims))
+    result = _measure(call, config, options, inputs, paths=paths, tracer=tracer)
+    if config.cp > 1 and config.cp_method == "ulysses" and not paths.collectives:
+        raise TraceError("--cp-method ulysses: the step made no all-to-all; DeepSpeed-Ulysses "
+                         "is the caller's code (DistributedAttention around the attention): "
+                         "trace the function that calls it, on its rank's (B, N, H, D) rows")
+    return result, paths, tracer
+
+
+def paths_for(config: Config, options: TraceOptions, rank: int = 0):
+    """The CUDA dispatch layer for ``config``'s GPU, or None with ``cuda=False``; under
+    ``--cp``, as rank ``rank`` (``context_parallel.py``)."""
+    if not options.cuda:
+        return None
+    from memcalc.tracing.cuda_paths import CudaPaths
+
+    paths = CudaPaths(config.device.spec, options.release, options.workspace)
+    if config.cp > 1:
+        from memcalc.tracing.context_parallel import Ranks
+
+        paths.cp = Ranks(config.cp, rank, config.cp_method, options.group)
+    return paths
+
+
+def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[Input, ...],
+             capacity: int | None = None, paths=None, tracer=None, rank: int = 0) -> Breakdown:
+    """One direct trace of the bound call's step (see ``trace``)."""
+    from memcalc.tracing.state import kept, on_meta
+    from memcalc.tracing.tracer import measure
+
+    paths = paths or paths_for(config, options, rank)
+
+    def run():
+        with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
+            return measure(config, call, capacity, paths, state,
+                           output_like(call, config, options, inputs), tracer, inputs,
+                           call.loop)
+
+    return guarded(run, call.fn, called_with(config, inputs))
+
+
+def output_like(call: Bound, config: Config, options: TraceOptions,
+                inputs: tuple[Input, ...]) -> tuple | None:
+    """``(shape, dtype)`` of the call's output when it is not q's, from a forward under
+    ``no_grad`` along the same code paths (a scratch trace): what ``grad_out`` must look
+    like. None when there is no ``grad_out`` to make. What the scratch forward leaves on the
+    function's modules and module-level names (state built on the first call, such as a
+    causal mask buffer registered lazily) is undone after it (``state.kept``): on a GPU the
+    protocol's warm-up is the first call, and builds it there."""
+    from memcalc.tracing.state import kept
+    from memcalc.tracing.tracer import Tracer, output_of
+
+    if config.protocol.forward_only or config.protocol.loss != "grad":
+        return None
+    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options), gpu_of(config.dims))
+    with kept(call.fn):
+        shape, dtype = output_of(config, call, scratch, inputs)
+    d = config.dims
+    if inputs is QKV and shape == (d.B, d.H, d.N, d.D) and dtype == d.dtype:
+        return None
+    if not dtype.startswith(("float", "bfloat")):
+        raise TraceError(f"the output is {dtype}: the backward needs a floating tensor")
+    return shape, dtype

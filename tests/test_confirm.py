@@ -1,0 +1,77 @@
+"""An OOM answer about traced code, confirmed by direct traces (``memcalc/analysis/confirm.py``)."""
+
+import dataclasses
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cli_helpers import assert_refused, run  # noqa: E402
+from memcalc.analysis.budget import Budget, fit  # noqa: E402
+from memcalc.analysis.predict import predict  # noqa: E402
+from memcalc.analysis.thresholds import solve  # noqa: E402
+from memcalc.config import make_config  # noqa: E402
+from memcalc.engine.program import Role, Tensor  # noqa: E402
+from memcalc.impls import get_impl  # noqa: E402
+from memcalc.impls.registry import add  # noqa: E402
+from memcalc.tracing import register_function, trace  # noqa: E402
+
+BUDGET = Budget(device="given", memory_bytes=256 << 20, reserve_bytes=0)  # 256 MiB
+
+
+def attn(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), -1) @ v
+
+
+def _solved(name: str):
+    (solved,) = solve(make_config(impl=name, batch=1), BUDGET, "seq_len", [name]).results
+    return solved
+
+
+def test_the_answer_is_traced_directly_at_it_and_at_the_next_length():
+    name = register_function(attn, "confirmed-attn")
+    solved = _solved(name)
+    n = solved.max_value
+    assert solved.note == (f"its program fitted over lengths (traced at 61 to 257 rows, each "
+                           f"size an exact polynomial in seq_len); confirmed by direct traces "
+                           f"at {n:,} (fits) and {n + 1:,} (does not fit)")
+    at = make_config(impl=name, batch=1, seq_len=n)
+    direct = trace(attn, at)  # the fit of the trace itself
+    assert solved.at_max == fit(at, BUDGET.budget_bytes, direct)
+
+
+def test_a_fitted_program_a_direct_trace_contradicts_is_searched_again_on_traces():
+    """A program that holds 4 MiB more than the code (a fit gone wrong): the answer it gives
+    is too short, the direct trace at the next length fits, so the search runs again on
+    direct traces, and finds what a correct program finds."""
+    name = register_function(attn, "contradicted-attn")
+    right = _solved(name).max_value
+    impl = get_impl(name)
+    extra = Tensor("extra", (4 << 20,), "uint8", Role.temporary, "empty")
+
+    def wrong(d):
+        p = impl.build(d)
+        return dataclasses.replace(p, forward=(extra, *p.forward))
+
+    add(dataclasses.replace(impl, build=wrong), replace=True)
+    solved = _solved(name)
+    assert solved.max_value == right
+    assert "a direct trace at" in solved.note and "fits: solved again on direct traces" \
+        in solved.note
+    assert predict(make_config(impl=name, batch=1, seq_len=64)).peak_bytes > 0
+
+
+def test_multiple_of_searches_the_lengths_you_run(capsys):
+    example = "examples/custom_softmax/variants.py:reciprocal"
+    code, out, err = run(capsys, "oom", "--trace", example, "--gpu-gb", "1", "--batch", "1",
+                         "--multiple-of", "64", "--json")
+    assert code == 0, err
+    import json
+
+    (r,) = json.loads(out)["results"]
+    assert r["max_seq_len"] % 64 == 0 and r["next_seq_len"] == r["max_seq_len"] + 64
+    assert r["accepted_step"] == 64 and "confirmed by direct traces" in r["note"]
+    assert_refused(*run(capsys, "oom", "--multiple-of", "64"), "--multiple-of 64")
+    assert_refused(*run(capsys, "oom", "--trace", example, "--multiple-of", "0"),
+                   "--multiple-of")
