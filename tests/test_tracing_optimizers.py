@@ -213,6 +213,8 @@ def test_a_target_without_parameters_has_nothing_to_optimize(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (("--grad-accum", "2"), "--grad-accum 2: grads accumulate for an optimizer step"),
+    (("--optimizer", "sgd", "--forward-only"), "--optimizer sgd: steps after a backward; "
+                                               "--forward-only traces inference"),
     (("--optimizer", "lion"), "--optimizer: unknown optimizer 'lion'"),
     (("--optimizer", "adamw", "--grad-accum", "-1"), "--grad-accum: forward and backward"),
 ])

@@ -285,6 +285,9 @@ class Calling:
 
 def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
     """``fn`` with ``config``'s options, to be called as ``calling`` says."""
+    if calling.loop.optimizer is not None and config.protocol.forward_only:
+        raise TraceError(f"--optimizer {calling.loop.optimizer.text()}: steps after a "
+                         f"backward; --forward-only traces inference")
     return Bound(fn, calling.inputs, config.causal, calling.autocast, calling.param_dtype,
                  calling.loop)
 
