@@ -245,14 +245,16 @@ class Config(BaseModel):
         forward-only, the loss, the chunk, the cuBLAS workspace setting); ``leave_out``:
         the size a search solves for, or what a sweep varies (sizes, ``dtype``)."""
         left = {leave_out} if isinstance(leave_out, str) else set(leave_out)
-        reads = get_impl(self.impl).reads
+        impl = get_impl(self.impl)
+        reads = impl.reads
         left |= set(Shape.model_fields) - reads if reads is not None else set()
+        dtype = impl.title(self.dtype.value) if impl.title else self.dtype.value
         s, p = self.shape, self.protocol
         sizes = {"batch": f"B={s.batch}", "heads": f"H={s.heads}",
                  "kv_heads": f"Hk={s.kv_heads}" if s.kv_heads else "",
                  "seq_len": f"N={s.seq_len}", "kv_len": f"M={s.kv_len}" if s.kv_len else "",
                  "head_dim": f"d={s.head_dim}"}
-        options = ["" if "dtype" in left else self.dtype.value, "causal" if self.causal else "",
+        options = ["" if "dtype" in left else dtype, "causal" if self.causal else "",
                    f"mask={self.mask}" if self.mask != "none" else "",
                    "block-mask=dense" if self.block_mask == "dense" else "",
                    "forward-only" if p.forward_only else "",

@@ -262,3 +262,16 @@ def test_the_table_says_what_dominates_by_role(capsys, monkeypatch):
     assert rows["optimizer"][1:4] == ["state", "56", "54,583,296"]  # 2 x 28 parameters
     assert rows["parameter"][1:3] == ["28", "27,291,648"]  # 6,822,912 x 4 B
     assert "by role" not in run(capsys, "breakdown", "--seq", "1024")[1]
+
+
+def test_the_title_says_how_the_step_ran_not_a_dtype_nothing_took():
+    """Token ids take no --dtype: the title names the weights' dtype, autocast's, the
+    optimizer and the micro-steps instead of ``fp32``; hidden states do take it."""
+    model = load_function(f"{GPT}:TinyGPT")
+    b = memcalc.trace(model, inputs=INPUTS, optimizer="adamw:fused", grad_accum=2,
+                      param_dtype="bf16", seq_len=128, batch=2)
+    assert b.config.label() == "B=2 N=128 bf16 weights adamw:fused x2 micro-steps"
+    attention = load_function(f"{ROOT}/examples/attention/nanogpt.py:CausalSelfAttention")
+    b = memcalc.trace(attention, inputs={"x": ("B", "N", 768)}, autocast="bf16",
+                      seq_len=64, batch=1)
+    assert b.config.label() == "B=1 N=64 fp32 autocast bf16"

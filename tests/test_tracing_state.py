@@ -196,3 +196,90 @@ def test_a_constructor_failing_on_meta_is_a_one_line_trace_error(cls, why):
                                f"device: {why} (the module must be constructible without "
                                "arguments)")
     assert isinstance(info.value, ValueError) and info.value.__suppress_context__
+
+
+CACHED = '''
+import functools
+import math
+
+import torch
+
+P = 1024
+_buf, _list, _global = {}, [], None
+
+
+class _Holder:
+    pass
+
+
+holder = _Holder()
+
+
+def _attend(q, k, v, mask):
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    att = att.masked_fill(mask[: q.size(-2), : q.size(-2)] == 0, float("-inf"))
+    return torch.softmax(att, -1) @ v
+
+
+def _built(q):
+    return torch.tril(torch.ones(P, P, device=q.device))
+
+
+def in_global(q, k, v):
+    global _global
+    if _global is None:
+        _global = _built(q)
+    return _attend(q, k, v, _global)
+
+
+def in_dict(q, k, v):
+    if "bias" not in _buf:
+        _buf["bias"] = _built(q)
+    return _attend(q, k, v, _buf["bias"])
+
+
+def in_list(q, k, v):
+    if not _list:
+        _list.append(_built(q))
+    return _attend(q, k, v, _list[0])
+
+
+@functools.lru_cache
+def _mask(n, device):
+    return torch.tril(torch.ones(n, n, device=device))
+
+
+def in_lru_cache(q, k, v):
+    return _attend(q, k, v, _mask(P, q.device))
+
+
+def on_object(q, k, v):
+    if not hasattr(holder, "bias"):
+        holder.bias = _built(q)
+    return _attend(q, k, v, holder.bias)
+'''
+
+
+def test_state_a_first_call_builds_in_place_is_built_by_the_warm_up(tmp_path):
+    """GPT-2's ``_attn`` written as a function caches its causal mask on first use: in a
+    module-level dict, a list, an ``lru_cache``'d builder or on an object, as a rebound
+    global does. The scratch forward that learns grad_out's shape filled those in place,
+    so the warm-up found the mask made, and its storage was first seen at a slice in the
+    measured step, in another segment. Each is now emptied after the scratch forward:
+    every kind traces as the global does (the mask, 1,024 x 1,024 x 4 B, built by the
+    warm-up and alive at the backward peak), and the user's objects are left empty."""
+    import memcalc
+    from memcalc.tracing import load_function
+
+    (tmp_path / "cached.py").write_text(CACHED)
+    figures = {}
+    for name in ("in_global", "in_dict", "in_list", "in_lru_cache", "on_object"):
+        fn = load_function(f"{tmp_path}/cached.py:{name}")
+        b = memcalc.trace(fn, seq_len=333, batch=2, heads=3, head_dim=64, gpu="a100-80gb")
+        masks = [c for c in b.backward_live if c.name.startswith("tril")]
+        assert [c.bytes for c in masks] == [1024 * 1024 * 4], name
+        figures[name] = b.figures()
+    assert all(f == figures["in_global"] for f in figures.values())
+    module = fn.__globals__
+    assert module["_buf"] == {} and module["_list"] == [] and module["_global"] is None
+    assert module["_mask"].cache_info().currsize == 0 and not hasattr(module["holder"], "bias")

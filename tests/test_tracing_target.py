@@ -113,3 +113,27 @@ def test_a_module_classs_error_names_the_users_line(tmp_path, capsys):
     code = main(["trace", f"{tmp_path}/broken.py:M", "--input", "x=B,N"])
     err = capsys.readouterr().err
     assert code == 2 and "line 4 of broken.py (return x * int(x.sum().item()))" in err
+
+
+LAZY = '''
+def attn(q, k, v):
+    from flash_attn import flash_attn_func  # imported lazily, as many codebases do
+
+    return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           causal=True).transpose(1, 2)
+'''
+
+
+def test_a_flash_attn_imported_inside_the_function_is_the_stand_in_too(tmp_path):
+    """The stand-ins hold for the whole trace, not only while the file is imported: the
+    same call imported at the top of the file traces to the same figures."""
+    import memcalc
+    from memcalc.tracing import load_function
+
+    (tmp_path / "lazy.py").write_text(LAZY)
+    (tmp_path / "eager.py").write_text("from flash_attn import flash_attn_func\n"
+                                       + LAZY.replace("    from flash_attn import", "    # "))
+    options = dict(seq_len=1024, batch=2, heads=8, head_dim=64, dtype="bf16")
+    lazy, eager = (memcalc.trace(load_function(f"{tmp_path}/{name}.py:attn"), **options)
+                   for name in ("lazy", "eager"))
+    assert lazy.figures() == eager.figures() and lazy.peak_bytes > 0

@@ -49,6 +49,10 @@ class Impl:
     # fitted over lengths), to confirm an answer with; and how its programs are made
     exact: Callable[[Dims], Program] | None = None
     how: Callable[[Dims], str] | None = None
+    # what a title says after the sizes, given --dtype's name (None: that name): a traced
+    # step's dtypes (--dtype only where an input takes it, its weights', autocast's) and
+    # the training loop around it
+    title: Callable[[str], str] | None = None
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""

@@ -315,9 +315,24 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling(),
     add(Impl(name, f"traced from {label}", lambda d: programs(d).at(d.N), gqa=True,
              traced=True, accepted=lambda d: rules, reads=reads, user_code=True,
              exact=lambda d: programs(d).exact(d.N),
-             how=lambda d: programs(d).describe()),
+             how=lambda d: programs(d).describe(), title=_title(calling)),
         replace=True)
     return name
+
+
+def _title(calling: Calling) -> Callable[[str], str]:
+    """What a traced step's title says after its sizes: ``--dtype``'s name only where an
+    input takes it (token ids do not), its weights' dtype (``--param-dtype``), autocast's,
+    and the optimizer and micro-steps: ``bf16 weights adamw:fused x2``."""
+    from memcalc.engine.program import dtype_name
+
+    takes = calling.inputs is QKV or any(i.dtype is None for i in calling.inputs)
+    said = [f"{dtype_name(calling.param_dtype)} weights"] if calling.param_dtype else []
+    said += [f"autocast {dtype_name(calling.autocast)}"] if calling.autocast else []
+    loop = calling.loop
+    said += [loop.optimizer.text()] if loop.optimizer else []
+    said += [f"x{loop.accumulate} micro-steps"] if loop.accumulate > 1 else []
+    return lambda dtype: " ".join(([dtype] if takes else []) + said)
 
 
 def _config_of(impl: str, d: Dims) -> Config:

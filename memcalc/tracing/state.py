@@ -90,8 +90,9 @@ _STORES = ("_parameters", "_buffers", "_modules")
 def kept(fn: Callable) -> Iterator[None]:
     """Undo, when the block ends, what running ``fn`` left on its modules (each submodule's
     attributes, parameters, buffers and children: ``register_buffer`` in a first
-    ``forward``) and on the module-level names its code refers to (a global set on the first
-    call). Such state is built by the first call on a GPU, the protocol's warm-up, with the
+    ``forward``), on the module-level names its code refers to (a global set on the first
+    call), and in the containers among them filled in place (a dict caching a causal mask,
+    a list, an ``lru_cache``'d mask builder, an object's attributes: ``_refiller``). Such state is built by the first call on a GPU, the protocol's warm-up, with the
     temporaries that build it; a scratch forward run before the protocol must not build it
     instead, and a trace must not leave meta tensors on the user's objects."""
     import torch
@@ -103,11 +104,17 @@ def kept(fn: Callable) -> Iterator[None]:
     modules = list({id(m): m for r in roots for m in r.modules()}.values())
     saved = [(m, dict(m.__dict__), {k: dict(m.__dict__[k]) for k in _STORES if k in m.__dict__},
               set(m.__dict__.get("_non_persistent_buffers_set", ()))) for m in modules]
-    namespace, names = getattr(fn, "__globals__", None), _names(fn)
+    code = _code(fn)
+    namespace, names = getattr(code, "__globals__", None), _names(code)
     values = {n: namespace.get(n, _ABSENT) for n in names} if namespace is not None else {}
+    filled = [r for r in map(_refiller, [*values.values(), *(v for m in modules
+                                                            for k, v in m.__dict__.items()
+                                                            if k not in _STORES)]) if r]
     try:
         yield
     finally:
+        for refill in filled:
+            refill()
         for m, attrs, stores, non_persistent in saved:
             now = m.__dict__
             for key in [k for k in now if k not in attrs]:
@@ -126,6 +133,41 @@ def kept(fn: Callable) -> Iterator[None]:
                 namespace.pop(name, None)
             elif namespace.get(name, _ABSENT) is not value:
                 namespace[name] = value
+
+
+def _code(fn: Callable) -> Callable:
+    """The function whose module-level names a call of ``fn`` reads: ``fn``, or a module's
+    ``forward`` (a GPT-2-style cache in its file's namespace)."""
+    import torch
+
+    return type(fn).forward if isinstance(fn, torch.nn.Module) else fn
+
+
+def _refiller(value) -> Callable[[], None] | None:
+    """What puts ``value``'s contents back as they are now, for state a first call may build
+    in place rather than by rebinding a name: a dict, list or set (a mask cached by
+    shape), a ``functools.lru_cache``'d builder that has cached nothing yet, a plain
+    object's attributes; None for anything else."""
+    import types
+
+    if isinstance(value, (dict, set)):
+        copy = value.copy()
+        return lambda: (value.clear(), value.update(copy))
+    if isinstance(value, list):
+        copy = list(value)
+        return lambda: value.__setitem__(slice(None), copy)
+    if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
+        return value.cache_clear if value.cache_info().currsize == 0 else None
+    import torch
+
+    plain = not isinstance(value, (type, types.ModuleType, types.FunctionType,
+                                   types.BuiltinFunctionType, types.MethodType,
+                                   torch.nn.Module, torch.Tensor))  # modules: ``kept``'s own
+    if plain and not type(value).__module__.startswith(("builtins", "torch")) \
+            and isinstance(getattr(value, "__dict__", None), dict):
+        attrs = dict(vars(value))
+        return lambda: (vars(value).clear(), vars(value).update(attrs))
+    return None
 
 
 def _names(fn: Callable) -> set[str]:

@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -97,13 +98,23 @@ def _is_module_class(obj) -> bool:
 
 def _import(target: str, spec: str):
     """The user's module, imported as Python would, with the stand-ins of what cannot run on
-    meta: the flash-attn packages (``memcalc.tracing.flash_attn``) and compiled
-    FlexAttention (``memcalc.tracing.flex``)."""
-    from memcalc.tracing import flex
-    from memcalc.tracing.flash_attn import stand_ins
-
-    with stand_ins(), flex.stand_in():
+    meta (``stand_ins``)."""
+    with stand_ins():
         return _imported(target, spec)
+
+
+@contextmanager
+def stand_ins():
+    """The stand-ins of what cannot run on the meta device, while the user's code runs:
+    the flash-attn packages (``memcalc.tracing.flash_attn``) and compiled FlexAttention
+    (``memcalc.tracing.flex``); held while the file is imported and while it is traced, so
+    that ``from flash_attn import flash_attn_func`` inside a function (imported lazily, as
+    many codebases do) finds the stand-in too."""
+    from memcalc.tracing import flex
+    from memcalc.tracing.flash_attn import stand_ins as flash_attn
+
+    with flash_attn(), flex.stand_in():
+        yield
 
 
 def _imported(target: str, spec: str):
