@@ -15,13 +15,39 @@ and in Jupyter (HTML). Nothing here imports torch unless a function needs it (``
 
 from __future__ import annotations
 
-import functools
-import inspect
-import operator
-from typing import Callable, Sequence
 
-import memcalc.analysis.budget  # noqa: F401  (registers how a Breakdown judges its fit)
-from memcalc.engine.work import memory_limit  # noqa: F401  (with memcalc.memory_limit(None): ...)
+def _the_command() -> bool:
+    """Whether this process is the ``memcalc`` command (``memcalc ...`` or ``python -m
+    memcalc.cli ...``), not other code importing the package."""
+    import os
+    import sys
+
+    argv = getattr(sys, "orig_argv", sys.argv)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return script in ("memcalc", "memcalc.exe") or module in ("memcalc", "memcalc.cli")
+
+
+def _interrupted() -> None:
+    """Ctrl-C while the command starts, before ``memcalc.cli.main`` can catch it: its one
+    line and status, as main's; imported by other code, the interrupt goes on."""
+    if not _the_command():
+        raise KeyboardInterrupt
+    import sys
+
+    print("memcalc: interrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+
+try:
+    import functools
+    import inspect
+    import operator
+    from typing import Callable, Sequence
+
+    from memcalc.engine.work import memory_limit  # noqa: F401  (memcalc.memory_limit(None))
+except KeyboardInterrupt:
+    _interrupted()
 
 __version__ = "0.1.0"
 
@@ -70,15 +96,30 @@ def _options(function: str, options: dict, extra: tuple[str, ...] = ()) -> dict:
     return out
 
 
+_SIGNED: list[tuple[Callable, tuple]] = []  # the functions _signature signs, with extras
+
+
 def _signature(*extra: inspect.Parameter):
     """Give the decorated ``f(**options)`` the signature ``help()`` shows: ``extra``, then
-    ``make_config``'s keywords."""
+    ``make_config``'s keywords (signed once every function is defined: ``_sign``)."""
     def wrap(function):
+        _SIGNED.append((function, extra))
+        return function
+    return wrap
+
+
+def _sign() -> None:
+    """The signatures ``_signature`` promised, and ``trace``'s: read from ``make_config``,
+    which imports the configuration models (most of ``import memcalc``'s time)."""
+    for function, extra in _SIGNED:
         names = {p.name for p in extra}
         params = list(extra) + [p for p in _config_parameters() if p.name not in names]
         function.__signature__ = inspect.Signature(params)
-        return function
-    return wrap
+    trace.__signature__ = inspect.Signature(
+        [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD), _kw("inputs"),
+         _kw("no_grad", ()), _kw("autocast"), _kw("param_dtype"), _kw("optimizer"),
+         _kw("grad_accum", 1), _kw("gpu_gb"), _kw("reserve"),
+         *(p for p in _config_parameters() if p.name != "impl")])
 
 
 def _kw(name: str, default=None) -> inspect.Parameter:
@@ -359,13 +400,6 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     return b.with_budget(_budget(config, gpu_gb, reserve))
 
 
-trace.__signature__ = inspect.Signature(
-    [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD), _kw("inputs"),
-     _kw("no_grad", ()), _kw("autocast"), _kw("param_dtype"), _kw("optimizer"),
-     _kw("grad_accum", 1), _kw("gpu_gb"), _kw("reserve"),
-     *(p for p in _config_parameters() if p.name != "impl")])
-
-
 def validate(backend: str = "emulated", impls: list[str] | None = None, grid=None):
     """Check predictions against the emulated trace or a live GPU: a ``Report``.
 
@@ -379,3 +413,11 @@ def validate(backend: str = "emulated", impls: list[str] | None = None, grid=Non
     if impls is not None:
         impls = _names(impls, "impls", _impl_names())
     return run(backend=backend, impls=impls, grid=grid)
+
+
+try:
+    import memcalc.analysis.budget  # noqa: F401  (registers how a Breakdown judges its fit)
+
+    _sign()
+except KeyboardInterrupt:
+    _interrupted()

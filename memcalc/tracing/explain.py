@@ -14,18 +14,19 @@ from memcalc.config import Config
 from memcalc.engine.inputs import Input
 from memcalc.errors import one_line as _first_line
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu, TraceError
+from memcalc.tracing.interrupt import held
 from memcalc.tracing.target import stand_ins
 
 
 def guarded(run: Callable, fn: Callable, called_with: str = ""):
-    """Run a trace, the stand-ins of what cannot run on meta in place (``stand_ins``); a
-    failure becomes a TraceError naming the user's line, what the target was
+    """Run a trace, the stand-ins of what cannot run on meta in place (``stand_ins``) and
+    Ctrl-C held for the tracer's next op (``interrupt.held``); a failure becomes a TraceError naming the user's line, what the target was
     ``called_with`` (``q (8, 1, 1024, 16) float32, ...``) where that explains it, and a
     hint where one applies."""
     from memcalc.engine.allocator import OutOfMemory
 
     try:
-        with warnings.catch_warnings(), stand_ins():
+        with warnings.catch_warnings(), stand_ins(), held():
             # torch's own warnings concern running on the meta device (dynamo refusing a
             # meta tensor, autocast without CUDA), not the user's code
             warnings.filterwarnings("ignore", module=r"torch\.")

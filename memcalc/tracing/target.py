@@ -99,7 +99,9 @@ def _is_module_class(obj) -> bool:
 def _import(target: str, spec: str):
     """The user's module, imported as Python would, with the stand-ins of what cannot run on
     meta (``stand_ins``)."""
-    with stand_ins():
+    from memcalc.tracing.interrupt import held
+
+    with stand_ins(), held():  # a Ctrl-C half-way through the file's imports: after them
         return _imported(target, spec)
 
 

@@ -39,6 +39,7 @@ from memcalc.engine.inputs import QKV, Input
 from memcalc.impls.embedding import EmbeddingBackward
 from memcalc.impls.reductions import Reduction, accumulator_bytes
 from memcalc.impls.device import Gpu, gpu_of
+from memcalc.tracing import interrupt
 from memcalc.tracing.collectives import Collectives
 from memcalc.tracing.optimizers import Loop
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
@@ -314,6 +315,7 @@ class Tracer(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        interrupt.check()  # a Ctrl-C the trace held (``interrupt.held``) stops it here
         if self._quiet:
             return func(*args, **(kwargs or {}))
         self.collect_frees()
