@@ -64,7 +64,7 @@ def test_sizes_may_be_written_in_exponent_notation(capsys):
     assert (json.loads(out)["config"]["shape"]["seq_len"],
             json.loads(out)["config"]["shape"]["batch"]) == (1000, 25)
     _, out, _ = run(capsys, "sweep", "--seq", "1e3:3e3:1e3,4_096", "--impl", "flash2", "--csv")
-    assert [row.split(",")[4] for row in out.splitlines()[1:]] == ["1000", "2000", "3000", "4096"]
+    assert [row.split(",")[5] for row in out.splitlines()[1:]] == ["1000", "2000", "3000", "4096"]
 
 
 @pytest.mark.parametrize("argv, field", [

@@ -29,8 +29,9 @@ def test_closed_form_of_a_loop_counts_the_chunks_it_adds():
 
 
 def test_text_leaves_out_zero_terms_exact_or_rounded():
-    """A zero coefficient is no term, and neither is one that rounds to 0.00 (the oom
-    report's rounded form printed ``0*d^2``)."""
+    """A zero coefficient is no term (the oom report's rounded form printed ``0*d^2``); one
+    that rounds to 0.00 stays, as its exact fraction (flex's BlockMask, 1/1,024 N^2, is
+    gigabytes at a million rows: left out, the line did not add up to the answer)."""
     from memcalc.analysis.closed_form import Quadratic
 
     def form(a, b, c, exact=True):
@@ -41,8 +42,8 @@ def test_text_leaves_out_zero_terms_exact_or_rounded():
     fractional = form(0, Fraction(3, 2), -7, exact=False)
     assert fractional.text() == "3/2*d - 7 (fit)"
     assert fractional.text(places=2) == "1.50*d - 7"  # 3/2 = 1.50; no "0*d^2"
-    # 1/1000 rounds to 0.00: left out; -1/3 = -0.33 keeps its sign in the operator
-    assert form(Fraction(1, 1000), Fraction(-1, 3), 0).text(places=2) == "-0.33*d"
+    # 1/1000 rounds to 0.00: its fraction; -1/3 = -0.33 keeps its sign in the operator
+    assert form(Fraction(1, 1000), Fraction(-1, 3), 0).text(places=2) == "1/1,000*d^2 - 0.33*d"
     assert form(0, 0, 0).text() == "0"
 
 
@@ -59,3 +60,20 @@ def test_json_coefficients_are_integers_over_one_denominator():
     assert fit.coefficients() == {"a": -41, "b": 11_858_520, "c": -80_080_000,
                                   "denominator": 1875}
     assert (-41 * 3000**2 + 11_858_520 * 3000 - 80_080_000) / Fraction(1875) == fit(3000)
+
+
+def test_a_name_declared_twice_counts_the_declaration_alive_at_the_peak():
+    """cuDNN's workspace is declared in the forward (256 B) and again in the backward (the
+    float32 dQ accumulator and statistics): the closed form followed the first and left
+    the backward's out, 41,088*N + 272 where the step needs 73,984*N + 272 (B=1, 32 heads
+    of 128 over 8, bf16: q, out, grad_out, dq 4 x 32 x 128 x 2 = 32,768; k, v, dk, dv
+    4 x 8 x 128 x 2 = 8,192; lse 32 x 4 = 128; the workspace 32 x 128 x 4 + 32 x 4 =
+    16,512, plus 2 x 32 x 128 x 2 = 16,384 for the grouped heads, dK and dV at every
+    query head: 73,984 per row)."""
+    import memcalc
+    from memcalc.analysis.closed_form import live_polynomial
+
+    c = memcalc.make_config(impl="sdpa-cudnn", batch=1, heads=32, kv_heads=8, head_dim=128,
+                            dtype="bf16", causal=True, seq_len=65_536)
+    q = live_polynomial(c, "seq_len")
+    assert (q.a, q.b, q.exact) == (0, 32_768 + 8_192 + 128 + 16_512 + 16_384, True)

@@ -73,12 +73,12 @@ def test_csv_and_markdown_print_the_comparison(capsys):
     assert out == api.to_csv()
     assert out.splitlines() == [
         "impl,status,quadratic_saved,saved_bytes,forward_peak_bytes,backward_peak_bytes,"
-        "peak_bytes,reserved_peak_bytes,saving_bytes,factor,max_seq_len,reason",
+        "peak_bytes,reserved_peak_bytes,fits,saving_bytes,factor,max_seq_len,reason",
         f"naive,solved,2,{NAIVE_SAVED},{base.forward_peak_bytes},{base.backward_peak_bytes},"
-        f"{base.peak_bytes},{base.reserved_peak_bytes},0,1.0,{api.rows[0].max_seq_len},",
+        f"{base.peak_bytes},{base.reserved_peak_bytes},True,0,1.0,{api.rows[0].max_seq_len},",
         # 68,783,104 / 68,255,744 = 1.0077262..., to 6 decimals (the table: 1.01x)
         f"naive-softmax,solved,1,{NN},{soft.forward_peak_bytes},{soft.backward_peak_bytes},"
-        f"{soft.peak_bytes},{soft.reserved_peak_bytes},{PEAK_GAP},1.007726,"
+        f"{soft.peak_bytes},{soft.reserved_peak_bytes},True,{PEAK_GAP},1.007726,"
         f"{api.rows[1].max_seq_len},"]
     # 64 MiB of cuBLAS workspaces (67,108,864 B) + 1,674,240 B; PEAK_GAP less
     assert (base.peak_bytes, soft.peak_bytes) == (68_783_104, 68_783_104 - PEAK_GAP)
@@ -88,7 +88,7 @@ def test_csv_and_markdown_print_the_comparison(capsys):
     lines = out.splitlines()
     assert lines[0].startswith("**B=1 H=1 N=256 d=16 fp32; max seq_len within budget ")
     assert lines[2] == ("| implementation | N x M saved | saved | forward peak | backward peak "
-                        "| peak | saves vs naive | factor | max seq_len |")
+                        "| peak | reserved peak | fits | saves vs naive | factor | max seq_len |")
 
 
 def test_baseline_sets_what_the_savings_are_against(capsys):
@@ -124,8 +124,9 @@ def test_rows_without_a_figure_have_empty_cells_and_say_why(capsys):
 @pytest.mark.parametrize("width", [60, 80, 120, None])  # None: piped, no COLUMNS
 def test_the_table_fits_the_width_with_no_figure_cut(capsys, monkeypatch, width):
     """Each row's cells are its figures in order, whole; a narrow width drops secondary
-    columns but keeps the peak, the saving, the factor and the largest seq_len; at 120
-    columns, or piped (200), all nine are shown. The budget's figure is never cut."""
+    columns but keeps the peak, whether it fits, the saving, the factor and the largest
+    seq_len; at 120 columns, or piped (200), all eleven are shown. The budget's figure is
+    never cut."""
     from memcalc.gpus import gpu_preset
 
     data = json.loads(compared(capsys, *PAIR, "--json"))
@@ -145,13 +146,14 @@ def test_the_table_fits_the_width_with_no_figure_cut(capsys, monkeypatch, width)
     for row in data["rows"]:
         full = [row["impl"], str(row["quadratic_saved"]), human(row["saved_bytes"]),
                 human(row["forward_peak_bytes"]), human(row["backward_peak_bytes"]),
-                human(row["peak_bytes"]), savings[row["impl"]], ratio(base, row["peak_bytes"]),
-                f"{row['max_seq_len']:,}"]
+                human(row["peak_bytes"]), human(row["reserved_peak_bytes"]),
+                "yes" if row["fits"] else "NO", savings[row["impl"]],
+                ratio(base, row["peak_bytes"]), f"{row['max_seq_len']:,}"]
         (line,) = [line for line in out.splitlines() if line.split(" ")[0] == row["impl"]]
         cells = re.split(r" {2,}", line.strip())  # columns are 2 spaces apart at least
         kept = iter(full)
         assert all(cell in kept for cell in cells), (cells, full)  # in order, none cut
-        assert set(full[5:]) <= set(cells), cells
+        assert set(full[5:6] + full[7:]) <= set(cells), cells
         assert cells == full or width in (60, 80), cells
 
 

@@ -184,18 +184,20 @@ def test_csv_json_and_records_keep_bytes_and_the_growth_as_a_number_whatever_the
     s = sweep(base(), BUDGET, seq_len=(512, 256), pivot="saved")  # MiB and a pivot: not in CSV
     # growth: 344,064 / 1,212,416 = 21/74 = 0.2837837..., to 6 decimals (the table: x0.28)
     assert s.to_csv() == (
-        "impl,dtype,batch,heads,seq_len,head_dim,peak_bytes,saved_bytes,forward_peak_bytes,"
-        "backward_peak_bytes,reserved_peak_bytes,quadratic_bytes,growth,fits,status,reason\n"
-        f"{TOY},fp32,1,1,512,16,1212416,1048576,1212416,1212416,2097152,1048576,1.0,True,"
-        "computed,\n"
-        f"{TOY},fp32,1,1,256,16,344064,262144,344064,344064,2097152,262144,0.283784,True,"
-        "computed,\n")
+        "impl,dtype,batch,heads,kv_heads,seq_len,head_dim,causal,peak_bytes,saved_bytes,"
+        "forward_peak_bytes,backward_peak_bytes,reserved_peak_bytes,quadratic_bytes,growth,"
+        "fits,status,reason\n"
+        f"{TOY},fp32,1,1,1,512,16,False,1212416,1048576,1212416,1212416,2097152,1048576,1.0,"
+        "True,computed,\n"
+        f"{TOY},fp32,1,1,1,256,16,False,344064,262144,344064,344064,2097152,262144,0.283784,"
+        "True,computed,\n")
     data = s.to_dict()
     assert data["budget_bytes"] == 3 * MiB  # 4 MiB - 1 MiB
     assert data["axes"] == {"impl": [TOY], "dtype": ["fp32"], "batch": [1], "heads": [1],
                             "head_dim": [16], "seq_len": [512, 256]}
     assert data["rows"][1] == {
-        "impl": TOY, "dtype": "fp32", "batch": 1, "heads": 1, "seq_len": 256, "head_dim": 16,
+        "impl": TOY, "dtype": "fp32", "batch": 1, "heads": 1, "kv_heads": 1, "causal": False,
+        "seq_len": 256, "head_dim": 16,
         "saved_bytes": 262_144, "forward_peak_bytes": 344_064, "backward_peak_bytes": 344_064,
         "reserved_peak_bytes": 2 * MiB, "quadratic_bytes": 262_144, "fits": True,
         "peak_bytes": 344_064, "growth": 0.283784}
@@ -278,7 +280,7 @@ def test_a_refusal_of_some_sizes_skips_those_only():
         ("sdpa-flash", 128), ("naive", 128), ("naive", 512)]
     assert [(k.impl, k.sizes) for k in s.skipped] == [("sdpa-flash", {"head_dim": 512})]
     assert s.skipped[0].who() == "sdpa-flash fp16 at head_dim 512"
-    assert s.to_csv().splitlines()[-1].startswith("sdpa-flash,fp16,,,,512,,,,,,,,,skipped,")
+    assert s.to_csv().splitlines()[-1].startswith("sdpa-flash,fp16,,,,,512,,,,,,,,,,skipped,")
     assert [r["status"] for r in s.records()] == ["computed"] * 3 + ["skipped"]  # a DataFrame's
     causal = sweep(make_config(impl="linear-causal", kv_len=64), budget, seq_len=(64, 128))
     assert [r.seq_len for r in causal.rows] == [64]

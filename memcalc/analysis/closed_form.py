@@ -24,12 +24,14 @@ SYMBOL = {"seq_len": "N", "batch": "B", "head_dim": "d"}
 
 def _coefficient(q: Fraction, places: int | None) -> str:
     """A coefficient's magnitude: the integer; else its fraction, or with ``places``, its
-    decimal rounded to that many places (exactly, half up)."""
+    decimal rounded to that many places (exactly, half up), kept a fraction where that
+    rounding would lose it (a BlockMask's 1/1,024 N^2 is gigabytes at a million rows)."""
     if q.denominator == 1:
         return f"{q.numerator:,}"
-    if places is None:
+    rounded = fixed(q.numerator, q.denominator, places) if places is not None else ""
+    if places is None or not rounded.strip("0.,"):
         return f"{q.numerator:,}/{q.denominator:,}"
-    return fixed(q.numerator, q.denominator, places)
+    return rounded
 
 
 class Quadratic(BaseModel):
@@ -66,7 +68,7 @@ class Quadratic(BaseModel):
     def text(self, places: int | None = None) -> str:
         """``a*x^2 + b*x + c`` without its zero terms: exact coefficients (integers or
         fractions, `` (fit)`` after an inexact form), or each rounded to ``places`` decimals
-        (a term that rounds to zero left out)."""
+        (a fraction where rounding would make it zero)."""
         x = self.symbol
         terms = [(q, _coefficient(abs(q), places), s)
                  for q, s in ((self.a, f"*{x}^2"), (self.b, f"*{x}"), (self.c, "")) if q]
@@ -110,6 +112,10 @@ def live_polynomial(config: Config, field: str, breakdown=None,
     at_x0 = tensor_sizes(config)
     declared = len(at_x0)
 
+    # which declaration of its name each live tensor is: the one of its size at x0
+    which = {id(c): at_x0[c.name].index(c.bytes) for c in live
+             if c.name in at_x0 and c.bytes in at_x0[c.name]}
+
     def raw(x: int) -> int | None:
         sizes = at_x0 if x == x0 else tensor_sizes(config.replace(**{field: x}))
         if len(sizes) != declared:  # a loop: more tensors at x, not larger ones; replay it
@@ -118,8 +124,8 @@ def live_polynomial(config: Config, field: str, breakdown=None,
         for comp in live:
             if comp.role is Role.workspace:
                 total += comp.bytes
-            elif comp.name in sizes:
-                total += sizes[comp.name]
+            elif id(comp) in which and len(sizes[comp.name]) > which[id(comp)]:
+                total += sizes[comp.name][which[id(comp)]]
             else:
                 return None
         return total

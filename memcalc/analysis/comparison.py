@@ -83,6 +83,9 @@ class Comparison(Result):
             Column("forward peak", fig("forward_peak_bytes"), "right", drop=4),
             Column("backward peak", fig("backward_peak_bytes"), "right", drop=4),
             Column("peak", fig("peak_bytes"), "right"),
+            Column("reserved peak", fig("reserved_peak_bytes"), "right", drop=3),
+            Column("fits", lambda r: {True: "yes", False: "NO", None: "-"}[self._fits(r)],
+                   "right"),
             Column(f"saves vs {self.baseline}", lambda r: human(base - r.breakdown.peak_bytes)
                    if r.breakdown and base is not None else "-", "right", drop=2),
             Column("factor", lambda r: ratio(base, r.breakdown.peak_bytes)
@@ -90,6 +93,10 @@ class Comparison(Result):
             Column("max seq_len", lambda r: r.max_seq_len if r.max_seq_len is not None
                    else ("n/a" if not r.breakdown else "not solved"), "right"),
         ]
+
+    def _fits(self, r: Row) -> bool | None:
+        """Whether ``r``'s step fits the budget at this length (None without figures)."""
+        return r.breakdown.fit(self.budget).fits if r.breakdown else None
 
     def _saving(self, r: Row) -> tuple[int | None, float | None]:
         """``r``'s saving against the baseline's peak, in bytes and as the factor baseline
@@ -158,14 +165,15 @@ class Comparison(Result):
         saving, factor = self._saving(r)
         return {"impl": r.impl, "status": r.status,
                 "quadratic_saved": quadratic_saved(b) if b else None, **figures,
-                "saving_bytes": saving, "factor": factor, "max_seq_len": r.max_seq_len,
-                "reason": r.note or None}
+                "fits": self._fits(r), "saving_bytes": saving, "factor": factor,
+                "max_seq_len": r.max_seq_len, "reason": r.note or None}
 
 
-RECORD_KEYS = ("impl", "status", "quadratic_saved", *FIGURES, "saving_bytes", "factor",
+RECORD_KEYS = ("impl", "status", "quadratic_saved", *FIGURES, "fits", "saving_bytes", "factor",
                "max_seq_len", "reason")
-"""A comparison's CSV columns, the keys of each of its JSON ``rows``: ``saving_bytes`` is the
-baseline's peak less the row's, ``factor`` the baseline's peak over the row's."""
+"""A comparison's CSV columns, the keys of each of its JSON ``rows``: ``fits``, whether the
+step fits the budget at this length; ``saving_bytes`` is the baseline's peak less the row's,
+``factor`` the baseline's peak over the row's."""
 
 
 def compare(base: Config, budget: Budget, impls: list[str] | None = None,

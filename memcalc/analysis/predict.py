@@ -145,13 +145,16 @@ def _unsaved(component: Component) -> Component:
     return component.model_copy(update={"role": Role.activation})
 
 
-def tensor_sizes(config: Config) -> dict[str, int]:
-    """The requested bytes of every tensor the step declares, by name (inputs included;
-    the first declaration of a name wins)."""
+def tensor_sizes(config: Config) -> dict[str, tuple[int, ...]]:
+    """The requested bytes of every tensor the step declares, by name, one entry per
+    declaration in program order (inputs, a traced loop's warm-up and every measured
+    phase included): a name may be declared again (cuDNN's workspace, 256 B in the
+    forward and the size of dq's accumulator in the backward)."""
     d = config.dims
     program = step_program(get_impl(config.impl), d)
-    sizes: dict[str, int] = {}
-    for t in (*step_inputs(program, d), *program.forward, *program.backward):
+    sizes: dict[str, tuple[int, ...]] = {}
+    phases = (e for phase in program.measured(not d.forward_only) for e in phase.events)
+    for t in (*step_inputs(program, d), *(program.warm_up or ()), *phases):
         if isinstance(t, Tensor):
-            sizes.setdefault(t.name, t.bytes)
+            sizes[t.name] = (*sizes.get(t.name, ()), t.bytes)
     return sizes

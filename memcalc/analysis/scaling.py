@@ -105,9 +105,10 @@ MEANS = {  # what a sweep's column (or a pivot's figure) is
     "N^2 share": "blocks of the tensors whose size grows as seq_len x kv_len, at the peak",
     "OOM?": "replaying the step with capacity = budget raises (reserved memory)",
 }
-CSV_KEYS = ("impl", "dtype", "batch", "heads", "seq_len", "head_dim", "peak_bytes", "saved_bytes",
-            "forward_peak_bytes", "backward_peak_bytes", "reserved_peak_bytes",
-            "quadratic_bytes", "growth", "fits", "status", "reason")  # and cp, when swept
+CSV_KEYS = ("impl", "dtype", "batch", "heads", "kv_heads", "seq_len", "head_dim", "causal",
+            "peak_bytes", "saved_bytes", "forward_peak_bytes", "backward_peak_bytes",
+            "reserved_peak_bytes", "quadratic_bytes", "growth", "fits", "status",
+            "reason")  # and cp, when swept
 
 
 class Skipped(BaseModel):
@@ -311,7 +312,9 @@ class Sweep(Result):
         c = self.columns
         peaks = [max(f, b) for f, b in zip(c["forward_peak_bytes"], c["backward_peak_bytes"])]
         names = [k for k in c if k != "first_peak_bytes" and (k != "cp" or "cp" in self.axes)]
-        rows = [{**dict(zip(names, values)), "peak_bytes": peak,
+        kv = self.base.shape.kv_heads  # held fixed by the sweep (None: each row's heads)
+        rows = [{**(row := dict(zip(names, values))), "kv_heads": kv or row["heads"],
+                 "causal": self.base.causal, "peak_bytes": peak,
                  "growth": growth_number(peak, first)}
                 for values, peak, first in zip(zip(*(c[k] for k in names)), peaks,
                                                c["first_peak_bytes"])]

@@ -131,13 +131,28 @@ def _none_fits_note(r: Solved) -> str | None:
             f"{f.budget_bytes:,} B ({human(f.budget_bytes)})")
 
 
+def _skipped_lines(skipped) -> list[str]:
+    """A line per reason to skip: implementations refused for the same reason (but for their
+    own name in it: ``--cp 8`` refuses 19 of them alike) share one."""
+    import re
+
+    groups: dict[str, list[str]] = {}
+    for k in skipped:
+        own = re.compile(rf"(?<![\w-]){re.escape(k.impl)}(?![\w-])")
+        groups.setdefault(own.sub("{impl}", k.reason), []).append(k.impl)
+    return [f"{impls[0]}: skipped, {reason.replace('{impl}', impls[0])}" if len(impls) == 1
+            else f"{', '.join(impls)}: skipped, {reason.replace('{impl}', 'these')}"
+            for reason, impls in groups.items()]
+
+
 def _formula(r) -> str:
     """The closed form, readable: integer coefficients as they are (exact, or marked a fit);
     fractional ones as decimals, labelled approximate (the exact fractions are in --json)."""
     q = r.approximation
     if q is None:
-        return ("none (tensors that change names with the field, or no time left to replay "
-                "a loop at 2x, 3x and 4x the answer)")
+        return ("no closed form: the tensors alive at the peak are not the same ones at 2x, "
+                "3x and 4x this length (a loop's, one a length), or the time limit left no "
+                "time to replay them there")
     if all(c.denominator == 1 for c in (q.a, q.b, q.c)):
         return q.text()
     x = q.symbol
@@ -193,7 +208,7 @@ class OomReport(Result):
 
         s, after = SYMBOL[self.field], _next_label(self.field, self.results)
         skips = [f"{k.impl}: not solved, {k.reason}" for k in self.unsolved]
-        skips += [f"{k.impl}: skipped, {k.reason}" for k in self.skipped]
+        skips += _skipped_lines(self.skipped)
         skips += [f"{r.impl}: exact ({r.max_value:,} fits, {r.next_value:,} does not), but "
                   f"the time limit left no time to replay every figure in full (-: not known)"
                   for r in self.results if _missing_figures(r)]

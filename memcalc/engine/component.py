@@ -59,8 +59,8 @@ class Component(Record):
     @property
     def formula(self) -> str:
         """The raw size spelled out, ``8 x 16384 x 16384 x 4 B``."""
-        if self.role is Role.workspace:
-            return f"{self.bytes:,} B"
+        if self.role is Role.workspace or (self.dtype == "uint8" and len(self.shape) == 1):
+            return f"{self.bytes:,} B"  # a buffer of bytes
         dims = " x ".join(str(n) for n in self.shape) or "1"
         if self.dtype not in ITEMSIZE:
             return f"{dims} ({self.bytes:,} B)"

@@ -99,11 +99,13 @@ _KERNEL = {
     ("dout_t", "permute"): "backward: grad_out copied to the kernel's layout",
     ("out_t", "contiguous"): "backward: the output copied to the kernel's layout",
     ("workspace", "empty"): "backward kernel's workspace",
-    ("cudnn_workspace", "allocate"): "cuDNN's workspace",
+    ("cudnn_workspace", "allocate"): "cuDNN's workspace (backward: a float32 dQ "
+                                     "accumulator and statistics)",
 }
 _KERNELS = ("flash", "efficient", "cudnn", "flash-attn", "flash-attn3")
 # a kernel's own buffers, not a copy of ours
-_ALLOCATING = ("empty", "empty_like", "zeros", "flex_attention", "flex_attention_backward")
+_ALLOCATING = ("empty", "empty_like", "zeros", "flex_attention", "flex_attention_backward",
+               "allocate")
 
 
 def made_by(component) -> str:
