@@ -75,3 +75,19 @@ def test_multiple_of_searches_the_lengths_you_run(capsys):
     assert_refused(*run(capsys, "oom", "--multiple-of", "64"), "--multiple-of 64")
     assert_refused(*run(capsys, "oom", "--trace", example, "--multiple-of", "0"),
                    "--multiple-of")
+
+
+def test_a_fragile_answer_says_which_shorter_lengths_do_not_fit():
+    """cuDNN's ring over 8 ranks, Llama-3-8B's heads: 4,194,304 fits, but 99% and 99.9% of
+    it (snapped to the multiples of 16 the ring takes) do not: the reserved segments decide
+    there. A plain answer has no such note."""
+    config = make_config(impl="sdpa-cudnn", cp=8, cp_method="alltoall", causal=True,
+                         dtype="bf16", heads=32, kv_heads=8, head_dim=128, batch=1)
+    budget = Budget.of(config.device)
+    (solved,) = solve(config, budget, "seq_len", ["sdpa-cudnn"]).results
+    assert solved.max_value == 4_194_304
+    assert solved.holes == (4_152_352, 4_190_096)  # floor(0.99 N / 16) * 16, of 0.999 N
+    report = solve(config, budget, "seq_len", ["sdpa-cudnn"])
+    assert any("fragile: 4,152,352 and 4,190,096 do not fit" in n for n in report.footnotes())
+    (plain,) = solve(make_config(impl="naive"), budget, "seq_len", ["naive"]).results
+    assert plain.holes == ()

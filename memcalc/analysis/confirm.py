@@ -1,4 +1,5 @@
-"""An answer about traced code, confirmed by direct traces.
+"""An answer, confirmed: about traced code by direct traces, and for any implementation
+looked at a little below (``with_holes``: where fitting is not monotone).
 
 A traced step's program is fitted over lengths where it can be (``memcalc.tracing.fitted``)
 and the solver replays that; the answer is then traced directly at the largest value that
@@ -10,6 +11,7 @@ traces alone. Implementations declare a direct trace as ``Impl.exact``; others p
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 from typing import Callable
 
 from memcalc.analysis.budget import Fit, fit
@@ -61,3 +63,22 @@ def _on_direct_traces(impl, search: Callable[[], Solved]) -> Solved:
         return search()
     finally:
         add(impl, replace=True)
+
+
+# how far below an answer the search looks for lengths that do not fit (fractions of it)
+BELOW = (Fraction(999, 1000), Fraction(99, 100), Fraction(95, 100), Fraction(9, 10))
+
+
+def with_holes(solved: Solved, config: Config, budget_bytes: int) -> Solved:
+    """``solved`` with the values a little below its answer that do not fit, if any: near a
+    threshold the reserved memory moves by whole segments, so the set of values that fit
+    can have holes below the largest (``oom --cp 8`` on cuDNN: 4,194,304 fits, 4,190,000
+    and 4,150,000 do not). A fragile answer, said so."""
+    from memcalc.analysis.budget import fits
+
+    rule = get_impl(config.impl).rule(config.dims, solved.field)
+    below = sorted({rule.floor(int(solved.max_value * f)) for f in BELOW} - {0,
+                                                                            solved.max_value})
+    holes = tuple(v for v in below if not fits(config.replace(**{solved.field: v}),
+                                               budget_bytes))
+    return solved.model_copy(update={"holes": holes}) if holes else solved

@@ -44,6 +44,8 @@ class Solved(BaseModel):
     evaluations: int = Field(description="full predictions the solver made")
     note: str | None = Field(None, description="how the answer was found and confirmed, "
                                                "where it needs saying (traced code)")
+    holes: tuple[int, ...] = Field((), description="values a little below max_value that do "
+                                                   "not fit (a fragile answer)")
 
     @computed_field
     @property
@@ -101,7 +103,7 @@ class Solved(BaseModel):
             "fit_at_max": at_max.describe() if at_max else None,
             "fit_at_next": at_next.describe() if at_next else None,
             "approximation": self.approximation.to_dict() if self.approximation else None,
-            "evaluations": self.evaluations, "note": self.note,
+            "evaluations": self.evaluations, "note": self.note, "holes": list(self.holes),
         }
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from memcalc.output.result import Result
 from memcalc.analysis.budget import Budget, Fit
 from memcalc.analysis.closed_form import SYMBOL
-from memcalc.analysis.confirm import confirmed
+from memcalc.analysis.confirm import confirmed, with_holes
 from memcalc.config import Config
 from memcalc.errors import refusal
 from memcalc.impls import impl_names
@@ -131,6 +131,16 @@ def _none_fits_note(r: Solved) -> str | None:
             f"{f.budget_bytes:,} B ({human(f.budget_bytes)})")
 
 
+def _holes_note(r) -> str:
+    """A fragile answer: the values just below it that do not fit."""
+    s = SYMBOL[r.field]
+    values = [f"{v:,}" for v in r.holes]
+    listed = " and ".join([", ".join(values[:-1]), values[-1]] if len(values) > 1 else values)
+    return (f"{r.impl}: fragile: {listed} {'do' if len(r.holes) > 1 else 'does'} not fit though "
+            f"{s} = {r.max_value:,} does (the allocator's segments, not the tensors, decide "
+            f"near the threshold): a length a little shorter is not safe either")
+
+
 def _skipped_lines(skipped) -> list[str]:
     """A line per reason to skip: implementations refused for the same reason (but for their
     own name in it: ``--cp 8`` refuses 19 of them alike) share one."""
@@ -226,6 +236,7 @@ class OomReport(Result):
         rules = [note for r in self.results
                  for note in (_none_fits_note(r), _accepted_note(r)) if note]
         rules += [f"{r.impl}: {r.note}" for r in self.results if r.note]
+        rules += [_holes_note(r) for r in self.results if r.holes]
         return lines + rules + skips + caveats([r.impl for r in self.results])
 
     def headline(self) -> str:
@@ -323,7 +334,8 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
             if reason is None:
                 search = lambda c=config: solver(c, budget.budget_bytes, field,  # noqa: E731
                                                  time_limit=time_limit)
-                results.append(confirmed(search(), config, budget.budget_bytes, search))
+                solved = confirmed(search(), config, budget.budget_bytes, search)
+                results.append(with_holes(solved, config, budget.budget_bytes))
                 continue
         except Interrupted as stop:  # what the search had, proven or not
             if stop.solved is not None:
