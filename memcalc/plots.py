@@ -278,39 +278,52 @@ def _series_config(base, key):
                         cp=cp)
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
+
+
 def _style(i: int, count: int) -> tuple:
-    """The colour and line style of series ``i`` of ``count``: tab10, or tab20 for more
-    than ten lines, then the same colours dashed."""
+    """The colour, line style and marker of series ``i`` of ``count``: tab10, or tab20 for
+    more than ten lines, then the same colours dashed; a marker of its own, so that lines
+    that coincide (one number of ranks under another, two kernels of the same sizes) still
+    show both."""
     import matplotlib
 
     colours = 10 if count <= 10 else 20
     return (matplotlib.colormaps[f"tab{colours}"](i % colours),
-            ("-", "--", "-.", ":")[(i // colours) % 4])
+            ("-", "--", "-.", ":")[(i // colours) % 4], MARKERS[i % len(MARKERS)])
 
 
 def _draw_max_n(ax, series: dict, solved: dict) -> None:
     """The largest N that fits against the number of context-parallel ranks: a line per
     series less its ranks (the last field of a series' key), log-log."""
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
 
     lines: dict[tuple, list] = {}
     for key in series:
         if solved.get(key) is not None:
             lines.setdefault(key[:-1], []).append((key[-1], solved[key].max_value))
     for i, (key, points) in enumerate(lines.items()):
-        colour, style = _style(i, len(lines))
+        colour, style, marker = _style(i, len(lines))
         ranks, ns = zip(*sorted(points))
-        ax.plot(ranks, ns, style, color=colour, marker="x", markersize=8, label=key[0])
-        for p, n in zip(ranks, ns):
-            ax.annotate(f"{n:,}", (p, n), textcoords="offset points", xytext=(4, -12),
-                        fontsize=7, color=colour)
+        ax.plot(ranks, ns, style, color=colour, marker=marker, markersize=7,
+                markerfacecolor="none", label=key[0])
+        for p, n in zip(ranks, ns):  # every other series' labels above its points, and
+            # each pair a line further: Ns close together stay apart
+            below = i % 2 == 0
+            ax.annotate(f"{n:,}", (p, n), textcoords="offset points",
+                        xytext=(6, (-12 if below else 6) - 10 * (i // 2)), fontsize=7,
+                        color=colour)
     every = sorted({p for points in lines.values() for p, _ in points})
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(every or [1]))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    # powers of two and halfway between (768K, 1.5M): a range inside one octave has ticks
+    ax.yaxis.set_major_locator(LogLocator(base=2, subs=(1.0, 1.5)))
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _seq_text(y)))
+    ax.margins(x=0.12, y=0.15)  # room for the labels beside the first and last points
     ax.set_xlabel("context-parallel ranks P (GPUs the sequence is split over)")
     ax.set_ylabel("largest seq_len N that fits (the busiest rank)")
     ax.set_title("Largest N against P", fontsize=10)
@@ -322,12 +335,13 @@ def _draw_max_n(ax, series: dict, solved: dict) -> None:
 def _draw_series(ax, style: tuple, name: str, rows, solved, scale: int) -> None:
     """One series' peaks as a line (open markers where the sweep says OOM) and its largest
     fitting N as an x, joined to the line by a dotted extension."""
-    colour, style = style
+    colour, style, marker = style
     xs, ys = [r.seq_len for r in rows], [r.reserved_peak_bytes / scale for r in rows]
     label = f"{name} (largest N not solved)"
     if solved is not None:
         label = f"{name} (fits to N={solved.max_value:,})"
-    ax.plot(xs, ys, style, color=colour, marker="o", markersize=4, label=label)
+    ax.plot(xs, ys, style, color=colour, marker=marker, markersize=5, markerfacecolor="none",
+            label=label)
     over = [(r.seq_len, r.reserved_peak_bytes / scale) for r in rows if not r.fits]
     if over:
         ax.plot(*zip(*over), "o", markersize=7, markerfacecolor="white", color=colour)
@@ -389,9 +403,13 @@ def _fmt(value: float) -> str:
 
 
 def _peaks_title(sweep) -> str:
-    """What is fixed in the sweep (``Sweep.fixed``) and the budget."""
+    """What is fixed in the sweep (``Sweep.fixed``) and the budget, each line wrapped to
+    the axes' width (a long one ran off the figure's left edge)."""
+    import textwrap
+
     b = sweep.budget
-    return (f"Reserved memory of one training step (what must fit) against seq_len: "
-            f"{sweep.fixed()}\n"
-            f"budget {human(b.budget_bytes)} = {human(b.memory_bytes)} device "
-            f"({sweep.base.device.spec.name}) less {human(b.reserve_bytes)} reserve")
+    lines = (f"Reserved memory of one training step (what must fit) against seq_len: "
+             f"{sweep.fixed()}",
+             f"budget {human(b.budget_bytes)} = {human(b.memory_bytes)} device "
+             f"({sweep.base.device.spec.name}) less {human(b.reserve_bytes)} reserve")
+    return "\n".join(textwrap.fill(line, 95) for line in lines)
