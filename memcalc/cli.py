@@ -168,7 +168,7 @@ def input_options(p: argparse.ArgumentParser) -> None:
 def release_of(args) -> dict:
     """``--torch X.Y`` as ``TraceOptions``' keyword: that release's SDPA rules (none given:
     the installed torch's, the options' default)."""
-    from memcalc.tracing.sdpa_select import Release
+    from memcalc.impls.sdpa_select import Release
 
     return {} if args.torch is None else {"release": Release.of(args.torch)}
 

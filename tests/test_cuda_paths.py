@@ -15,7 +15,7 @@ from memcalc.engine.program import Role  # noqa: E402
 from memcalc.analysis.predict import predict  # noqa: E402
 from memcalc.tracing import (TraceOptions, installed_release, load_function, trace,  # noqa: E402
                              traced)
-from memcalc.tracing.sdpa_select import Call, Flags, Release, select  # noqa: E402
+from memcalc.impls.sdpa_select import Call, Flags, Release, select  # noqa: E402
 from memcalc.validation import figures_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

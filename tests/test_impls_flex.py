@@ -89,7 +89,8 @@ def test_an_h100_recorded_each_allocation_of_the_step(row):
     (dict(seq_len=100), "--seq: flex: seq_len 100 < 128"),
     (dict(mask="sliding"), "mask: not a mask"),
     (dict(impl="naive", mask="causal"), "mask: naive takes no causal mask; the masks each "
-                                        "reads: sdpa-efficient: padding, full; flex: causal"),
+                                        "reads: sdpa-efficient: padding, full; sdpa: "
+                                        "padding, full; flex: causal"),
 ])
 def test_what_flex_refuses_is_one_line(options, refused):
     with pytest.raises(ValueError, match=refused):

@@ -9,7 +9,7 @@ from memcalc.gpus import gpu_preset  # noqa: E402
 from memcalc.tracing.cuda_paths import CudaPaths  # noqa: E402
 from memcalc.impls.sdpa_cudnn import DEFAULT_NOTE, Workspace  # noqa: E402
 from memcalc.tracing.kernels import Kernel, dims_of, run  # noqa: E402
-from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call  # noqa: E402
+from memcalc.impls.sdpa_select import CUDNN, EFFICIENT, FLASH, Call  # noqa: E402
 from memcalc.tracing.tracer import Tracer  # noqa: E402
 
 B, H, N = 1, 2, 8  # every call here: (1, 2, 8, d), meta tensors only

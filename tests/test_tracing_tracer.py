@@ -113,7 +113,7 @@ def test_addmm_with_a_bias_takes_a_cublaslt_workspace_of_its_own_through_2_11(re
     """Measured on an H200 with torch 2.11: the first addmm with a bias vector allocates
     1 MiB for cuBLASLt after the 32 MiB cuBLAS workspace; from 2.12 they are one."""
     from memcalc.tracing import TraceOptions
-    from memcalc.tracing.sdpa_select import Release
+    from memcalc.impls.sdpa_select import Release
 
     config = make_config(impl="naive", seq_len=128, batch=1, heads=1, head_dim=64)
     traced = trace(_linear_step, config, TraceOptions(release=Release.of(release)))

@@ -104,6 +104,18 @@ class Breakdown(Result):
                  "optimizer": self.optimizer_peak_bytes or 0}
         return next(phase for phase, peak in peaks.items() if peak == self.peak_bytes)
 
+    @property
+    def kernel(self) -> str | None:
+        """What an implementation that picks its kernel ran as (``sdpa``: ``sdpa-cudnn``);
+        None for the others."""
+        from memcalc.impls import get_impl
+
+        try:
+            runs = get_impl(self.config.impl).runs
+        except ValueError:  # a traced function's name, not the registry's
+            return None
+        return runs(self.config.dims) if runs else None
+
     @computed_field
     @property
     def workspace_bytes(self) -> int:
@@ -135,7 +147,8 @@ class Breakdown(Result):
         ranks = {} if self.rank is None else {  # under --cp: the rank shown, and every rank's
             "rank": self.rank, "rank_peak_bytes": list(self.rank_peaks),
             "rank_reserved_peak_bytes": list(self.rank_reserved)}
-        return {**figures, "peak_phase": self.peak_phase, **ranks, "components": self.records(),
+        kernel = {"kernel": self.kernel} if self.kernel else {}  # sdpa: the one it picked
+        return {**figures, "peak_phase": self.peak_phase, **kernel, **ranks, "components": self.records(),
                 "saved": [c.to_dict() for c in self.saved],
                 "config": self.config.model_dump(mode="json"), **judged}
 
@@ -212,12 +225,11 @@ class Breakdown(Result):
 
     def footnotes(self) -> list[str]:
         """The budget and the fit, when given (``with_budget``), then the caveats."""
-        from memcalc.output.results import caveats
-
-        from memcalc.output.results import rank_note
+        from memcalc.output.results import caveats, picked_notes, rank_note
 
         judged = [self.budget.describe(), self.fit().describe()] if self.has_budget else []
-        return [*rank_note(self), *judged, *caveats([self.config.impl])]
+        return [*rank_note(self), *picked_notes(self.config), *judged,
+                *caveats([self.config.impl])]
 
     def headline(self) -> str:
         from memcalc.output.results import breakdown_headline

@@ -135,13 +135,14 @@ class Comparison(Result):
     def footnotes(self) -> list[str]:
         """Why a row has no figures (n/a) or no threshold (not solved); the baseline;
         the caveats."""
-        from memcalc.output.results import caveats
+        from memcalc.output.results import caveats, picked_notes
 
         rows = [r.note if r.note.startswith(f"{r.impl}:") else
                 f"{r.impl}: {'not solved: ' * (r.status == 'unsolved')}{r.note}"
                 for r in self.rows if r.note]
         shown = [r.impl for r in self.rows if r.breakdown]
-        return rows + [self._baseline_note(), *caveats(shown)]
+        picked = picked_notes(*(r.breakdown.config for r in self.rows if r.breakdown))
+        return rows + picked + [self._baseline_note(), *caveats(shown)]
 
     def headline(self) -> str:
         best = min((r for r in self.rows if r.breakdown), key=lambda r: r.breakdown.peak_bytes,

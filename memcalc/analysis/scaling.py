@@ -248,7 +248,22 @@ class Sweep(Result):
         from memcalc.output.results import caveats
 
         shown = list(dict.fromkeys(self.columns["impl"]))
-        return lines + [f"{s.who()}: skipped, {s.reason}" for s in self.skipped] + caveats(shown)
+        skips = [f"{s.who()}: skipped, {s.reason}" for s in self.skipped]
+        return lines + self._picked(shown) + skips + caveats(shown)
+
+    def _picked(self, impls: list[str]) -> list[str]:
+        """How the implementations that pick their kernel (``sdpa``) picked it, at the
+        lengths the tables show."""
+        from memcalc.impls import get_impl
+        from memcalc.output.results import picked_notes
+
+        if not any(get_impl(name).runs for name in impls):
+            return []
+        kept, fields = set(self.shown_lengths()), ("impl", "dtype", "batch", "heads",
+                                                   "seq_len", "head_dim", "cp")
+        picks = {tuple(self.columns[k][i] for k in fields) for i in range(len(self))
+                 if self.columns["seq_len"][i] in kept and get_impl(self.columns["impl"][i]).runs}
+        return picked_notes(*(self.base.replace(**dict(zip(fields, p))) for p in sorted(picks)))
 
     # pivot layout
     def pivot_tables(self, figure: Figure) -> list[tuple[str, list[Column], list]]:

@@ -214,7 +214,7 @@ class OomReport(Result):
         return record_table(record_keys(self.field), self.records())
 
     def footnotes(self) -> list[str]:
-        from memcalc.output.results import caveats
+        from memcalc.output.results import caveats, picked_notes
 
         s, after = SYMBOL[self.field], _next_label(self.field, self.results)
         skips = [f"{k.impl}: not solved, {k.reason}" for k in self.unsolved]
@@ -236,6 +236,9 @@ class OomReport(Result):
         rules = [note for r in self.results
                  for note in (_none_fits_note(r), _accepted_note(r)) if note]
         rules += [f"{r.impl}: {r.note}" for r in self.results if r.note]
+        at = {r.impl: {self.field: max(r.max_value, 1)} for r in self.results}  # 0: none fits
+        rules += picked_notes(*(self.base.replace(impl=r.impl, **at[r.impl])
+                                for r in self.results))
         rules += [_holes_note(r) for r in self.results if r.holes]
         return lines + rules + skips + caveats([r.impl for r in self.results])
 

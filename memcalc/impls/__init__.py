@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from memcalc.impls import flash2, linear, naive, sdpa_efficient, sdpa_flash, sdpa_math  # noqa: F401
 from memcalc.impls import sdpa_cudnn  # noqa: F401,E402
+from memcalc.impls import sdpa  # noqa: F401,E402  (the kernel torch picks, of those above)
 from memcalc.impls import flash_attn, flash_attn3, flex  # noqa: F401,E402  (packages, flex)
 from memcalc.impls import checkpoint  # noqa: F401,E402  (wraps the ones above)
 from memcalc.impls.registry import IMPLS, Impl, register  # noqa: F401

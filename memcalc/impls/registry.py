@@ -53,6 +53,8 @@ class Impl:
     # step's dtypes (--dtype only where an input takes it, its weights', autocast's) and
     # the training loop around it
     title: Callable[[str], str] | None = None
+    # what it runs as with d's sizes, shown beside its name (``sdpa``: the kernel picked)
+    runs: Callable[[Dims], str] | None = None
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
@@ -113,16 +115,20 @@ def add(impl: Impl, replace: bool = False) -> Impl:
 def register(name: str, summary: str, gqa: bool = False, traced: bool = True,
              accepted: Callable[[Dims], tuple[Accepted, ...]] = no_rules,
              chunked: bool = False, source: str = Impl.source,
-             inputs: tuple[Input, ...] = QKV, masks: tuple[str, ...] = ()):
+             inputs: tuple[Input, ...] = QKV, masks: tuple[str, ...] = (),
+             how: Callable[[Dims], str] | None = None,
+             runs: Callable[[Dims], str] | None = None):
     """Decorator: register ``build`` as implementation ``name``. ``traced=False`` marks a
     model derived from kernel sources that the meta device cannot check (fused CUDA kernels),
     ``source`` says whose; ``accepted``: the sizes it accepts (``Impl.accepted``);
     ``chunked``: it reads ``--chunk``; ``inputs``: its step's arguments, ``(B, H, N, d)``
-    q, k, v by default; ``masks``: the kinds of ``--mask`` it reads."""
+    q, k, v by default; ``masks``: the kinds of ``--mask`` it reads; ``how``: what a result
+    says of how its program is made, ``runs``: what it runs as (``sdpa``: the kernel picked,
+    and why)."""
 
     def wrap(build: Callable[[Dims], Program]):
         add(Impl(name, summary, build, gqa, traced, accepted, chunked, source=source,
-                 inputs=inputs, masks=masks))
+                 inputs=inputs, masks=masks, how=how, runs=runs))
         return build
 
     return wrap

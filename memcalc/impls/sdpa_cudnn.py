@@ -122,7 +122,7 @@ def head_dim_limit(d_qk: int, d_v: int, cc, torch: tuple = (2, 13), cudnn_versio
     """The largest head dim ``check_cudnn_tensor_shapes`` takes: 128 to 2.7; 256 on sm90
     with cuDNN > 9.5 (2.8) or >= 9.10 (2.9 to 2.13); the (192, 128) pair with cuDNN >= 9.11
     (2.11); from 2.14, 256 on sm90/10x with cuDNN > 9.22 and a frontend that has it. The
-    default: torch 2.13 with its wheel's cuDNN 9.20 (``memcalc.tracing.sdpa_select``
+    default: torch 2.13 with its wheel's cuDNN 9.20 (``memcalc.impls.sdpa_select``
     passes each release's)."""
     sm90 = (cc[0] == 9 and cc[1] == 0) or cc[0] == 10
     torch = tuple(torch)[:2]

@@ -68,7 +68,7 @@ _FLOAT = ((64, 64, 32), (64, 64, 64), (128, 64, 128), (64, 64, 128), (128, 64, 6
 
 def minimum_gemm_alignment(half: bool, cc: tuple[int, int]) -> int:
     """Elements a head dim must be a multiple of (``sdp_utils.cpp``
-    ``minimum_gemm_alignment``; also ``memcalc.tracing.sdpa_select``): sm80+ 4 in fp32, 8
+    ``minimum_gemm_alignment``; also ``memcalc.impls.sdpa_select``): sm80+ 4 in fp32, 8
     in fp16 and bf16."""
     align = 4 if cc[0] >= 8 else 1
     use_tc = cc[0] >= 8 or (cc[0] >= 7 and half)

@@ -89,7 +89,7 @@ def num_splits(d: Dims, gpu: Gpu) -> int:
     return num_splits_heuristic(bnm, 2 * gpu.sm_count, ceil(d.M / block_n), 128)
 
 
-MAX_HEAD_DIM = 256  # sdp_utils.cpp check_head_dim_size_flash (also memcalc.tracing.sdpa_select)
+MAX_HEAD_DIM = 256  # sdp_utils.cpp check_head_dim_size_flash (also memcalc.impls.sdpa_select)
 
 
 def accepted(d: Dims) -> tuple[Accepted, ...]:

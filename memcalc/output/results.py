@@ -57,7 +57,22 @@ def _traced(get_impl, name: str) -> bool:
 def breakdown_title(b) -> str:
     c = b.config
     rank = f", rank {b.rank} of {c.cp}" if b.rank is not None else ""
-    return f"{c.impl}: {c.label()}{rank} on {c.device.spec.label}; peak in {b.peak_phase}"
+    return f"{ran(b)}: {c.label()}{rank} on {c.device.spec.label}; peak in {b.peak_phase}"
+
+
+def picked_notes(*configs) -> list[str]:
+    """How an implementation that picks its kernel picked it (``sdpa``) for each of
+    ``configs``, for the notes: one line per distinct answer."""
+    from memcalc.impls import get_impl
+
+    said = {}  # each answer, and the first configuration that gave it
+    for config in configs:
+        impl = get_impl(config.impl)
+        if impl.runs and impl.how:
+            said.setdefault((config.impl, impl.how(config.dims)), config)
+    if len({impl for impl, _ in said}) == len(said):  # one answer each: no need to say where
+        return [f"{impl}: {how}" for impl, how in said]
+    return [f"{impl} at {config.label()}: {how}" for (impl, how), config in said.items()]
 
 
 def rank_note(b) -> list[str]:
@@ -190,12 +205,18 @@ def figure_rows(b) -> list[tuple]:
          RETRIED_LABELS["capped_reserved_peak_bytes"])] + rows[at + 1:]
 
 
+def ran(b) -> str:
+    """The implementation's name, with the kernel it ran as where it picks one:
+    ``sdpa (sdpa-cudnn)``."""
+    return f"{b.config.impl} ({b.kernel})" if b.kernel else b.config.impl
+
+
 def breakdown_headline(b) -> str:
     """``naive N=16384 ...: peak 48.11 GiB (backward), saved ..., fits ...``."""
     c = b.config
     f = b.fit()
     verdict = "fits" if f.fits else "does not fit"
-    return (f"{c.impl} {c.label()}: "
+    return (f"{ran(b)} {c.label()}: "
             f"peak {b.peak_bytes:,} B ({human(b.peak_bytes)}, {b.peak_phase}), saved "
             f"{human(b.saved_bytes)}, reserved {human(b.reserved_peak_bytes)}; {verdict} in "
             f"{human(f.budget_bytes)} (the budget of {b.budget.device})")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from memcalc.tracing.errors import NotModelled
 from memcalc.tracing.kernels import CUDNN, EFFICIENT, FLASH, Kernel, dims_of, meta_copies
-from memcalc.tracing.sdpa_select import Call
+from memcalc.impls.sdpa_select import Call
 
 METHODS = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}
 

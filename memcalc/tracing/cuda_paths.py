@@ -29,9 +29,9 @@ from torch.overrides import TorchFunctionMode
 from memcalc.gpus import GPU
 from memcalc.impls import sdpa_cudnn as cudnn
 from memcalc.impls.sdpa_efficient import MEM_EFF_ALIGNMENT
-from memcalc.tracing import sdpa_select
+from memcalc.impls import sdpa_select
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu
-from memcalc.tracing.sdpa_select import EFFICIENT, MATH, Call, Flags, Release
+from memcalc.impls.sdpa_select import EFFICIENT, MATH, Call, Flags, Release
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from memcalc.impls.device import gpu_of
 from memcalc.impls.sdpa_cudnn import Workspace
 from memcalc.tracing.errors import TraceError
 from memcalc.tracing.explain import called_with, guarded
-from memcalc.tracing.sdpa_select import Release as TorchRelease
+from memcalc.impls.sdpa_select import Release as TorchRelease
 from memcalc.tracing.target import Bound, Calling, bound
 
 

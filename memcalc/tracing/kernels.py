@@ -23,7 +23,7 @@ from memcalc.engine.program import Dims, Free, Release, Role, Tensor
 from memcalc.impls import sdpa_cudnn as cudnn
 from memcalc.impls.device import gpu_of
 from memcalc.tracing.errors import NotModelled
-from memcalc.tracing.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
+from memcalc.impls.sdpa_select import CUDNN, EFFICIENT, FLASH, Call
 
 
 def dims_of(call: Call, gpu) -> Dims:

@@ -60,8 +60,8 @@ def parse_optimizer(text: str | None, field: str = "--optimizer") -> OptimizerSp
     if text is None:
         return None
     kind, _, impl = str(text).strip().lower().partition(":")
-    allowed = (f"adamw, adam or sgd (momentum 0.9), optionally :foreach (torch's default on "
-               f"CUDA), :fused or :forloop")
+    allowed = ("adamw, adam or sgd (momentum 0.9), optionally :foreach (torch's default on "
+               "CUDA), :fused or :forloop")
     if kind not in KINDS:
         from memcalc.errors import did_you_mean
 

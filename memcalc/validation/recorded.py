@@ -68,7 +68,7 @@ def _user_cases(report: dict) -> list:
 
 def _traced_figures(case, env: dict) -> dict:
     from memcalc.tracing import Calling, TraceOptions, prepared, trace
-    from memcalc.tracing.sdpa_select import Release
+    from memcalc.impls.sdpa_select import Release
 
     fn = prepared(case.fn, case.config.impl) if case.calling else case.fn
     options = TraceOptions(release=Release.of(env["torch"]))

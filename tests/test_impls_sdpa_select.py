@@ -1,10 +1,10 @@
-"""``memcalc.tracing.sdpa_select``: the filters and priority order of ``sdp_utils.cpp``."""
+"""``memcalc.impls.sdpa_select``: the filters and priority order of ``sdp_utils.cpp``."""
 
 import dataclasses
 
 import pytest
 
-from memcalc.tracing.sdpa_select import (CUDNN, EFFICIENT, FLASH, MATH, Call, Choice, Flags,
+from memcalc.impls.sdpa_select import (CUDNN, EFFICIENT, FLASH, MATH, Call, Choice, Flags,
                                          Release, prefer_cudnn, priority, rejection, select)
 
 # every rule below is a function of aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
@@ -226,7 +226,7 @@ def test_torch_2_4_never_trains_on_cudnn():
     TORCH_CUDNN_SDPA_ENABLED=1, and then for inference only; so flash is taken."""
     r = Release.of("2.4")
     assert select(attn(), H100, release=r, env=NO_ENV).backend == FLASH
-    from memcalc.tracing import sdpa_select
+    from memcalc.impls import sdpa_select
 
     assert sdpa_select._cudnn_opt_in(attn(requires_grad=False), H100, r,
                                      {"TORCH_CUDNN_SDPA_ENABLED": "1"}) is None
