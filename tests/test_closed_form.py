@@ -77,3 +77,21 @@ def test_a_name_declared_twice_counts_the_declaration_alive_at_the_peak():
                             dtype="bf16", causal=True, seq_len=65_536)
     q = live_polynomial(c, "seq_len")
     assert (q.a, q.b, q.exact) == (0, 32_768 + 8_192 + 128 + 16_512 + 16_384, True)
+
+
+def test_under_context_parallelism_it_is_the_busiest_ranks():
+    """cuDNN's ring over 8 ranks, grouped heads, causal: rank 1's step is the busiest, and
+    its ring steps hold other blocks than rank 0's (its step-1 workspace, dq, dk, dv are
+    another size). Fitted on rank 0's declarations the form had no match for them and the
+    oom report printed none; on the shown rank's it holds at N and at 3N (a replay)."""
+    from memcalc.config import make_config
+
+    config = make_config(impl="sdpa-cudnn", dtype="bf16", heads=32, kv_heads=8, head_dim=128,
+                         batch=1, causal=True, cp=8, seq_len=65_536)
+    b = predict(config)
+    assert b.rank == 1
+    q = live_polynomial(config, "seq_len", b)
+    assert q is not None and q.exact
+    assert q(65_536) == sum(c.bytes for c in b.components)
+    at_3n = predict(config.replace(seq_len=3 * 65_536))
+    assert at_3n.rank == 1 and q(3 * 65_536) == sum(c.bytes for c in at_3n.components)

@@ -31,7 +31,13 @@ def causal_sdpa(q, k, v):
 @pytest.mark.parametrize("dtype, impl", [("bf16", "sdpa-flash"), ("fp16", "sdpa-flash"),
                                          ("fp32", "sdpa-efficient")])
 def test_traced_causal_sdpa_equals_breakdown_on_a100(dtype, impl):
-    """The issue's call, B=4 H=32 N=8192 d=128 on an A100-40GB: every figure equal."""
+    """The issue's call, B=4 H=32 N=8192 d=128 on an A100-40GB: every figure equal.
+
+    The kernel's own allocations are the model's on both sides (the tracer replays
+    ``memcalc.impls.sdpa_flash`` / ``sdpa_efficient``'s events for the call:
+    ``memcalc/tracing/kernels.py``): this checks the backend choice and what surrounds the
+    call, not the kernel; the kernels' hand counts are ``test_impls_sdpa_fused.py``'s
+    ``test_flash_by_hand`` and ``test_efficient_by_hand``."""
     config = make_config(impl=impl, seq_len=8192, batch=4, heads=32, head_dim=128, dtype=dtype,
                          causal=True, gpu="a100-40gb")
     result = traced(causal_sdpa, config)
@@ -52,6 +58,8 @@ def test_traced_causal_sdpa_equals_breakdown_on_a100(dtype, impl):
     dict(impl="sdpa-efficient", dtype="fp32", head_dim=160, heads=1),
 ])
 def test_traced_sdpa_equals_breakdown_across_layouts(case):
+    """Layouts, padding, grouped heads, split keys: the model against itself for the kernel
+    (as above), checking the choice and the sizes the call passes it."""
     def attn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               enable_gqa=q.size(1) != k.size(1))

@@ -8,7 +8,6 @@ from memcalc.config import Config
 from memcalc.engine.deadline import CHECK_EVERY, TimeUp, deadline, tick
 from memcalc.impls import get_impl
 from memcalc.engine.replay import Ledger, replay
-from memcalc.analysis.predict import predict
 
 # 4,096 chunks of 64 rows: tens of thousands of events, so the clock is read many times
 CHUNKED = Config(impl="linear-causal-chunked", shape={"seq_len": 64 * 4096, "batch": 1})
@@ -28,9 +27,19 @@ def test_a_passed_deadline_stops_the_replay():
 
 
 def test_no_deadline_no_limit():
-    small = Config(impl="naive", shape={"seq_len": 64})
+    """``deadline(None)`` sets no limit: a replay whose clock is read many times runs to
+    its end."""
+    program = get_impl(CHUNKED.impl).build(CHUNKED.dims)
     with deadline(None):
-        assert predict(small).peak_bytes == predict(small).peak_bytes
+        replay(Ledger(CHUNKED.workspace_bytes), CHUNKED.dims, program)  # no TimeUp
+
+
+def test_no_deadline_inside_one_keeps_the_enclosing_limit():
+    """A build or replay without a limit of its own, inside a command's --time-limit, stops
+    at the command's."""
+    program = get_impl(CHUNKED.impl).build(CHUNKED.dims)
+    with deadline(time.perf_counter() - 1), deadline(None), pytest.raises(TimeUp):
+        replay(Ledger(CHUNKED.workspace_bytes), CHUNKED.dims, program)
 
 
 def test_steps_counted_in_batches_still_reach_the_clock():

@@ -134,7 +134,9 @@ CASES = [
 @pytest.mark.parametrize("fn_name, impl, options", CASES)
 def test_a_file_importing_flash_attn_traces_to_the_models_figures(fn_name, impl, options):
     """The file imports flash_attn and flash_attn_interface, neither installed here: the
-    stand-ins run the models, so every figure equals breakdown --impl's."""
+    stand-ins run the models, so every figure equals breakdown --impl's: the model against
+    itself for the kernel (this checks the stand-ins, the layouts and the autograd around
+    them); the kernels' hand counts are the tests above."""
     from memcalc.validation.compare import figures_of
 
     c = config(impl, **options)

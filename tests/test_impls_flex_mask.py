@@ -88,6 +88,9 @@ def document(q, k, v, doc):
 ])
 def test_the_model_equals_the_trace_of_create_block_mask_in_the_step(tmp_path, capsys,
                                                                     mask, n, m):
+    """``create_block_mask`` runs torch's own code in the trace; the compiled kernel is the
+    model's on both sides (the stand-in runs it), so what this checks is the mask's
+    tensors; the kernel's hand count is ``test_impls_flex.py``'s H100 recording."""
     from memcalc.cli import main
 
     (tmp_path / "user.py").write_text(USER)

@@ -124,7 +124,10 @@ def test_the_step_saves_the_statistics_and_keeps_the_grads():
                                      {"forward_only": True}, {"head_dim": 256}])
 def test_it_equals_the_trace_of_sdpa_on_the_h100_preset(options):
     """The SDPA example on the H100 preset: torch 2.13's rules pick cuDNN (preferred on sm90
-    with cuDNN > 9.15), and the trace allocates what the implementation declares."""
+    with cuDNN > 9.15), and the trace allocates what the implementation declares. The
+    kernel's allocations are the model's on both sides (the tracer replays this module's
+    events for the call): it checks the choice and what surrounds the call; the kernel's
+    hand counts are the tests above."""
     pytest.importorskip("torch")
     from memcalc.tracing import load_function, trace
     from memcalc.validation.compare import figures_of

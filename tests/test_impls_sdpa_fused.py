@@ -348,7 +348,10 @@ def test_a_padding_mask_is_converted_padded_to_8_keys_and_saved():
 def test_a_traced_masked_call_equals_the_model(mask, dims, n, options, tmp_path):
     """F.scaled_dot_product_attention(q, k, v, attn_mask=mask) on the A100 preset (fp16:
     flash takes no mask, so the efficient kernel), traced with the mask as an input: every
-    figure equals breakdown --impl sdpa-efficient --mask."""
+    figure equals breakdown --impl sdpa-efficient --mask. The kernel is the model's on
+    both sides (the tracer replays its events): what is checked is attention.cpp's mask
+    preparation, traced from torch's own code, against ``mask_events``; the kernel's hand
+    count is ``test_efficient_by_hand``."""
     pytest.importorskip("torch")
     from memcalc.engine.inputs import parse_input
     from memcalc.tracing import Calling, load_function, trace

@@ -2,6 +2,8 @@
 ``DistributedAttention`` over SDPA's flash kernel, against a trace of DeepSpeed's own code on
 a fake process group, allocation by allocation; and the figures of ``breakdown``."""
 
+from importlib.util import find_spec
+
 import pytest
 
 from memcalc.analysis.predict import predict
@@ -65,8 +67,11 @@ def test_the_math_path_saves_the_matmuls_clones_with_a_batch():
 
 # --- against DeepSpeed's own code ---------------------------------------------------------
 
-pytest.importorskip("torch")
-pytest.importorskip("deepspeed")
+# only these tests need torch and DeepSpeed: the model's above run without them (a
+# module-level importorskip skipped those too)
+needs_deepspeed = pytest.mark.skipif(
+    find_spec("torch") is None or find_spec("deepspeed") is None,
+    reason="needs torch and DeepSpeed (pip install 'memcalc[deepspeed]')")
 
 GRID = [dict(cp=2, seq_len=512), dict(cp=4, seq_len=1024, batch=2),
         dict(cp=2, seq_len=512, kv_heads=2), dict(cp=4, seq_len=4000, batch=3, kv_heads=4),
@@ -100,6 +105,7 @@ GRID = [dict(cp=2, seq_len=512), dict(cp=4, seq_len=1024, batch=2),
         dict(cp=2, seq_len=512, impl="naive-softmax", head_dim=36, dtype="fp32")]
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("options", GRID)
 def test_each_ranks_allocations_and_frees_are_deepspeeds(options, ledger_steps):
     """The first and last rank: the model's ledger history (each allocation's bytes, each
@@ -123,6 +129,7 @@ def test_each_ranks_allocations_and_frees_are_deepspeeds(options, ledger_steps):
         assert trace[:last + 1] == model[:last + 1], (rank, options)
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("example, impl", [("ulysses_user", "sdpa-flash"),
                                            ("ulysses_flash_attn", "flash-attn")])
 def test_a_model_file_calling_distributed_attention_traces_as_the_model(example, impl):
@@ -143,6 +150,7 @@ def test_a_model_file_calling_distributed_attention_traces_as_the_model(example,
     assert figures_of(step) == figures_of(model)
 
 
+@needs_deepspeed
 def test_a_function_without_an_all_to_all_is_refused_under_ulysses():
     """Plain SDPA on a rank's rows is not Ulysses: the trace says so rather than give one
     GPU's step on a shard."""
@@ -153,6 +161,7 @@ def test_a_function_without_an_all_to_all_is_refused_under_ulysses():
               config(heads=8, head_dim=64, seq_len=1024))
 
 
+@needs_deepspeed
 def test_attention_written_out_traces_under_ulysses():
     """A user's attention written out, traced as written: DeepSpeed's all-to-alls around
     scores of every row of H / P heads, 8 heads over 2 ranks, 1,024 rows. It keeps its
@@ -177,6 +186,7 @@ def test_attention_written_out_traces_under_ulysses():
                                                              model.backward_peak_bytes)
 
 
+@needs_deepspeed
 def test_deepspeeds_ulysses_for_hugging_face_traces_as_it_runs():
     """``UlyssesSPAttentionHF`` (DeepSpeed's Ulysses for Hugging Face models) around
     transformers' ``sdpa_attention_forward``, traced on its (B, H, N / P, D) rows: 8 heads
@@ -206,6 +216,7 @@ def test_deepspeeds_ulysses_for_hugging_face_traces_as_it_runs():
         assert step.forward_peak_bytes == model.forward_peak_bytes + output_copy + positions
 
 
+@needs_deepspeed
 def test_a_trace_runs_what_deepspeed_does_with_fewer_key_value_heads_than_ranks(capsys):
     """2 key/value heads over 4 ranks: ``breakdown`` refuses it (DeepSpeed's uneven heads are
     not modelled); ``trace`` runs DeepSpeed's own code, whose Hugging Face Ulysses repeats
@@ -224,6 +235,7 @@ def test_a_trace_runs_what_deepspeed_does_with_fewer_key_value_heads_than_ranks(
     assert "rank 0 of 4 shown: every rank's step is the same" in out
 
 
+@needs_deepspeed
 def test_code_that_needs_a_process_group_is_told_to_trace_under_cp():
     """Without --cp there is no group: DeepSpeed's assertion becomes a hint."""
     from memcalc.engine.inputs import parse_input

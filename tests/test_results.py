@@ -225,6 +225,16 @@ def test_a_step_that_fits_only_by_release_and_retry_shows_both_reserved_peaks():
 
     b = memcalc.breakdown(impl="sdpa-efficient", seq_len=13_745_024, gpu_gb=80)
     rows = {row[0]: row for row in figure_rows(b)}
+    # B=8 H=1 d=16 fp32, N = 13,745,024 = 64 x 214,766. Unbounded, the step reserves 9
+    # (B, N, 16) segments (q, k, v, grad_out, out, dq, dk, dv and the backward's do*o),
+    # 8 x N x 16 x 4 B = 7,037,452,288 B rounded up to 2 MiB = 3,356 x 2 MiB; 2 (B, N)
+    # ones (lse, rowsum), 8 x N x 4 B = 439,840,768 -> 210 x 2 MiB; and the workspace's,
+    # 8 x 4 B x 214,766 dQ tiles x (4 + 64 x 64) = 28,177,299,200 -> 13,436 x 2 MiB.
+    # Capped, do*o's segment (free by then) is released before the workspace's: 8 of 9.
+    row, small, work = 3_356 * 2 * MiB, 210 * 2 * MiB, 13_436 * 2 * MiB
+    assert 8 * 4 * (13_745_024 // 64) * (4 + 64 * 64) == 28_177_299_200
+    assert 9 * row + 2 * small + work == 92_400_517_120
+    assert 8 * row + 2 * small + work == 85_362_475_008  # exactly the budget
     assert rows["reserved_peak_bytes"][1:] == (92_400_517_120, "reserved peak, unbounded device")
     assert rows["capped_reserved_peak_bytes"][1] == 85_362_475_008  # 80 x 2^30 - 512 x 2^20
     assert "max_memory_reserved) in the budget" in b.to_markdown()

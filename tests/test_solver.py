@@ -16,6 +16,7 @@ from memcalc.analysis.predict import predict
 from breakers import interrupt_after
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
+MiB = 1 << 20
 
 
 def test_naive_threshold_at_80_gib():
@@ -40,6 +41,17 @@ def test_fitting_is_not_monotone_near_the_threshold():
 def test_bisection_finds_a_threshold_too():
     config = Config(impl="naive-softmax")
     s = bisect_max(config, GIB80)
+    # 23,084: the warm-up reserves, in order, q, k, v, grad_out (8 x N x 16 x 4 B =
+    # 11,819,008 B, >= 10 MiB: a segment rounded up to 2 MiB, 12,582,912 = 6 x 2 MiB), qk
+    # (N x N: 8 x 23,084 x 23,084 x 4 B = 17,051,873,792 B, segment 8,131 x 2 MiB =
+    # 17,051,942,912), the main thread's 32 MiB cuBLAS workspace, s, out (12,582,912), dp,
+    # dscores and dscores tmp: 5 N x N segments + 5 of 12 MiB + 32 MiB = 85,356,183,552 B
+    # <= GIB80. At 23,085 an N x N tensor is 17,053,351,200 B, segment 8,132 x 2 MiB =
+    # 17,054,040,064: the fifth needs 4 of those + 5 x 12 MiB + 32 MiB + 1 more =
+    # 85,366,669,312 B > GIB80, and none of the four is free to release.
+    nn, nn_next, in12, ws = 8_131 * 2 * MiB, 8_132 * 2 * MiB, 6 * 2 * MiB, 32 * MiB
+    assert (s.at_max.reserved_bytes, s.at_next.reserved_bytes) == (
+        5 * nn + 5 * in12 + ws, 5 * nn_next + 5 * in12 + ws)  # 85,356,183,552; 85,366,669,312
     assert s.max_value == max_fitting(config, GIB80).max_value == 23084
     assert s.evaluations > max_fitting(config, GIB80).evaluations
 
@@ -325,9 +337,29 @@ def test_efficient_head_dim_is_the_largest_multiple_of_8_that_fits():
     heard: list[str] = []
     with status.listen(heard.append):
         s = max_fitting(config, GIB80, "head_dim", time_limit=60)
-    assert (s.max_value, s.next_value) == (2944, 2952)
+    assert (s.max_value, s.next_value) == (2944, 2952)  # 2,944 = 23 x 128; 2,944 + 8
+    # Alive at the peak, per d: 8 (B, N, d) fp16 tensors (q, k, v, grad_out, out, dq, dk,
+    # dv), 8 x 16,384 x 2 B = 262,144 B each, and the backward's float32 workspace, 8 x 4 B
+    # x (dK/dV accumulators: 2 x 25 key splits (min(16,384 / 64, 200 // 8)) x 16,384 rows
+    # + dQ tiles: 16,384 / 128 x (4 + 128 x 64) / 64) = 26,738,944 B (exact when d is a
+    # multiple of 128); constant: lse and delta, 2 x 8 x 16,384 x 4 B = 1,048,576.
+    per_d = 8 * 8 * 16384 * 2 + 8 * 4 * (2 * 25 * 16384 + 16384 // 128 * (4 + 128 * 64) // 64)
+    assert per_d == 28_836_096 and 2 * 8 * 16384 * 4 == 1_048_576
     assert s.approximation.text() == "28,836,096*d + 1,048,576"
-    assert s.at_max.reserved_bytes == 84_896_907_264 and s.at_next.reserved_bytes == 88_302_682_112
+    # Reserved at d: one 2 MiB small-pool segment (lse, delta: 512 KiB each); q, k, v,
+    # grad_out, out, dv: 6 segments of t = 8 x 16,384 x d x 2 B (736 MiB at 2,944, 738 MiB
+    # at 2,952: whole 2 MiB multiples); the forward's float32 out_accum, 2t, reused by two
+    # grads; the workspace 8 x 4 x (2 x 25 x 16,384 x ceil128(d) + 128 x ceil(d / 64) x
+    # 8,196) B rounded up to 2 MiB: 78,719,451,136 -> 37,537 x 2 MiB at 2,944, so
+    # 84,896,907,264 <= GIB80; 82,108,465,152 -> 39,153 x 2 MiB at 2,952 (ceil128 = 3,072),
+    # requested on top of 6,192,889,856 reserved: needs 88,302,682,112 > GIB80.
+    def reserved(d: int, workspace: int) -> int:
+        return 2 * MiB + 8 * (8 * 16384 * d * 2) + -(-workspace // (2 * MiB)) * 2 * MiB
+    work = 8 * 4 * (2 * 25 * 16384 * 2944 + 128 * 46 * 8196)  # 78,719,451,136
+    work_next = 8 * 4 * (2 * 25 * 16384 * 3072 + 128 * 47 * 8196)  # 82,108,465,152
+    assert (s.at_max.reserved_bytes, s.at_next.reserved_bytes) == (
+        reserved(2944, work), reserved(2952, work_next)) == (84_896_907_264, 88_302_682_112)
+    # 2,048 fits; 4,096 needs about 28,836,096 x 4,096 = 118 GB alive
     assert s.limit is None and s.first_failing_power_of_two == 4096
     assert all(x % 8 == 0 for x in _tried(heard, "head_dim"))
     assert fits(config.replace(head_dim=2944), GIB80)

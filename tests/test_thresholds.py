@@ -84,10 +84,22 @@ def test_csv_and_json_give_every_implementation_its_status_bounds_and_reason():
     naive, softmax, flash = csv_as_json(report.to_csv())
     assert csv_as_json(report.to_csv()) == report.records()
     (solved,) = report.results
-    # 5,970: reserved 8,042,577,920 B <= budget 8,053,063,680 B < 8,057,257,984 B at 5,971
+    # budget: 8 x 2^30 - 512 x 2^20 = 8,053,063,680 B. The warm-up reserves a 20 MiB
+    # segment (q, k, v, grad_out, out, dv: 8 x N x 16 x 4 B = 3,056,640 B each at 5,970,
+    # < 10 MiB: one 20 MiB segment holds all six), the main cuBLAS workspace's 32 MiB, a
+    # 2 MiB small-pool one (row_max, row_sum, row_argmax) and one segment per N x N tensor
+    # (qk, s, exp_x, dp, e/r/r, -dp, -dp*e/r/r: 7), 8 x N x N x 4 B rounded up to 2 MiB:
+    # 8 x 5,970 x 5,970 x 4 = 1,140,508,800 -> 544 x 2 MiB; at 5,971 1,140,890,912 ->
+    # 545 x 2 MiB, the seventh asked for on top of six and the 54 MiB, none free to release.
+    # So max_seq_len 5,970: reserved 8,042,577,920 B <= budget 8,053,063,680 B; next_seq_len
+    # 5,971: needs 8,057,257,984 B > budget.
+    MiB = 1 << 20
+    assert budget.budget_bytes == 8 * 1024 * MiB - 512 * MiB == 8_053_063_680
     assert (solved.at_max.reserved_bytes, solved.at_next.reserved_bytes) == (
+        7 * 544 * 2 * MiB + (20 + 32 + 2) * MiB, 7 * 545 * 2 * MiB + (20 + 32 + 2) * MiB) == (
         8_042_577_920, 8_057_257_984)
     assert naive == {
+        # 5,970 fits and 5,971 does not: the segments above
         "impl": "naive", "status": "solved", "max_seq_len": 5970, "next_seq_len": 5971,
         "limit": None, "accepted_step": 1, "accepted_most": None,  # naive takes every N
         "first_failing_power_of_two": 8192,  # 2^13, the first power above 5,970

@@ -68,7 +68,9 @@ def test_a_compiled_flex_call_saves_its_logsumexp_and_the_block_mask(tmp_path, c
 def test_flex_without_a_block_mask_equals_the_model_with_mask_none(tmp_path, capsys):
     """No block_mask: the compiled graph builds its one-block default mask, four int32
     elements saved (512-B blocks): what ``breakdown --impl flex --mask none`` says, on every
-    figure."""
+    figure. The kernel is the model's on both sides (the stand-in runs it): this checks
+    the default mask and the call; the hand count is ``test_impls_flex.py``'s, each
+    allocation of the step as an H100 recorded it."""
     from memcalc.analysis.predict import predict
     from memcalc.config import make_config
 

@@ -109,7 +109,7 @@ def live_polynomial(config: Config, field: str, breakdown=None,
     b = breakdown if breakdown is not None else predict(config)
     x0 = getattr(config.shape, field)
     live = b.components
-    at_x0 = tensor_sizes(config)
+    at_x0 = tensor_sizes(config, b.rank)  # under --cp: the busiest rank's, shown
     declared = len(at_x0)
 
     # which declaration of its name each live tensor is: the one of its size at x0
@@ -117,7 +117,7 @@ def live_polynomial(config: Config, field: str, breakdown=None,
              if c.name in at_x0 and c.bytes in at_x0[c.name]}
 
     def raw(x: int) -> int | None:
-        sizes = at_x0 if x == x0 else tensor_sizes(config.replace(**{field: x}))
+        sizes = at_x0 if x == x0 else tensor_sizes(config.replace(**{field: x}), b.rank)
         if len(sizes) != declared:  # a loop: more tensors at x, not larger ones; replay it
             return sum(comp.bytes for comp in predict(config.replace(**{field: x})).components)
         total = 0

@@ -145,12 +145,13 @@ def _unsaved(component: Component) -> Component:
     return component.model_copy(update={"role": Role.activation})
 
 
-def tensor_sizes(config: Config) -> dict[str, tuple[int, ...]]:
+def tensor_sizes(config: Config, rank: int | None = None) -> dict[str, tuple[int, ...]]:
     """The requested bytes of every tensor the step declares, by name, one entry per
     declaration in program order (inputs, a traced loop's warm-up and every measured
     phase included): a name may be declared again (cuDNN's workspace, 256 B in the
-    forward and the size of dq's accumulator in the backward)."""
-    d = config.dims
+    forward and the size of dq's accumulator in the backward). Under ``--cp``, rank
+    ``rank``'s step (its ring steps hold other blocks than rank 0's)."""
+    d = config.dims if rank is None else config.dims.replace(cp_rank=rank)
     program = step_program(get_impl(config.impl), d)
     sizes: dict[str, tuple[int, ...]] = {}
     phases = (e for phase in program.measured(not d.forward_only) for e in phase.events)
