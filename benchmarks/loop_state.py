@@ -49,10 +49,10 @@ class Observer(Ledger):
         self.label = label
         super().phase(label)
 
-    def alloc(self, key, item) -> None:
+    def alloc(self, key, item, stream: int = 0) -> None:
         if self.label == "warm-up" and isinstance(key, str):
             self._observe(key)
-        super().alloc(key, item)
+        super().alloc(key, item, stream)
         if self.scores_at is not None and isinstance(key, str):
             self._place(self.live[key].block)
 
@@ -74,7 +74,7 @@ class Observer(Ledger):
         if not segments:
             return
         top = segments[-1].addr
-        free = sorted((b.addr - top, b.size) for b in self.allocator.pools[True])
+        free = sorted((b.addr - top, b.size) for b in self.allocator.pool(True))
         temporary = self.live.get(f"n{i - 1}")
         state = (tuple(f for f in free if f[0] > -NEAR),
                  tuple(sorted(Counter(size for at, size in free if at <= -NEAR).items())),
@@ -92,7 +92,7 @@ class Observer(Ledger):
         if "chunks" not in counts:
             segments = self._small_segments()
             counts["wholly free at start"] = sum(s.is_free() for s in segments)
-            counts["free blocks at start"] = len(self.allocator.pools[True])
+            counts["free blocks at start"] = len(self.allocator.pool(True))
         counts["chunks"] += 1
 
     def _place(self, block) -> None:

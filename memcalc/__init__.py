@@ -340,7 +340,9 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
 
 
 def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
-          optimizer=None, grad_accum=1, gpu_gb=None, reserve=None, **options):
+          optimizer=None, grad_accum=1, fsdp=None, reshard_after_forward="default",
+          fsdp_param_dtype=None, fsdp_reduce_dtype=None, gpu_gb=None, reserve=None,
+          **options):
     """The breakdown of your own function or module's step, traced on the meta device as
     the GPU runs it (needs torch): a function, an ``nn.Module`` instance (its weights are
     left as they are), or an ``nn.Module`` class (built with no arguments on the meta
@@ -353,7 +355,11 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     floating parameters and buffers in that dtype (``model.to(torch.bfloat16)``);
     ``optimizer="adamw"`` (``adam``, ``sgd``; ``:fused``, ``:forloop``) adds its
     ``step()`` and ``zero_grad()`` as a training loop runs them, after ``grad_accum``
-    forward and backward passes. ``causal=True`` is passed as its
+    forward and backward passes. ``fsdp=8`` shards the module with PyTorch's FSDP2
+    (``fully_shard`` on each repeated layer, then the root, as torchtitan applies it;
+    ``reshard_after_forward`` its policy ``default``, ``always`` or ``never``;
+    ``fsdp_param_dtype``/``fsdp_reduce_dtype`` its ``MixedPrecisionPolicy``) and shows the
+    busiest rank's step. ``causal=True`` is passed as its
     ``causal`` or ``is_causal`` argument (refused when it takes neither); ``gpu_gb``,
     ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
 
@@ -369,6 +375,7 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     _needs_torch("memcalc.trace")
     from memcalc.tracing import (Calling, TraceError, check_causal, check_inputs, label_of,
                                  prepared, register_function, trace as run)
+    from memcalc.tracing.fsdp import sharding_of
     from memcalc.tracing.optimizers import loop_of
 
     options = _options("trace", options, ("gpu_gb", "reserve"))
@@ -391,7 +398,11 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
         calling = Calling(check_inputs(fn, given, "inputs"),
                           autocast_dtype(autocast, "autocast"),
                           torch_dtype(param_dtype, "param_dtype"),
-                          loop_of(optimizer, grad_accum, ("optimizer", "grad_accum")))
+                          loop_of(optimizer, grad_accum, ("optimizer", "grad_accum")),
+                          sharding_of(fsdp, reshard_after_forward,
+                                      torch_dtype(fsdp_param_dtype, "fsdp_param_dtype"),
+                                      torch_dtype(fsdp_reduce_dtype, "fsdp_reduce_dtype"),
+                                      "fsdp"))
     except TraceError as error:
         raise ValueError(str(error).removeprefix("--trace ")) from None
     config = make_config(**{**options, "impl": register_function(fn, label_of(fn), calling)})

@@ -163,6 +163,20 @@ def input_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=whole, default=1, metavar="K",
                    help="forward and backward passes per optimizer step, grads accumulating "
                         "(default 1)")
+    p.add_argument("--fsdp", type=whole, default=None, metavar="P",
+                   help="shard the module with PyTorch's FSDP2 over P ranks (fully_shard on "
+                        "each repeated layer, then the root, as torchtitan does; a model "
+                        "calling fully_shard itself is traced as written); the busiest "
+                        "rank is shown, every rank in --json. With --cp: the same P ranks")
+    p.add_argument("--reshard-after-forward", default="default", metavar="POLICY",
+                   help="FSDP's reshard_after_forward, as torchtitan's policy: default "
+                        "(every layer but the last), always or never")
+    p.add_argument("--fsdp-param-dtype", default=None, metavar="DTYPE",
+                   help="FSDP's MixedPrecisionPolicy param_dtype: the all-gathered "
+                        "parameters' dtype (bf16; default: the parameters' own)")
+    p.add_argument("--fsdp-reduce-dtype", default=None, metavar="DTYPE",
+                   help="FSDP's MixedPrecisionPolicy reduce_dtype: the gradients' "
+                        "reduce-scatter dtype (fp32; default: param dtype)")
 
 
 def release_of(args) -> dict:
@@ -189,7 +203,25 @@ def calling_from(args, fn):
                          f"(without it the target takes q, k, v, which need grad)")
     inputs = inputs_of(args.input, args.no_grad) if args.input else None
     loop = loop_of(args.optimizer, args.grad_accum)
-    return Calling(check_inputs(fn, inputs), autocast, param_dtype, loop)
+    return Calling(check_inputs(fn, inputs), autocast, param_dtype, loop, sharding_from(args))
+
+
+def sharding_from(args):
+    """``--fsdp P`` and its options as a ``memcalc.tracing.fsdp.Sharding`` (None without
+    it); its options without it are refused, not ignored."""
+    from memcalc.names import torch_dtype
+    from memcalc.tracing.fsdp import sharding_of
+
+    if args.fsdp is None:
+        for flag, value in (("--reshard-after-forward", None if args.reshard_after_forward
+                             == "default" else args.reshard_after_forward),
+                            ("--fsdp-param-dtype", args.fsdp_param_dtype),
+                            ("--fsdp-reduce-dtype", args.fsdp_reduce_dtype)):
+            if value is not None:
+                raise ValueError(f"{flag} {value}: an FSDP option; give --fsdp P")
+    return sharding_of(args.fsdp, args.reshard_after_forward,
+                       torch_dtype(args.fsdp_param_dtype, "--fsdp-param-dtype"),
+                       torch_dtype(args.fsdp_reduce_dtype, "--fsdp-reduce-dtype"))
 
 
 def traced_options_given(args) -> str | None:
@@ -199,7 +231,8 @@ def traced_options_given(args) -> str | None:
                         ("--param-dtype", args.param_dtype), ("--torch", args.torch),
                         ("--no-grad", (args.no_grad or [None])[0]),
                         ("--optimizer", args.optimizer),
-                        ("--grad-accum", args.grad_accum if args.grad_accum != 1 else None)):
+                        ("--grad-accum", args.grad_accum if args.grad_accum != 1 else None),
+                        ("--fsdp", args.fsdp)):
         if value is not None:
             return f"{flag} {value}"
     return None

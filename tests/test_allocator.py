@@ -110,21 +110,21 @@ def test_free_blocks_give_the_best_fit(monkeypatch, run):
     allocator, live = CachingAllocator(), []
     if run is not None:
         monkeypatch.setattr(FreeBlocks, "RUN", run)
-        allocator.pools[True] = FreeBlocks(INTEGERS)
+        allocator.pools[True, 0] = FreeBlocks(INTEGERS)
     rng = random.Random(7)
     for step in range(3000):
         if live and rng.random() < 0.45:
             allocator.free(live.pop(rng.randrange(len(live))))
             continue
         size = round_size(rng.choice([512, 1536, 4096, 32768, 131072, 700000]))
-        pool = allocator.pools[True]
+        pool = allocator.pool(True)
         fits = [b for b in pool if b.size >= size]
         expected = min(fits, key=lambda b: (b.size, b.addr)) if fits else None
         block = allocator.malloc(size)
         if expected is not None:
             assert block.addr == expected.addr
         live.append(block)
-    pool = allocator.pools[True]
+    pool = allocator.pool(True)
     keys = [(b.size, b.addr) for b in pool]
     assert keys == sorted(keys) and len(pool) == len(keys)
 
@@ -192,3 +192,19 @@ def test_a_capped_allocator_mirrors_and_refuses_to_release_while_mirrored():
     assert a.mirror_small_pool() and a.reserved == 2 * MiB
     with pytest.raises(MirrorBroken):
         a.malloc(20 * MiB + 1)  # a 22 MiB segment on top of 2 MiB: release needed
+
+
+def test_a_block_serves_its_own_stream_only():
+    """``get_free_block`` stops at a block of another stream (``BlockComparatorSize`` orders
+    the pools by stream first): FSDP's buffers, made on its own streams, are not reused
+    by the compute stream, nor the other way round."""
+    a = CachingAllocator()
+    block = a.malloc(4 * MiB, stream=1)  # a 20 MiB segment on stream 1
+    a.free(block)
+    assert a.reserved == 20 * MiB
+    again = a.malloc(4 * MiB, stream=0)  # stream 0 cannot take it: a segment of its own
+    assert a.reserved == 40 * MiB and again.segment.stream == 0
+    a.free(again)
+    assert a.malloc(4 * MiB, stream=1).segment is block.segment  # stream 1's, reused
+    a.empty_cache()  # releases the wholly free segments of every stream
+    assert a.reserved == 20 * MiB  # 40 MiB - stream 0's free 20 MiB segment

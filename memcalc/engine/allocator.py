@@ -18,7 +18,12 @@ Rules read from ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13, default confi
 * a freed block merges with its free neighbours (``try_merge_blocks``; blocks are linked to
   their neighbours in the segment, ``Block::prev``/``next``);
 * when a new segment would exceed the device, every wholly free segment is released and
-  the reservation retried once (``release_cached_blocks``), then OutOfMemory is raised.
+  the reservation retried once (``release_cached_blocks``), then OutOfMemory is raised;
+* a block serves only requests made on the CUDA stream its segment was reserved on: the
+  pools order blocks by (stream, size, address) and ``get_free_block`` gives up at a block
+  of another stream (``BlockComparatorSize``); a segment is reserved on the requesting
+  stream. Streams are numbered here, 0 the default one; FSDP's all-gather and
+  reduce-scatter buffers are made on streams of their own (``memcalc.tracing.fsdp``).
 
 New segments get increasing virtual addresses; real ``cudaMalloc`` addresses are not
 known in advance, so ties between equal free blocks in different segments are broken as
@@ -148,10 +153,10 @@ class MirrorBroken(Exception):
 class Segment:
     """One ``cudaMalloc`` reservation; its blocks form a linked list from ``head``."""
 
-    __slots__ = ("addr", "size", "small", "head")
+    __slots__ = ("addr", "size", "small", "head", "stream")
 
-    def __init__(self, addr, size, small: bool):
-        self.addr, self.size, self.small = addr, size, small
+    def __init__(self, addr, size, small: bool, stream: int = 0):
+        self.addr, self.size, self.small, self.stream = addr, size, small, stream
         self.head = Block(addr, size, self)
 
     @property
@@ -325,8 +330,8 @@ class CachingAllocator:
 
     def __init__(self, capacity: int | None = None, sizes: Sizes = INTEGERS):
         self.capacity, self.sizes = capacity, sizes
-        small = SmallFreeBlocks() if sizes.plain_keys else FreeBlocks(sizes)
-        self.pools = {True: small, False: FreeBlocks(sizes)}
+        # each pool's free blocks by (small, stream): a block serves its own stream only
+        self.pools: dict[tuple[bool, int], FreeBlocks | SmallFreeBlocks] = {}
         self.segments: list[Segment] = []
         self._next_addr = 0
         self.allocated = self.reserved = 0
@@ -373,29 +378,40 @@ class CachingAllocator:
         """``reset_peak_memory_stats()``: peaks restart from the current values."""
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
-    def malloc(self, nbytes) -> Block | None:
-        """Allocate a block for ``nbytes``; None for a 0-byte request."""
+    def pool(self, small: bool, stream: int = 0) -> FreeBlocks | SmallFreeBlocks:
+        """The free blocks of the small or the large pool that serve ``stream``."""
+        pool = self.pools.get((small, stream))
+        if pool is None:
+            plain = small and self.sizes.plain_keys
+            pool = self.pools[small, stream] = SmallFreeBlocks() if plain else FreeBlocks(self.sizes)
+        return pool
+
+    def malloc(self, nbytes, stream: int = 0) -> Block | None:
+        """Allocate a block for ``nbytes`` on ``stream`` (0: the default stream); None for
+        a 0-byte request."""
         mirrored = self._mirrored
-        block = mirrored.get(nbytes) if mirrored is not None else None
+        block = mirrored.get(nbytes) if mirrored is not None and not stream else None
         if block is None:
-            block = self._take(nbytes)
+            block = self._take(nbytes, stream)
             if block is None:
                 return None
         self.allocated = allocated = self.allocated + block.size
         self.peak_allocated = self.sizes.top(self.peak_allocated, allocated)
         return block
 
-    def _take(self, nbytes) -> Block | None:
-        """The block a request gets: the best-fitting free one or a new segment's, split
-        (or, mirrored, a small request's block); None for 0 bytes."""
+    def _take(self, nbytes, stream: int = 0) -> Block | None:
+        """The block a request on ``stream`` gets: the best-fitting free one of its pool or
+        a new segment's, split (or, mirrored, a small request's block); None for 0 bytes."""
         request = self.sizes.request(nbytes)
         if request is None:
             return None
         size, small = request
-        if small and self._mirrored is not None:
+        if small and self._mirrored is not None and not stream:
+            # the mirror is the default stream's small pool; other streams' pools, which
+            # never serve it, decide as ever
             return self._mirror_block(nbytes, size)
-        pool = self.pools[small]
-        block = pool.take_best_fit(size) or self._new_segment(nbytes, size, small)
+        pool = self.pool(small, stream)
+        block = pool.take_best_fit(size) or self._new_segment(nbytes, size, small, stream)
         self._split(block, size, pool)
         block.free = False
         return block
@@ -408,7 +424,7 @@ class CachingAllocator:
         if block.segment is _MIRRORED:
             return
         block.free = True
-        pool = self.pools[block.segment.small]
+        pool = self.pool(block.segment.small, block.segment.stream)
         after, before = block.next, block.prev
         if after is not None and after.free:
             pool.remove(after)
@@ -432,7 +448,7 @@ class CachingAllocator:
             raise MirrorBroken
         self._marked = None  # the warm-up's segments may be gone
         for segment in [s for s in self.segments if s.is_free()]:
-            self.pools[segment.small].remove(segment.head)
+            self.pool(segment.small, segment.stream).remove(segment.head)
             self.segments.remove(segment)
             self.reserved = self.reserved - segment.size
 
@@ -453,13 +469,13 @@ class CachingAllocator:
             return LARGE_BUFFER
         return self.sizes.large_segment(nbytes, size)
 
-    def _new_segment(self, nbytes, size, small: bool) -> Block:
+    def _new_segment(self, nbytes, size, small: bool, stream: int = 0) -> Block:
         seg_size = self._segment_size(nbytes, size, small)
         if self.capacity is not None and self.reserved + seg_size > self.capacity:
             self.empty_cache()
             if self.reserved + seg_size > self.capacity:
                 raise OutOfMemory(seg_size, self.reserved, self.capacity)
-        segment = Segment(self._next_addr, seg_size, small)
+        segment = Segment(self._next_addr, seg_size, small, stream)
         self._next_addr = self._next_addr + seg_size
         self.segments.append(segment)
         self.reserved = self.reserved + seg_size

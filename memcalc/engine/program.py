@@ -41,6 +41,8 @@ class Role(str, Enum):
     parameter = "parameter"  # an nn.Module's parameters: resident, made before the step
     buffer = "buffer"  # registered buffers and module-level tensors: resident as well
     optimizer_state = "optimizer state"  # moments, momentum buffers: made by the first step()
+    unsharded = "unsharded parameter"  # FSDP's all-gathered parameters, between reshards
+    collective = "collective buffer"  # FSDP's all-gather and reduce-scatter buffers
 
 
 class _TensorFields(NamedTuple):
@@ -97,6 +99,15 @@ class Cublas:
 
 
 @dataclass(frozen=True)
+class Stream:
+    """The allocations that follow are made on CUDA stream ``number`` (0: the default
+    one), each stream's blocks a pool of their own (``memcalc.engine.allocator``): what
+    FSDP's all-gather and reduce-scatter buffers are made on (``memcalc.tracing.fsdp``)."""
+
+    number: int = 0
+
+
+@dataclass(frozen=True)
 class Mark:
     """A labelled point between events; allocates and frees nothing (the timeline skips
     it). ``memcalc/impls/checkpoint.py`` reads two labels: ``LAST_SAVE`` and ``FIRST_UNPACK``."""
@@ -107,7 +118,7 @@ class Mark:
 LAST_SAVE = "last_save"
 FIRST_UNPACK = "first_unpack"
 
-Event = Tensor | Free | Release | Cublas | Mark
+Event = Tensor | Free | Release | Cublas | Stream | Mark
 
 
 def new(name: str, shape: tuple[int, ...], dtype: str, role: Role, op: str) -> Tensor:

@@ -132,9 +132,9 @@ class Recorder(Ledger):
         self.pending = None
         self.phases: dict[str, list] = {}
 
-    def alloc(self, key, item) -> None:
+    def alloc(self, key, item, stream: int = 0) -> None:
         nbytes = self.nbytes.get(id(item), item.bytes)
-        live = self.live[key] = Live(item, self.allocator.malloc(nbytes))
+        live = self.live[key] = Live(item, self.allocator.malloc(nbytes, stream))
         self.rounded[key] = r = self.sizes.block(nbytes)
         self.floor = self.floor + r
         if item.name in self.quadratic and live.block is not None:

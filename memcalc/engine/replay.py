@@ -24,7 +24,7 @@ from memcalc.engine.component import Component
 from memcalc.engine.deadline import tick
 from memcalc.engine.dims import Dims
 from memcalc.engine.inputs import input_tensors
-from memcalc.engine.program import Cublas, Free, Program, Release, Role, Tensor
+from memcalc.engine.program import Cublas, Free, Program, Release, Role, Stream, Tensor
 from memcalc.engine.status import detail, listening
 
 
@@ -105,12 +105,12 @@ class Ledger:
         self._log: list[tuple[Hashable, Live | None]] | None = None
         self._peak_at = 0  # how many of those changes the peak had seen
 
-    def alloc(self, key: Hashable, item) -> None:
+    def alloc(self, key: Hashable, item, stream: int = 0) -> None:
         """Allocate ``item`` (a ``Tensor`` or ``Component``: anything with ``bytes`` and
-        ``role``); note where the peak rises."""
+        ``role``) on ``stream`` (0: the default one); note where the peak rises."""
         allocator, log = self.allocator, self._log
         before = allocator.peak_allocated
-        live = self.live[key] = Live(item, allocator.malloc(item.bytes))
+        live = self.live[key] = Live(item, allocator.malloc(item.bytes, stream))
         if log is not None:
             log.append((key, live))
             if allocator.peak_allocated != before:
@@ -291,12 +291,13 @@ def _release(ledger: Ledger, *roles: Role) -> None:
 def _run(ledger: Ledger, events, thread: str, grad: bool) -> None:
     """Apply events in order. Under no_grad, ``saved`` tensors die with their last reference."""
     alloc, free, live = ledger.alloc, ledger.free, ledger.live
+    stream = 0  # the CUDA stream allocations are made on (``Stream``)
     for start in range(0, len(events), _BATCH):
         tick(_BATCH)
         for event in events[start:start + _BATCH]:
             kind = type(event)
             if kind is Tensor:
-                alloc(event.name, event)
+                alloc(event.name, event, stream)
             elif kind is Free:
                 for name in event.names:
                     if not (grad and live[name].role is Role.saved):
@@ -307,6 +308,8 @@ def _run(ledger: Ledger, events, thread: str, grad: bool) -> None:
                         free(name)
             elif kind is Cublas:
                 ledger.ensure_workspace(event.thread or thread)
+            elif kind is Stream:
+                stream = event.number
 
 
 _BATCH = 1024  # events counted at once towards the time limit

@@ -56,7 +56,7 @@ def _traced(get_impl, name: str) -> bool:
 
 def breakdown_title(b) -> str:
     c = b.config
-    rank = f", rank {b.rank} of {c.cp}" if b.rank is not None else ""
+    rank = f", rank {b.rank} of {len(b.rank_peaks)}" if b.rank is not None else ""
     return f"{ran(b)}: {c.label()}{rank} on {c.device.spec.label}; peak in {b.peak_phase}"
 
 
@@ -79,15 +79,16 @@ def rank_note(b) -> list[str]:
     """Under context parallelism: which rank is shown, and why."""
     if b.rank is None:
         return []
-    c = b.config
+    c, world = b.config, len(b.rank_peaks)
     key = list(zip(b.rank_reserved, b.rank_peaks))
-    rows = f"each rank holds {c.dims.N:,} of the {c.shape.seq_len:,} rows"
+    rows = (f"each rank holds {c.dims.N:,} of the {c.shape.seq_len:,} rows" if c.cp > 1 else
+            "each rank holds its shard of every parameter (FSDP)")
     if len(set(key)) == 1:  # DeepSpeed-Ulysses: every rank's step is the same
-        return [f"rank {b.rank} of {c.cp} shown: every rank's step is the same ({rows}; "
+        return [f"rank {b.rank} of {world} shown: every rank's step is the same ({rows}; "
                 f"reserved {b.rank_reserved[0]:,} B, allocated {b.rank_peaks[0]:,} B)"]
     ties = [r for r, k in enumerate(key) if k == key[b.rank] and r != b.rank]
     tied = f" (as busy: rank{'s' * (len(ties) > 1)} {', '.join(map(str, ties))})" if ties else ""
-    return [f"rank {b.rank} of {c.cp} shown, the busiest{tied}: the highest "
+    return [f"rank {b.rank} of {world} shown, the busiest{tied}: the highest "
             f"max_memory_reserved, then max_memory_allocated; {rows}. By rank, reserved: "
             f"{', '.join(f'{p:,}' for p in b.rank_reserved)} B; allocated: "
             f"{', '.join(f'{p:,}' for p in b.rank_peaks)} B"]
@@ -170,7 +171,7 @@ def breakdown_tables(b) -> list[Table]:
 # roles of what a model keeps from step to step: where any is alive at the peak, the peak is
 # also shown by role (what dominates: the weights, their grads, the optimizer's state, or
 # the step's activations)
-RESIDENT_ROLES = ("parameter", "buffer", "optimizer state")
+RESIDENT_ROLES = ("parameter", "buffer", "optimizer state", "unsharded parameter")
 
 
 def role_tables(peak: int, live) -> list[Table]:

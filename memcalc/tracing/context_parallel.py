@@ -57,17 +57,26 @@ def _attention():
     return _attention
 
 
+_SET_UP: list[tuple[int, int]] = []  # (world, rank) of the fake groups set up here
+
+
 @contextmanager
 def fake_group(ranks: Ranks):
     """A fake process group in which this process is ``ranks.rank`` of ``ranks.world``, and
-    torch's rotate method set to ``ranks.method``, for the whole step; as they were after."""
+    torch's rotate method set to ``ranks.method``, for the whole step; as they were after.
+    Inside one set up here for the same rank (FSDP's, with context parallelism over the
+    same ranks), that one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
+    nested = dist.is_initialized() and _SET_UP[-1:] == [(ranks.world, ranks.rank)]
+    if dist.is_initialized() and not nested:
         raise NotModelled("--cp: a process group is already set up in this process")
     cp = _attention()
     method = cp._cp_options.rotate_method
-    dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank, world_size=ranks.world)
+    if not nested:
+        dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank,
+                                world_size=ranks.world)
+        _SET_UP.append((ranks.world, ranks.rank))
     if ranks.method in METHODS:  # torch's ring; Ulysses' all-to-alls are the caller's code
         cp._cp_options.rotate_method = getattr(cp._RotateMethod, METHODS[ranks.method])
     elif deepspeed_installed():
@@ -76,7 +85,9 @@ def fake_group(ranks: Ranks):
         yield
     finally:
         cp._cp_options.rotate_method = method
-        dist.destroy_process_group()
+        if not nested:
+            _SET_UP.pop()
+            dist.destroy_process_group()
 
 
 def deepspeed_installed() -> bool:

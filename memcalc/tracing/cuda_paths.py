@@ -360,8 +360,12 @@ def observe(paths: CudaPaths, func) -> None:
     # own); the functional ones' stash: collectives.py; c10d's in-place ones, as
     # DeepSpeed-Ulysses calls them, are synchronous: the stash ends with the call
     # profiler:: marks a record_function range (the optimizer's step is one): no memory
-    if namespace not in ("aten", "prim", "prims", "_c10d_functional", "c10d", "profiler") \
-            and not known:
+    # fsdp:: are FSDP2's copies, whose CUDA implementations write into outputs made before
+    # them and allocate nothing else (``_fsdp_collectives.py``: ``all_gather_copy_in`` a
+    # ``_foreach_copy_`` into a narrow of the buffer, ``split_with_sizes_copy`` and
+    # ``chunk_cat`` the ``out=`` variants)
+    if namespace not in ("aten", "prim", "prims", "_c10d_functional", "c10d", "profiler",
+                         "fsdp") and not known:
         paths.note(UNMODELLED["custom"].format(op=f"{namespace}::{op}"))
     elif op in REDUCTIONS:
         paths.note(UNMODELLED["reduction"].format(op=f"aten::{op}"))

@@ -4,8 +4,9 @@ with what the trace took or could not see (``report.Traced``)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from memcalc.analysis.breakdown import Breakdown
 from memcalc.config import Config
@@ -105,13 +106,32 @@ def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
     it: ``(breakdown, paths, tracer, rank)``."""
     from memcalc.analysis.predict import busiest, ranked
 
-    ranks = [_rank_traced(call, config, options, inputs, r) for r in range(config.cp)]
+    world = world_of(call, config)
+    made: dict = {}  # each distinct rank's trace, by what its step depends on
+    ranks = [made.get(key) or made.setdefault(key, _rank_traced(call, config, options, inputs, r))
+             for r, key in ((r, _signature(call, config, r)) for r in range(world))]
     breakdowns = [b for b, _, _ in ranks]
     rank = busiest(breakdowns)
     result, paths, tracer = ranks[rank]
-    if config.cp > 1:
+    if world > 1:
         result = ranked(result, rank, breakdowns)
     return result, paths, tracer, rank
+
+
+def _signature(call: Bound, config: Config, rank: int):
+    """What rank ``rank``'s step depends on: under FSDP alone, the rows of each parameter
+    it holds (``fsdp.rank_signature``: ranks that hold alike run alike); else the rank."""
+    if call.sharding is None or config.cp > 1:
+        return rank
+    from memcalc.tracing.fsdp import rank_signature
+
+    return ("fsdp", rank_signature(call.fn, call.sharding.world, rank))
+
+
+def world_of(call: Bound, config: Config) -> int:
+    """How many ranks the step runs on: context parallelism's, FSDP's (the same ranks when
+    both), else 1."""
+    return max(config.cp, call.sharding.world if call.sharding is not None else 1)
 
 
 def _rank_traced(call: Bound, config: Config, options: TraceOptions,
@@ -121,7 +141,7 @@ def _rank_traced(call: Bound, config: Config, options: TraceOptions,
 
     paths = paths_for(config, options, rank)
     tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims))
-    result = _measure(call, config, options, inputs, paths=paths, tracer=tracer)
+    result = _measure(call, config, options, inputs, paths=paths, tracer=tracer, rank=rank)
     if config.cp > 1 and config.cp_method == "ulysses" and not paths.collectives:
         raise TraceError("--cp-method ulysses: the step made no all-to-all; DeepSpeed-Ulysses "
                          "is the caller's code (DistributedAttention around the attention): "
@@ -147,18 +167,50 @@ def paths_for(config: Config, options: TraceOptions, rank: int = 0):
 def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[Input, ...],
              capacity: int | None = None, paths=None, tracer=None, rank: int = 0) -> Breakdown:
     """One direct trace of the bound call's step (see ``trace``)."""
-    from memcalc.tracing.state import kept, on_meta
-    from memcalc.tracing.tracer import measure
+    from memcalc.tracing.tracer import Tracer, measure
 
     paths = paths or paths_for(config, options, rank)
+    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths, gpu_of(config.dims))
 
     def run():
-        with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
-            return measure(config, call, capacity, paths, state,
-                           output_like(call, config, options, inputs), tracer, inputs,
+        with rank_state(call, config, options, inputs, tracer, rank) as (on_rank, state, like):
+            return measure(config, on_rank, capacity, paths, state, like, tracer, inputs,
                            call.loop)
 
     return guarded(run, call.fn, called_with(config, inputs))
+
+
+@contextmanager
+def rank_state(call: Bound, config: Config, options: TraceOptions, inputs: tuple[Input, ...],
+               tracer, rank: int = 0) -> Iterator[tuple]:
+    """``(call, state, out_like)`` of rank ``rank``'s step: the call (under ``--fsdp``, on
+    the rank's sharded copy of the module: ``memcalc.tracing.fsdp``), the state it keeps
+    resident on the meta device, and ``grad_out``'s ``(shape, dtype)`` (``output_like``);
+    the user's objects as they were after."""
+    from memcalc.tracing.state import kept, on_meta
+
+    with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
+        out_like = output_like(call, config, options, inputs)
+        if call.sharding is None:
+            yield call, state, out_like
+            return
+        from memcalc.tracing.fsdp import sharded
+
+        with sharded(call, rank, tracer) as (on_rank, rank_resident):
+            yield on_rank, rank_resident, out_like
+
+
+@contextmanager
+def _sharded_or_not(call: Bound, tracer) -> Iterator[Bound]:
+    """The call as rank 0 runs it under ``--fsdp`` (its mixed precision decides the
+    output's dtype), else as it is."""
+    if call.sharding is None:
+        yield call
+        return
+    from memcalc.tracing.fsdp import sharded
+
+    with sharded(call, 0, tracer) as (on_rank, _):
+        yield on_rank
 
 
 def output_like(call: Bound, config: Config, options: TraceOptions,
@@ -175,8 +227,8 @@ def output_like(call: Bound, config: Config, options: TraceOptions,
     if config.protocol.forward_only or config.protocol.loss != "grad":
         return None
     scratch = Tracer(config.workspace_bytes, None, paths_for(config, options), gpu_of(config.dims))
-    with kept(call.fn):
-        shape, dtype = output_of(config, call, scratch, inputs)
+    with kept(call.fn), _sharded_or_not(call, scratch) as on_rank:
+        shape, dtype = output_of(config, on_rank, scratch, inputs)
     d = config.dims
     if inputs is QKV and shape == (d.B, d.H, d.N, d.D) and dtype == d.dtype:
         return None

@@ -14,8 +14,9 @@ from memcalc.engine.inputs import QKV, Input, sizes_read
 from memcalc.engine.program import Dims, Phase, Program, Tensor
 from memcalc.impls.device import gpu_of
 from memcalc.impls.embedding import EmbeddingBackward
+from memcalc.impls.packed_copies import ChunkCat, SplitCopy
 from memcalc.impls.reductions import Reduction
-from memcalc.tracing.direct import TraceOptions, output_like, paths_for
+from memcalc.tracing.direct import TraceOptions, paths_for, rank_state
 from memcalc.tracing.errors import NotPolynomial, TraceError
 from memcalc.tracing.explain import called_with, guarded
 from memcalc.tracing.segments import step_events
@@ -115,7 +116,8 @@ def _program(segments: list[tuple[str, tuple]]) -> Program:
 
 # kernels whose own buffers a traced program recomputes at each length from the call's
 # fitted sizes (``Tracer.scratch``): what they are called in the program's names
-KERNEL_CALLS = {Reduction: "reduction", EmbeddingBackward: "embedding"}
+KERNEL_CALLS = {Reduction: "reduction", EmbeddingBackward: "embedding",
+                SplitCopy: "all-gather copy-out", ChunkCat: "reduce-scatter copy-in"}
 
 
 def _at(fitted: list, n: int, gpu) -> tuple:
@@ -132,7 +134,6 @@ def _at(fitted: list, n: int, gpu) -> tuple:
 
 def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...],
                    options: TraceOptions) -> list[tuple[str, list]]:
-    from memcalc.tracing.state import kept, on_meta
     from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
     sample = config.replace(seq_len=n)
@@ -140,9 +141,8 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
     probe = TracerProbe(tracer)
 
     def run():
-        with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
-            run_traced(sample, call, tracer, probe, state,
-                       output_like(call, sample, options, inputs), inputs, call.loop)
+        with rank_state(call, sample, options, inputs, tracer) as (on_rank, state, like):
+            run_traced(sample, on_rank, tracer, probe, state, like, inputs, call.loop)
 
     guarded(run, call.fn, called_with(sample, inputs))
     return step_events(tracer, probe)
@@ -332,6 +332,7 @@ def _title(calling: Calling) -> Callable[[str], str]:
     loop = calling.loop
     said += [loop.optimizer.text()] if loop.optimizer else []
     said += [f"x{loop.accumulate} micro-steps"] if loop.accumulate > 1 else []
+    said += [calling.fsdp.text()] if calling.fsdp is not None else []
     return lambda dtype: " ".join(([dtype] if takes else []) + said)
 
 

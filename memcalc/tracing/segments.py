@@ -4,7 +4,7 @@ it has in the step (saved, gradient, a model's state, ...)."""
 
 from __future__ import annotations
 
-from memcalc.engine.program import Cublas, Free, Release, Role, Tensor
+from memcalc.engine.program import Cublas, Free, Release, Role, Stream, Tensor
 
 
 def step_events(tracer, probe) -> list[tuple[str, list]]:
@@ -108,6 +108,8 @@ def _event(event, names: dict, role):
     kind = event[0]
     if kind == "cublas":
         return Cublas(event[1])
+    if kind == "stream":
+        return Stream(event[1])
     if kind == "reduce":
         return event[1]
     if kind == "alloc":

@@ -245,9 +245,10 @@ class Bound:
 
     def __init__(self, fn: Callable, inputs: tuple[Input, ...] = QKV, causal: bool = False,
                  autocast: str | None = None, param_dtype: str | None = None,
-                 loop: Loop = Loop()):
+                 loop: Loop = Loop(), sharding=None):
         params = _parameters(fn) or {}
         self.fn = fn
+        self.sharding = sharding  # FSDP2's (``memcalc.tracing.fsdp.Sharding``), or None
         self.autocast = autocast
         self.param_dtype = param_dtype  # the module's floating state in it (on_meta)
         self.loop = loop  # the training loop's optimizer and micro-steps
@@ -287,13 +288,15 @@ def _positional(p: inspect.Parameter | None, keywords: bool) -> bool:
 class Calling:
     """How a traced target is called: its inputs, the autocast region around its forward
     (``bfloat16`` or ``float16``; None: none but the target's own), the dtype of its
-    module's floating parameters and buffers (None: as built), and the training loop
-    around it (an optimizer, accumulated micro-steps: ``memcalc.tracing.optimizers``)."""
+    module's floating parameters and buffers (None: as built), the training loop
+    around it (an optimizer, accumulated micro-steps: ``memcalc.tracing.optimizers``), and
+    FSDP2 over its ranks (``memcalc.tracing.fsdp.Sharding``; None: one GPU holds it all)."""
 
     inputs: tuple[Input, ...] = QKV
     autocast: str | None = None
     param_dtype: str | None = None
     loop: Loop = Loop()
+    fsdp: object = None
 
 
 def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
@@ -301,8 +304,16 @@ def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
     if calling.loop.optimizer is not None and config.protocol.forward_only:
         raise TraceError(f"--optimizer {calling.loop.optimizer.text()}: steps after a "
                          f"backward; --forward-only traces inference")
+    if calling.fsdp is not None and not _is_module_class(type(fn)):
+        raise TraceError("--fsdp: FSDP shards an nn.Module's parameters; trace the model "
+                         "(FILE:CLASS or a module instance), not a function")
+    world = calling.fsdp.world if calling.fsdp is not None else 1
+    if world > 1 and config.cp > 1 and world != config.cp:
+        raise TraceError(f"--fsdp {world} --cp {config.cp}: FSDP and context parallelism run "
+                         f"over the same ranks here (torchtitan's dp_shard_cp mesh): give "
+                         f"both the same P")
     return Bound(fn, calling.inputs, config.causal, calling.autocast, calling.param_dtype,
-                 calling.loop)
+                 calling.loop, calling.fsdp)
 
 
 def primary(out) -> tuple[object, str]:

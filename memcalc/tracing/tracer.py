@@ -41,6 +41,7 @@ from memcalc.impls.reductions import Reduction, accumulator_bytes
 from memcalc.impls.device import Gpu, gpu_of
 from memcalc.tracing import interrupt
 from memcalc.tracing.collectives import Collectives
+from memcalc.tracing.fsdp_copies import COPIES as FSDP_COPIES
 from memcalc.tracing.optimizers import Loop
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
 from memcalc.tracing.shadows import Shadows
@@ -299,12 +300,17 @@ class Tracer(TorchDispatchMode):
         # (``collectives.py``)
         group = paths.cp.group if paths and paths.cp else "nccl"
         self.collectives = Collectives(paths.release.torch if paths else torch_release(), group)
-        # ("alloc", key, component) | ("free", key) | ("cublas", thread) | ("mark", what):
+        # ("alloc", key, component) | ("free", key) | ("cublas", thread) | ("mark", what) |
+        # ("stream", number):
         # the run as a program, for memcalc/trace.py
         self.events: list[tuple] = []
         # the measured phase running (``TracerProbe.reset_peak``): the optimizer's
         # allocations on the main thread are its temporaries, not activations
         self.phase = ""
+        # the CUDA stream allocations are made on (0: the default one), which FSDP's
+        # stand-in device handle sets (``set_stream``)
+        self.stream = 0
+        self.given: tuple | None = None  # (name, role, op) set by ``naming``
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -316,7 +322,10 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         interrupt.check()  # a Ctrl-C the trace held (``interrupt.held``) stops it here
-        if self._quiet:
+        subclass = _subclass(types)
+        if subclass == "DTensor":  # its own dispatch runs the local ops, through this mode
+            return NotImplemented
+        if self._quiet or subclass == "FakeTensor":  # DTensor's sharding propagation
             return func(*args, **(kwargs or {}))
         self.collect_frees()
         alias = self.collectives.wrap(func, args)
@@ -346,6 +355,9 @@ class Tracer(TorchDispatchMode):
         if func in CUDA_TEMPORARIES:  # made before the kernel asks for its cuBLAS handle
             with self:
                 held = CUDA_TEMPORARIES[func](self, out, *args, **(kwargs or {}))
+        elif func.namespace == "fsdp" and op in FSDP_COPIES:
+            with self:
+                FSDP_COPIES[op](self, *args, **(kwargs or {}))
         if op in CUBLAS_OPS:
             self.ledger.ensure_workspace(_thread(), _where()[0])
             self.events.append(("cublas", _thread()))
@@ -415,8 +427,9 @@ class Tracer(TorchDispatchMode):
         self.dead.clear()  # the list the callbacks append to
         for key in dead:
             del self.refs[key], self.order[key]
-            self.ledger.free(key)
-            self.events.append(("free", key))
+            if key in self.ledger.live:  # not if resized to nothing before it died
+                self.ledger.free(key)
+                self.events.append(("free", key))
 
     def _track(self, t: torch.Tensor, op: str) -> None:
         self.track(t, op, op)
@@ -428,13 +441,33 @@ class Tracer(TorchDispatchMode):
         role = Role.input if op == "randn" else (
             Role.temporary if _thread() == "autograd" or self.phase == "optimizer"
             else Role.activation)
+        if self.given is not None:  # named by who asked for it (``naming``)
+            name, role, op = self.given
         self.adopt(t, component(name, role, op, tuple(t.shape),
-                                str(t.dtype).removeprefix("torch."), t.untyped_storage().nbytes()))
+                                str(t.dtype).removeprefix("torch."), t.untyped_storage().nbytes()),
+                   located=self.given is None)
+
+    def set_stream(self, number: int) -> None:
+        """Allocations from here on are made on CUDA stream ``number`` (``torch.cuda.stream``
+        as FSDP's stand-in device handle runs it: ``memcalc.tracing.fsdp``)."""
+        if number != self.stream:
+            self.stream = number
+            self.events.append(("stream", number))
+
+    @contextmanager
+    def naming(self, name: str, role: Role, op: str):
+        """What is allocated in the block is ``name`` in ``role``, made by ``op`` (FSDP's
+        buffers: torch's code, with no line of the user's to name them by)."""
+        before, self.given = self.given, (name, role, op)
+        try:
+            yield
+        finally:
+            self.given = before
 
     def adopt(self, t: torch.Tensor, part: Component, located: bool = True) -> None:
         """Track ``t``'s storage as ``part`` (named after the calling line unless not
         ``located``) until it dies; a storage already tracked, or of 0 bytes, is left alone."""
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         key = storage._cdata
         if key in self.dead:  # its last storage died in this op, and this one took its place
             self.collect_frees()
@@ -445,14 +478,35 @@ class Tracer(TorchDispatchMode):
         named = part.model_copy(update={"name": name, "source": code, "bytes": storage.nbytes()})
         note = self.dead.append
         self.refs[key] = weakref.ref(storage, lambda _, key=key: note(key))
+        self._alloc(key, named)
+
+    def _alloc(self, key: int, named: Component) -> None:
+        """Allocate a tracked storage's block on the current stream, and log it."""
         self.order[key] = len(self.events)
-        self.ledger.alloc(key, named)
+        self.ledger.alloc(key, named, self.stream)
         self.events.append(("alloc", key, self.ledger.live[key].component))
+
+    def resized(self, t: torch.Tensor, named: Component | None = None) -> None:
+        """``t``'s storage resized in place (``storage.resize_``, which no dispatch mode
+        sees: FSDP frees and re-allocates its unsharded parameters so,
+        ``_fsdp_param.free_storage``/``alloc_storage``): its block freed at 0 bytes, a new
+        one allocated, named ``named``, when it grows again."""
+        self.collect_frees()
+        storage = local(t).untyped_storage()
+        key = storage._cdata
+        if storage.nbytes() == 0 and key in self.ledger.live:
+            self.ledger.free(key)
+            self.events.append(("free", key))
+        elif storage.nbytes() and key not in self.ledger.live and named is not None:
+            if key not in self.refs:
+                note = self.dead.append
+                self.refs[key] = weakref.ref(storage, lambda _, key=key: note(key))
+            self._alloc(key, named.model_copy(update={"bytes": storage.nbytes()}))
 
     def relabel(self, t: torch.Tensor, **update) -> None:
         """Give ``t``'s tracked storage another name, role or op (``update``: Component
         fields), in the ledger and in the event log a program is made from."""
-        key = t.untyped_storage()._cdata
+        key = local(t).untyped_storage()._cdata
         if key not in self.ledger.live:
             return
         live = self.ledger.live[key]
@@ -564,7 +618,7 @@ class TracerProbe:
         (``c_attn.weight.grad (AddmmBackward0)``), before the peak's live set is read."""
         live = self.tracer.ledger.live
         for name, t in self.leaves:
-            key = t.grad.untyped_storage()._cdata if t.grad is not None else None
+            key = local(t.grad).untyped_storage()._cdata if t.grad is not None else None
             if key in live and live[key].role is Role.temporary:
                 where = located_name(live[key].component.name)[1]
                 self.tracer.relabel(t.grad, name=f"{name}.grad ({where})" if where
@@ -601,6 +655,29 @@ def located_name(name: str) -> tuple[str, str]:
     return (what, where.removesuffix(")")) if sep else (name, "")
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s storage: a DTensor's local shard (FSDP's sharded
+    parameters and grads, an optimizer's state of them), else ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _subclass(types) -> str | None:
+    """``DTensor`` or ``FakeTensor`` when an op's arguments hold one (by class name:
+    neither module is imported for a trace that has none), else None; ``FakeTensor`` too
+    for a factory op (no tensor arguments) under a ``FakeTensorMode``, which DTensor's
+    sharding propagation runs (its fake tensors' meta storage is not the step's)."""
+    for t in types:
+        name = t.__name__
+        if name in ("DTensor", "FakeTensor"):
+            return name
+    if not types and torch._C._get_dispatch_mode(_FAKE) is not None:
+        return "FakeTensor"
+    return None
+
+
 def _thread() -> str:
     """``autograd`` inside a backward pass (the engine's device thread on CUDA), else ``main``."""
     return "autograd" if torch._C._current_graph_task_id() != -1 else "main"
@@ -635,8 +712,8 @@ def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe,
     optimizer and micro-steps, if any."""
     proto = config.protocol
     with tracer, function_modes(tracer), loop.running():
-        for name, t, role in state:
-            tracer.adopt(t, component(name, role, "resident", tuple(t.shape),
+        for name, t, role in state:  # a DTensor's: its local shard's shape
+            tracer.adopt(t, component(name, role, "resident", tuple(local(t).shape),
                                       str(t.dtype).removeprefix("torch."), 0), located=False)
         made = make_inputs(torch, config.dims, "meta", inputs, out_like)
         _name_inputs(tracer, made, inputs, config.dims)
@@ -709,7 +786,8 @@ def measure(config: Config, fn: Callable, capacity: int | None = None,
 def _roles(probe: TracerProbe) -> Callable:
     """Roles the trace only knows once a phase ends: what the forward left alive is saved,
     the output is the output, and what the backward left alive are the leaf grads."""
-    roles = {id(c): Role.saved for c in probe.saved}
+    # FSDP's unsharded parameters and buffers keep their roles past the forward
+    roles = {id(c): Role.saved for c in probe.saved if c.role not in FSDP_ROLES}
     roles[id(probe.output)] = Role.output
     roles.update({key: Role.gradient for key in probe.grads})
 
@@ -718,6 +796,9 @@ def _roles(probe: TracerProbe) -> Callable:
                      for c in components)
 
     return relabel
+
+
+FSDP_ROLES = (Role.unsharded, Role.collective, Role.gradient)
 
 
 def _check_consistent(result: Breakdown, measured: Measured) -> None:

@@ -1,0 +1,383 @@
+"""FSDP2 in a trace: the user's model sharded by PyTorch's own ``fully_shard``
+(``torch/distributed/fsdp/_fully_shard``), run as rank ``rank`` of ``world`` on a fake
+process group (as the ring of ``context_parallel.py`` is), on the meta device.
+
+What a rank holds is what torch's code makes: the dim-0 shard of every parameter, padded
+to ``ceil(dim 0 / world)`` rows (``FSDPParam._init_sharded_param``), the all-gather buffer
+of each group and the unsharded parameters copied out of it, the reduce-scatter input and
+output, the sharded grads, and the optimizer's state of the shards (a DTensor's local
+tensor). Three things differ on the meta device, each mended here for the trace only and
+put back after it:
+
+* ``_get_device_handle("meta")`` is ``getattr(torch, "meta")``, which does not exist:
+  ``fully_shard`` cannot find the device nor make its streams. ``torch.meta`` is set to
+  ``MetaStreams``, whose streams are numbered and whose ``stream(s)`` context makes the
+  tracer allocate on ``s`` (the caching allocator keeps a pool per stream:
+  ``memcalc.engine.allocator``);
+* ``FSDPParamGroup.lazy_init`` refuses parameters on the meta device ("FSDP parameters
+  should be materialized from meta device before training"): the one check,
+  ``_validate_no_meta_params``, is skipped (the least invasive way found: no other FSDP
+  code is replaced, and a meta tensor holds no values to materialize);
+* FSDP frees and re-allocates the unsharded parameters by resizing their storages
+  (``_fsdp_param.free_storage``/``alloc_storage``), which no dispatch mode sees: the two
+  functions are wrapped to tell the tracer (``Tracer.resized``).
+
+c10d's collectives on the fake group do nothing; FSDP2 calls them synchronously (its
+default ``unshard_async_op=False``), and a synchronous NCCL collective keeps nothing past
+its last reference (measured on an H100, torch 2.11: ``validation/nccl_stash.py``), so the
+fake group's behaviour is the GPU's here.
+
+The wrapping is torchtitan's (``torchtitan/models/llama3/infra/parallelize.py``,
+``apply_fsdp``): each block of the model's repeated layers, then the root;
+``reshard_after_forward`` by its policy ``default`` (every block but the last: backward
+starts with it), ``always`` or ``never``; ``MixedPrecisionPolicy(param_dtype,
+reduce_dtype)``. A model whose code calls ``fully_shard`` itself is traced as written.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+POLICIES = ("default", "always", "never")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """FSDP2 over ``world`` ranks: ``reshard_after_forward`` as torchtitan's policy names it,
+    the mixed-precision policy's ``param_dtype`` and ``reduce_dtype`` (None: the
+    parameters' own)."""
+
+    world: int
+    reshard_after_forward: str = "default"
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+
+    def text(self) -> str:
+        """``fsdp=8`` and what differs from the defaults, for titles."""
+        parts = [f"fsdp={self.world}"]
+        if self.param_dtype or self.reduce_dtype:
+            parts.append(f"mp {_short(self.param_dtype)}/{_short(self.reduce_dtype)}")
+        if self.reshard_after_forward != "default":
+            parts.append(f"reshard {self.reshard_after_forward}")
+        return " ".join(parts)
+
+
+def _short(dtype: str | None) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", None: "-"}.get(dtype, dtype)
+
+
+def sharding_of(world: int | None, reshard: str = "default", param_dtype: str | None = None,
+                reduce_dtype: str | None = None, field: str = "--fsdp") -> Sharding | None:
+    """The ``Sharding`` of ``--fsdp P`` and its options; None without it (or P = 1 and no
+    option); a ValueError naming the field for a bad value."""
+    if world is None:
+        return None
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{field}: FSDP ranks, a whole number of at least 1 (got {world!r})")
+    if reshard not in POLICIES:
+        from memcalc.names import did_you_mean
+
+        raise ValueError(f"--reshard-after-forward: one of {', '.join(POLICIES)} (got "
+                         f"{reshard!r}){did_you_mean(reshard, list(POLICIES))}")
+    return Sharding(world, reshard, param_dtype, reduce_dtype)
+
+
+class MetaStream:
+    """A CUDA stream as FSDP uses one, numbered for the tracer; events are no-ops (the
+    allocator is told nothing by them: FSDP2 frees a buffer once its event is waited on,
+    which its code does by dropping the reference)."""
+
+    def __init__(self, number: int):
+        self.number = number
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or MetaEvent()
+
+
+class MetaEvent:
+    def record(self, stream=None):
+        return self
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class MetaStreams:
+    """``torch.meta`` for the trace: the device handle FSDP asks ``_get_device_handle``
+    for (``current_device``, ``Stream``, ``Event``, ``current_stream``, ``stream``)."""
+
+    Event = MetaEvent
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+        self.default = MetaStream(0)
+        self.current = self.default
+        self.made = 0
+
+    def Stream(self, priority: int = 0) -> MetaStream:  # noqa: N802 - torch.cuda.Stream
+        self.made += 1
+        return MetaStream(self.made)
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device=None) -> MetaStream:
+        return self.current
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    @contextmanager
+    def stream(self, stream: MetaStream | None):
+        """Allocations in the block are made on ``stream``, as under ``torch.cuda.stream``."""
+        before = self.current
+        self.current = stream or before
+        self.tracer.set_stream(self.current.number)
+        try:
+            yield
+        finally:
+            self.current = before
+            self.tracer.set_stream(before.number)
+
+
+@contextmanager
+def on_meta(tracer) -> Iterator[None]:
+    """FSDP2 runnable on the meta device under ``tracer`` (the module docstring's three
+    mends), its buffers named (``Names``), all undone after."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    group = _fsdp_param_group.FSDPParamGroup
+    names = Names(tracer)
+    saved = (getattr(torch, "meta", None), group._validate_no_meta_params)
+    torch.meta = MetaStreams(tracer)
+    group._validate_no_meta_params = lambda self: None
+    try:
+        with names.patched():
+            yield
+    finally:
+        if saved[0] is None:
+            del torch.meta
+        else:
+            torch.meta = saved[0]
+        group._validate_no_meta_params = saved[1]
+        tracer.set_stream(0)
+
+
+class Names:
+    """FSDP's buffers named in the trace (its code is all torch's, so the tracer's own
+    names, the op and the user's line, would read ``empty (?)``): each parameter's
+    unsharded tensor after it (``h.0.attn.c_attn.weight (unsharded)``), a group's all-gather
+    buffer and reduce-scatter input and output after the group's module. Also tells the
+    tracer of the storages FSDP resizes (the module docstring)."""
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+
+    @contextmanager
+    def patched(self) -> Iterator[None]:
+        from torch.distributed.fsdp._fully_shard import (_fsdp_collectives, _fsdp_param,
+                                                         _fsdp_param_group)
+
+        param, mixin = _fsdp_param.FSDPParam, _fsdp_collectives.DefaultAllocMixin
+        saved = [(_fsdp_param, "alloc_storage"), (_fsdp_param, "free_storage"),
+                 (_fsdp_param_group, "alloc_storage"), (param, "init_all_gather_outputs"),
+                 (mixin, "allocate")]
+        saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
+        alloc, free, init, allocate = saved[0][2], saved[1][2], saved[3][2], saved[4][2]
+        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = \
+            lambda tensor: self.alloc_storage(alloc, tensor)
+        _fsdp_param.free_storage = lambda tensor: self.free_storage(free, tensor)
+        param.init_all_gather_outputs = lambda p, *args: self.init_outputs(init, p, *args)
+        mixin.allocate = lambda comm, *args, **kwargs: self.allocate(allocate, comm, *args,
+                                                                     **kwargs)
+        try:
+            yield
+        finally:
+            for owner, name, value in saved:
+                setattr(owner, name, value)
+
+    def alloc_storage(self, alloc, tensor) -> None:
+        """``alloc_storage``: the unsharded tensor's block again, named after its parameter
+        (the caller's ``fsdp_param``, or the ``FSDPParam`` itself)."""
+        from memcalc.engine.program import Role
+        from memcalc.tracing.tracer import component
+
+        alloc(tensor)
+        caller = sys._getframe(2).f_locals
+        fsdp_param = caller.get("fsdp_param", caller.get("self"))
+        name = f"{getattr(fsdp_param, '_param_fqn', 'parameter')} (unsharded)"
+        self.tracer.resized(tensor, component(name, Role.unsharded, "all-gather copy-out",
+                                              tuple(tensor.shape),
+                                              str(tensor.dtype).removeprefix("torch."), 0))
+
+    def free_storage(self, free, tensor) -> None:
+        free(tensor)
+        self.tracer.resized(tensor)
+
+    def init_outputs(self, init, fsdp_param, *args) -> None:
+        """``init_all_gather_outputs``: the unsharded tensors made (the first all-gather),
+        named after the parameter."""
+        from memcalc.engine.program import Role
+
+        with self.tracer.naming(f"{fsdp_param._param_fqn} (unsharded)", Role.unsharded,
+                                "all-gather copy-out"):
+            init(fsdp_param, *args)
+
+    def allocate(self, allocate, comm, *args, **kwargs):
+        """A collective's buffer (``DefaultAllocMixin.allocate``), named by what asks for it:
+        ``foreach_all_gather``'s output, ``foreach_reduce``'s input (on the compute stream)
+        and output (on the reduce-scatter stream), after the group's module. The output is
+        the group's sharded grads (role gradient) unless it is cast to the parameters'
+        dtype after (``reduce_dtype`` not theirs)."""
+        from memcalc.engine.program import Role
+
+        frame = sys._getframe(2)
+        group = _group(frame.f_locals.get("fsdp_params", ()))
+        what = {"foreach_all_gather": "all-gather buffer"}.get(frame.f_code.co_name) or (
+            "reduce-scatter input" if self.tracer.stream == 0 else "reduce-scatter output")
+        grads = what == "reduce-scatter output" and frame.f_locals.get("orig_dtype") in (
+            None, kwargs.get("dtype"))
+        with self.tracer.naming(f"{what} ({group}){': sharded grads' * grads}",
+                                Role.gradient if grads else Role.collective, what):
+            return allocate(comm, *args, **kwargs)
+
+
+def _group(fsdp_params) -> str:
+    """The module a parameter group belongs to: its parameters' common prefix
+    (``transformer.h.0``), ``root`` for the root's."""
+    fqns = [p._param_fqn.split(".") for p in fsdp_params]
+    if not fqns:
+        return "root"
+    prefix = []
+    for parts in zip(*(f[:-1] for f in fqns)):
+        if len(set(parts)) > 1:
+            break
+        prefix.append(parts[0])
+    return ".".join(prefix) if len(fqns) > 1 and prefix else "root" if len(fqns) > 1 \
+        else ".".join(fqns[0][:-1]) or "root"
+
+
+def sharded_by_user(module: torch.nn.Module) -> bool:
+    """Whether the model's code applied ``fully_shard`` itself (traced as written)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated layers, torchtitan's unit of sharding: the children of its
+    largest ``ModuleList`` (or ``ModuleDict``) whose children are all of one class
+    (``model.layers`` of Llama, ``transformer.h`` of GPT-2, ``blocks`` of timm); none
+    when it has no such list."""
+    found: list[torch.nn.Module] = []
+    for m in module.modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            children = list(m.children())
+            if children and len({type(c) for c in children}) == 1 and len(children) > len(found):
+                found = children
+    return found
+
+
+def shard(module: torch.nn.Module, sharding: Sharding) -> torch.nn.Module:
+    """``module`` sharded as torchtitan's ``apply_fsdp`` does, over the process group set
+    up for this rank (a mesh of ``sharding.world`` on the meta device); a model already
+    sharded by its own code is left as it is."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if sharded_by_user(module):
+        return module
+    mesh = init_device_mesh("meta", (sharding.world,))
+    dtype = lambda name: getattr(torch, name) if name else None  # noqa: E731
+    mp = MixedPrecisionPolicy(param_dtype=dtype(sharding.param_dtype),
+                              reduce_dtype=dtype(sharding.reduce_dtype))
+    layers = blocks(module)
+    for i, block in enumerate(layers):
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=_reshard(sharding.reshard_after_forward, i, len(layers)))
+    fully_shard(module, mesh=mesh, mp_policy=mp,
+                reshard_after_forward=sharding.reshard_after_forward != "never")
+    return module
+
+
+def _reshard(policy: str, i: int, count: int) -> bool:
+    """torchtitan's ``reshard_after_forward`` of block ``i`` of ``count``: by ``default``
+    every block but the last (the backward starts with it at once)."""
+    return policy == "always" or (policy == "default" and i < count - 1)
+
+
+def resident(module: torch.nn.Module) -> tuple:
+    """``(name, tensor, role)`` of what a sharded model holds from the start: each
+    parameter (a DTensor, whose local tensor views the padded shard), each buffer."""
+    from memcalc.engine.program import Role
+
+    return (tuple((n, p, Role.parameter) for n, p in module.named_parameters())
+            + tuple((n, b, Role.buffer) for n, b in module.named_buffers()))
+
+
+@contextmanager
+def sharded(call, rank: int, tracer) -> Iterator[tuple]:
+    """``(call, state)``: the bound ``call`` on rank ``rank``'s sharded copy of its module
+    (the user's module left as it was), and that copy's resident state; in the rank's fake
+    process group, with FSDP runnable on meta under ``tracer``."""
+    import copy
+
+    from memcalc.tracing.context_parallel import Ranks, fake_group
+
+    with fake_group(Ranks(call.sharding.world, rank)), on_meta(tracer):
+        module = copy.deepcopy(call.fn)
+        how = described(module, call.sharding)
+        if tracer.paths is not None:
+            tracer.paths.note(f"{how}; rank {rank} of {call.sharding.world} on a fake process "
+                              f"group, its collectives' buffers on streams of their own")
+        on_rank = copy.copy(call)
+        on_rank.fn = shard(module, call.sharding)
+        yield on_rank, resident(on_rank.fn)
+
+
+def described(module: torch.nn.Module, sharding: Sharding) -> str:
+    """How FSDP2 is applied to ``module``, for the trace's notes."""
+    if sharded_by_user(module):
+        return "FSDP2: the model's own fully_shard calls, traced as written"
+    layers = blocks(module)
+    where = (f"each of the {len(layers)} {type(layers[0]).__name__} blocks, then the root"
+             if layers else "the root (no repeated layers found)")
+    policy = {"default": "every block but the last", "always": "every block and the root",
+              "never": "none"}[sharding.reshard_after_forward]
+    mp = (f"; MixedPrecisionPolicy(param_dtype={sharding.param_dtype}, "
+          f"reduce_dtype={sharding.reduce_dtype})"
+          if sharding.param_dtype or sharding.reduce_dtype else "")
+    return (f"FSDP2 as torchtitan applies it: fully_shard on {where}; reshard after forward: "
+            f"{policy} (--reshard-after-forward {sharding.reshard_after_forward}){mp}")
+
+
+def rank_signature(module: torch.nn.Module, world: int, rank: int) -> tuple:
+    """What rank ``rank``'s step depends on besides the code: the rows of each parameter it
+    holds (dim 0 chunked ``ceil(rows / world)`` a rank). Ranks of one signature run the
+    same step: traced once."""
+    def rows(p) -> int:
+        n = p.shape[0] if p.dim() else 1
+        chunk = -(-n // world)
+        return max(0, min(chunk, n - rank * chunk))
+
+    return tuple(rows(p) for p in module.parameters())

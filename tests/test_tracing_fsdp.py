@@ -1,0 +1,133 @@
+"""FSDP2 in a trace (``memcalc/tracing/fsdp.py``): torch's own ``fully_shard`` code run as
+each rank on a fake process group on the meta device, its buffers on streams of their own."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import memcalc  # noqa: E402
+from memcalc.engine.program import Role  # noqa: E402
+from memcalc.tracing.fsdp import Sharding, blocks, sharding_of  # noqa: E402
+
+from cli_helpers import run  # noqa: E402
+
+INPUTS = {"x": ("B", "N", 30)}
+
+
+class Stack(torch.nn.Module):
+    """Two layers of ``Linear(30, 10)`` then ``Linear(10, 30)``, on 30 features."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(30, 10), torch.nn.ReLU(), torch.nn.Linear(10, 30))
+            for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def _trace(**options):
+    return memcalc.trace(Stack, inputs=INPUTS, seq_len=8, batch=2, optimizer="adamw",
+                         **options)
+
+
+def _bytes(b, role: Role, phase: str = "optimizer_live") -> dict[str, int]:
+    return {c.name: c.bytes for c in getattr(b, phase) if c.role is role}
+
+
+def test_the_repeated_layers_are_torchtitans_units():
+    stack = Stack()
+    assert blocks(stack) == list(stack.layers)
+    assert sharding_of(None) is None
+    assert sharding_of(4) == Sharding(4)
+    with pytest.raises(ValueError, match=r"--fsdp: FSDP ranks, a whole number of at least 1 "
+                                         r"\(got 0\)"):
+        sharding_of(0)
+    with pytest.raises(ValueError, match=r"--reshard-after-forward: one of default, always, "
+                                         r"never \(got 'alway'\) \(did you mean 'always'\?\)"):
+        sharding_of(2, "alway")
+
+
+def test_a_rank_holds_its_padded_shard_and_adamws_moments_of_its_own_rows():
+    """Over 4 ranks a (10, 30) weight is chunked ceil(10 / 4) = 3 rows a rank: 3, 3, 3, 1.
+    Every rank keeps the shard padded to 3 rows (3 x 30 x 4 B = 360 B; the bias 3 x 4 =
+    12 B); AdamW's two moments are of the rank's own rows: rank 0 3 rows, rank 3 one."""
+    shown = _trace(fsdp=4)
+    assert shown.rank == 0 and len(shown.rank_peaks) == 4
+    params = _bytes(shown, Role.parameter)
+    assert params["layers.0.0.weight"] == 3 * 30 * 4  # padded shard
+    assert params["layers.0.0.bias"] == 3 * 4
+    assert params["layers.0.2.weight"] == 8 * 10 * 4  # (30, 10): ceil(30 / 4) = 8 rows
+    state = _bytes(shown, Role.optimizer_state)
+    assert state["layers.0.0.weight: exp_avg"] == state["layers.0.0.weight: exp_avg_sq"] \
+        == 3 * 30 * 4
+    # rank 0's whole state: 2 moments x (2 layers x (3x30 + 3 + 8x10 + 8) elements) x 4 B
+    assert sum(state.values()) == 2 * 2 * (90 + 3 + 80 + 8) * 4  # 2,896 B
+    # rank 3 keeps 1 row of each (10, 30) weight and 6 of each (30, 10) one (30 - 3 x 8):
+    # 2 x 2 x (30 + 1 + 60 + 6) x 4 B = 1,552 B
+    last = _rank(3)
+    assert sum(_bytes(last, Role.optimizer_state).values()) == 2 * 2 * (30 + 1 + 60 + 6) * 4
+    assert _bytes(last, Role.parameter) == params  # the padded shards are alike
+
+
+def _rank(rank: int, history: list | None = None):
+    """Rank ``rank``'s step of ``Stack`` under FSDP over 4 ranks, with AdamW."""
+    from memcalc.engine.inputs import inputs_of
+    from memcalc.tracing import Calling, TraceOptions, register_function, traced
+    from memcalc.tracing.optimizers import loop_of
+
+    calling = Calling(inputs_of(["x=B,N,30"], []), loop=loop_of("adamw"), fsdp=Sharding(4))
+    config = memcalc.make_config(impl=register_function(Stack(), "Stack", calling),
+                                 seq_len=8, batch=2)
+    return traced(Stack(), config, TraceOptions(), history=history, calling=calling,
+                  rank=rank).breakdown
+
+
+def test_the_all_gather_buffers_are_named_and_sized():
+    """A layer's all-gather buffer holds every rank's padded shards: 4 x (3 x 30 + 3 + 8 x
+    10 + 8) float32 = 4 x 181 x 4 B = 2,896 B; the unsharded parameters are named after
+    theirs, and are gone from the forward's live set once a layer reshards (the first of
+    two, by torchtitan's default)."""
+    history = []
+    _rank(0, history)
+    made = {e.component.name: e.component for e in history
+            if e.kind == "alloc" and e.component is not None}
+    buffer = made["all-gather buffer (layers.0)"]
+    assert buffer.bytes == 4 * (3 * 30 + 3 + 8 * 10 + 8) * 4 and buffer.role is Role.collective
+    # 1-D, every rank's padded rows: 4 x 3 x 30
+    assert made["layers.1.0.weight (unsharded)"].shape == (360,)
+    # resharded after each forward (layers.0, by the default policy) and after each
+    # backward: each of its allocations is freed (FSDP resizes the storage to 0)
+    unsharded = [e.kind for e in history
+                 if e.component is not None and e.component.name == "layers.0.0.weight (unsharded)"]
+    # gathered in the forward and again in the backward, of the warm-up and the measured step
+    assert unsharded.count("alloc") == unsharded.count("free") == 4
+    assert made["reduce-scatter input (layers.1)"].bytes == buffer.bytes
+    assert made["reduce-scatter output (layers.1): sharded grads"].bytes == buffer.bytes // 4
+
+
+def test_a_rank_peaks_below_one_gpu_holding_it_all():
+    one, four = _trace(), _trace(fsdp=4)
+    assert four.peak_bytes < one.peak_bytes
+
+
+def test_the_cli_says_which_rank_and_refuses_fsdp_options_alone(capsys):
+    code, out, err = run(capsys, "trace", f"{__file__}:Stack", "--input", "x=B,N,30",
+                         "--seq", "8", "--batch", "2", "--optimizer", "adamw", "--fsdp", "4")
+    assert code == 0, err
+    assert "adamw fsdp=4, rank 0 of 4 on" in out
+    code, out, err = run(capsys, "trace", f"{__file__}:Stack", "--input", "x=B,N,30",
+                         "--seq", "8", "--fsdp-param-dtype", "bf16")
+    assert code == 2
+    assert err.strip().endswith("--fsdp-param-dtype bf16: an FSDP option; give --fsdp P")
+
+
+def test_a_function_is_refused():
+    def attention(q, k, v):
+        return q
+
+    with pytest.raises(ValueError, match="--fsdp: FSDP shards an nn.Module's parameters"):
+        memcalc.trace(attention, seq_len=8, fsdp=2)
