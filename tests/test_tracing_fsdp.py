@@ -131,3 +131,19 @@ def test_a_function_is_refused():
 
     with pytest.raises(ValueError, match="--fsdp: FSDP shards an nn.Module's parameters"):
         memcalc.trace(attention, seq_len=8, fsdp=2)
+
+
+def test_tensor_parallelism_with_it_is_refused_and_cp_needs_the_same_ranks():
+    with pytest.raises(ValueError, match="--fsdp 2 --tp 2: FSDP2 with tensor parallelism"):
+        memcalc.trace(Stack, inputs=INPUTS, seq_len=8, heads=2, fsdp=2, tp=2)
+    with pytest.raises(ValueError, match="--fsdp 2 --cp 4: FSDP and context parallelism run "
+                                         "over the same ranks here"):
+        memcalc.trace(Stack, inputs=INPUTS, seq_len=16, fsdp=2, cp=4)
+
+
+def test_one_rank_is_traced_when_asked():
+    """``Calling.rank``: only that rank's step (validation checks each rank's program)."""
+    shown = _rank(3)
+    assert shown.rank is None  # one rank traced: no ranking
+    state = _bytes(shown, Role.optimizer_state)
+    assert state["layers.0.0.weight: exp_avg"] == 1 * 30 * 4  # rank 3's one row

@@ -71,6 +71,7 @@ def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
                          "code paths; not with --meta-paths")
     call = bound(fn, config, calling)
     inputs = calling.inputs
+    rank = calling.rank if rank is None else rank
     if rank is not None:
         result, paths, tracer = _rank_traced(call, config, options, inputs, rank)
     else:

@@ -136,12 +136,13 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
                    options: TraceOptions) -> list[tuple[str, list]]:
     from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
-    sample = config.replace(seq_len=n)
-    tracer = Tracer(sample.workspace_bytes, paths=paths_for(sample, options), gpu=gpu_of(sample.dims))
+    sample, rank = config.replace(seq_len=n), call.rank or 0
+    tracer = Tracer(sample.workspace_bytes, paths=paths_for(sample, options, rank),
+                    gpu=gpu_of(sample.dims))
     probe = TracerProbe(tracer)
 
     def run():
-        with rank_state(call, sample, options, inputs, tracer) as (on_rank, state, like):
+        with rank_state(call, sample, options, inputs, tracer, rank) as (on_rank, state, like):
             run_traced(sample, on_rank, tracer, probe, state, like, inputs, call.loop)
 
     guarded(run, call.fn, called_with(sample, inputs))

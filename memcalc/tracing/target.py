@@ -245,10 +245,11 @@ class Bound:
 
     def __init__(self, fn: Callable, inputs: tuple[Input, ...] = QKV, causal: bool = False,
                  autocast: str | None = None, param_dtype: str | None = None,
-                 loop: Loop = Loop(), sharding=None):
+                 loop: Loop = Loop(), sharding=None, rank: int | None = None):
         params = _parameters(fn) or {}
         self.fn = fn
         self.sharding = sharding  # FSDP2's (``memcalc.tracing.fsdp.Sharding``), or None
+        self.rank = rank  # the one rank traced (``Calling.rank``), or None
         self.autocast = autocast
         self.param_dtype = param_dtype  # the module's floating state in it (on_meta)
         self.loop = loop  # the training loop's optimizer and micro-steps
@@ -290,13 +291,16 @@ class Calling:
     (``bfloat16`` or ``float16``; None: none but the target's own), the dtype of its
     module's floating parameters and buffers (None: as built), the training loop
     around it (an optimizer, accumulated micro-steps: ``memcalc.tracing.optimizers``), and
-    FSDP2 over its ranks (``memcalc.tracing.fsdp.Sharding``; None: one GPU holds it all)."""
+    FSDP2 over its ranks (``memcalc.tracing.fsdp.Sharding``; None: one GPU holds it all);
+    ``rank``: the one rank traced, whose program is fitted (None: every rank traced and the
+    busiest shown, rank 0's program fitted)."""
 
     inputs: tuple[Input, ...] = QKV
     autocast: str | None = None
     param_dtype: str | None = None
     loop: Loop = Loop()
     fsdp: object = None
+    rank: int | None = None
 
 
 def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
@@ -308,12 +312,16 @@ def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
         raise TraceError("--fsdp: FSDP shards an nn.Module's parameters; trace the model "
                          "(FILE:CLASS or a module instance), not a function")
     world = calling.fsdp.world if calling.fsdp is not None else 1
+    if world > 1 and getattr(config, "tp", 1) > 1:
+        raise TraceError(f"--fsdp {world} --tp {config.tp}: FSDP2 with tensor parallelism "
+                         f"(torch's 2-D DeviceMesh, DTensor-sharded layers) is not traced yet; "
+                         f"--fsdp alone, or with --cp over the same ranks")
     if world > 1 and config.cp > 1 and world != config.cp:
         raise TraceError(f"--fsdp {world} --cp {config.cp}: FSDP and context parallelism run "
                          f"over the same ranks here (torchtitan's dp_shard_cp mesh): give "
                          f"both the same P")
     return Bound(fn, calling.inputs, config.causal, calling.autocast, calling.param_dtype,
-                 calling.loop, calling.fsdp)
+                 calling.loop, calling.fsdp, calling.rank)
 
 
 def primary(out) -> tuple[object, str]:

@@ -47,11 +47,12 @@ def validate(backend: str = "emulated", impls: list[str] | None = None,
 
         checks += cp_checks(progress)
     if shipped and "grid" in kinds:  # the model code's fitted programs (oom --trace) too
-        from memcalc.validation import training
+        from memcalc.validation import fsdp, training
         from memcalc.validation.modelcode import fitted_checks
 
         checks += fitted_checks()
         checks += fitted_checks(training.training_code(), training.register(), "training")
+        checks += fitted_checks(fsdp.fsdp_code(), fsdp.register(), "fsdp")
     return Report(backend=backend, environment=runner.environment(), checks=checks)
 
 
