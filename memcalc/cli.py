@@ -163,11 +163,11 @@ def input_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=whole, default=1, metavar="K",
                    help="forward and backward passes per optimizer step, grads accumulating "
                         "(default 1)")
-    p.add_argument("--fsdp", type=whole, default=None, metavar="P",
+    p.add_argument("--fsdp", default=None, metavar="P",
                    help="shard the module with PyTorch's FSDP2 over P ranks (fully_shard on "
-                        "each repeated layer, then the root, as torchtitan does; a model "
-                        "calling fully_shard itself is traced as written); the busiest "
-                        "rank is shown, every rank in --json. With --cp: the same P ranks")
+                        "each repeated layer, then the root, as torchtitan does); the busiest "
+                        "rank is shown, every rank in --json. With --cp: the same P ranks. "
+                        "oom takes a list (1,2,4,8): a row each")
     p.add_argument("--reshard-after-forward", default="default", metavar="POLICY",
                    help="FSDP's reshard_after_forward, as torchtitan's policy: default "
                         "(every layer but the last), always or never")
@@ -212,16 +212,31 @@ def sharding_from(args):
     from memcalc.names import torch_dtype
     from memcalc.tracing.fsdp import sharding_of
 
-    if args.fsdp is None:
+    worlds = fsdp_worlds(args.fsdp)
+    if worlds is not None and len(worlds) > 1:
+        raise ValueError(f"--fsdp {args.fsdp}: one number of ranks here (memcalc oom takes a "
+                         f"list, a row each)")
+    if worlds is None:
         for flag, value in (("--reshard-after-forward", None if args.reshard_after_forward
                              == "default" else args.reshard_after_forward),
                             ("--fsdp-param-dtype", args.fsdp_param_dtype),
                             ("--fsdp-reduce-dtype", args.fsdp_reduce_dtype)):
             if value is not None:
                 raise ValueError(f"{flag} {value}: an FSDP option; give --fsdp P")
-    return sharding_of(args.fsdp, args.reshard_after_forward,
+    return sharding_of(worlds[0] if worlds else None, args.reshard_after_forward,
                        torch_dtype(args.fsdp_param_dtype, "--fsdp-param-dtype"),
                        torch_dtype(args.fsdp_reduce_dtype, "--fsdp-reduce-dtype"))
+
+
+def fsdp_worlds(text) -> list[int] | None:
+    """``--fsdp``'s numbers of ranks: ``8``, or a list ``1,2,4,8``; None without it."""
+    if text is None:
+        return None
+    try:
+        return [whole(part) for part in str(text).split(",")]
+    except argparse.ArgumentTypeError:
+        raise ValueError(f"--fsdp: {text!r} is not a whole number of ranks (8) or a list of "
+                         f"them (1,2,4,8)") from None
 
 
 def traced_options_given(args) -> str | None:

@@ -7,6 +7,7 @@ torch = pytest.importorskip("torch")
 
 import memcalc  # noqa: E402
 from memcalc.engine.program import Role  # noqa: E402
+from memcalc.tracing.errors import TraceError  # noqa: E402
 from memcalc.tracing.fsdp import Sharding, blocks, sharding_of  # noqa: E402
 
 from cli_helpers import run  # noqa: E402
@@ -147,3 +148,27 @@ def test_one_rank_is_traced_when_asked():
     assert shown.rank is None  # one rank traced: no ranking
     state = _bytes(shown, Role.optimizer_state)
     assert state["layers.0.0.weight: exp_avg"] == 1 * 30 * 4  # rank 3's one row
+
+
+def test_oom_solves_each_number_of_ranks_in_a_row_of_its_own(capsys):
+    """``oom --trace --fsdp 2,4``: one fitted program per P, a row each; the title leaves
+    the ranks to the rows."""
+    code, out, err = run(capsys, "oom", "--trace", f"{__file__}:Stack", "--input",
+                         "x=B,N,30", "--batch", "2", "--optimizer", "adamw", "--fsdp", "2,4",
+                         "--gpu-gb", "1", "--reserve", "0", "--csv")
+    assert code == 0, err
+    rows = [line.split(",")[0] for line in out.splitlines()[1:]]
+    assert rows == [f"trace:{__file__}:Stack fsdp=2", f"trace:{__file__}:Stack fsdp=4"]
+
+
+def test_a_model_already_sharded_is_refused():
+    """Its construction needed a process group; --fsdp shards the unsharded model per rank."""
+    from memcalc.tracing.context_parallel import Ranks, fake_group
+    from memcalc.tracing.fsdp import shard
+
+    with fake_group(Ranks(2, 0)):
+        with torch.device("meta"):
+            model = Stack()
+        shard(model, Sharding(2), device="cpu")  # a mesh on the CPU: no device handle needed
+        with pytest.raises(TraceError, match="--fsdp: the model is already sharded"):
+            shard(model, Sharding(2), device="cpu")

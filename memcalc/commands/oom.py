@@ -1,8 +1,8 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
 from memcalc.cli import (INTERRUPTED, budget_from, budget_options, calling_from, check_chunk,
-                         config_options, emit, format_options, input_options, shape_options,
-                         traced_options_given, whole, work_options)
+                         config_options, emit, format_options, fsdp_worlds, input_options,
+                         shape_options, traced_options_given, whole, work_options)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
 
@@ -74,13 +74,25 @@ def _impls(args) -> list[str] | None:
     from memcalc.tracing import TraceError, load_function, register_function
 
     fn = load_function(args.trace)
+    worlds = fsdp_worlds(args.fsdp) or [None]
     try:
-        calling = calling_from(args, fn)
+        callings = [calling_from(_with_fsdp(args, world), fn) for world in worlds]
     except TraceError as error:
         raise ValueError(f"--trace {args.trace}: {error}") from None
     from memcalc.cli import release_of
     from memcalc.tracing import TraceOptions
 
     options = TraceOptions(**release_of(args))
-    return (impls or []) + [register_function(fn, args.trace, calling, options,
-                                              args.multiple_of or 1)]
+    label = lambda c: args.trace if len(worlds) == 1 else f"{args.trace} {c.fsdp.text()}"  # noqa: E731
+    return (impls or []) + [register_function(fn, label(c), c, options, args.multiple_of or 1,
+                                              fsdp_in_title=len(worlds) == 1)
+                            for c in callings]
+
+
+def _with_fsdp(args, world: int | None):
+    """``args`` with ``--fsdp`` one of its list's numbers of ranks (oom solves each)."""
+    import copy
+
+    one = copy.copy(args)
+    one.fsdp = None if world is None else str(world)
+    return one

@@ -289,12 +289,14 @@ def _short(why: str) -> str:
 
 
 def register_function(fn: Callable, label: str, calling: Calling = Calling(),
-                      options: TraceOptions | None = None, multiple_of: int = 1) -> str:
+                      options: TraceOptions | None = None, multiple_of: int = 1,
+                      fsdp_in_title: bool = True) -> str:
     """Register ``fn`` (called as ``calling`` says, traced with ``options``: the default's
     when None) as implementation ``trace:<label>`` and return that name, for
     ``Config(impl=...)``. Its programs are made on first use (``programs_of``), once per
     combination of the sizes other than seq_len (batch, heads, head_dim, dtype, causal,
-    loss, forward-only); ``multiple_of``: the lengths a search tries (the ones you run)."""
+    loss, forward-only); ``multiple_of``: the lengths a search tries (the ones you run);
+    ``fsdp_in_title``: False where ``label`` says it (one row per number of ranks)."""
     from memcalc.impls.accepted import Accepted
     from memcalc.impls.registry import Impl, add
 
@@ -316,12 +318,12 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling(),
     add(Impl(name, f"traced from {label}", lambda d: programs(d).at(d.N), gqa=True,
              traced=True, accepted=lambda d: rules, reads=reads, user_code=True,
              exact=lambda d: programs(d).exact(d.N),
-             how=lambda d: programs(d).describe(), title=_title(calling)),
+             how=lambda d: programs(d).describe(), title=_title(calling, fsdp_in_title)),
         replace=True)
     return name
 
 
-def _title(calling: Calling) -> Callable[[str], str]:
+def _title(calling: Calling, fsdp: bool = True) -> Callable[[str], str]:
     """What a traced step's title says after its sizes: ``--dtype``'s name only where an
     input takes it (token ids do not), its weights' dtype (``--param-dtype``), autocast's,
     and the optimizer and micro-steps: ``bf16 weights adamw:fused x2``."""
@@ -333,7 +335,7 @@ def _title(calling: Calling) -> Callable[[str], str]:
     loop = calling.loop
     said += [loop.optimizer.text()] if loop.optimizer else []
     said += [f"x{loop.accumulate} micro-steps"] if loop.accumulate > 1 else []
-    said += [calling.fsdp.text()] if calling.fsdp is not None else []
+    said += [calling.fsdp.text()] if calling.fsdp is not None and fsdp else []
     return lambda dtype: " ".join(([dtype] if takes else []) + said)
 
 

@@ -31,7 +31,9 @@ The wrapping is torchtitan's (``torchtitan/models/llama3/infra/parallelize.py``,
 ``apply_fsdp``): each block of the model's repeated layers, then the root;
 ``reshard_after_forward`` by its policy ``default`` (every block but the last: backward
 starts with it), ``always`` or ``never``; ``MixedPrecisionPolicy(param_dtype,
-reduce_dtype)``. A model whose code calls ``fully_shard`` itself is traced as written.
+reduce_dtype)``. A model already sharded (its own code called ``fully_shard``) is refused:
+its construction needs the process group, which a trace sets up per rank after loading
+it; give the unsharded model.
 """
 
 from __future__ import annotations
@@ -278,7 +280,7 @@ def _group(fsdp_params) -> str:
 
 
 def sharded_by_user(module: torch.nn.Module) -> bool:
-    """Whether the model's code applied ``fully_shard`` itself (traced as written)."""
+    """Whether ``fully_shard`` was applied to the model already (refused: ``shard``)."""
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in module.modules())
@@ -298,16 +300,19 @@ def blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def shard(module: torch.nn.Module, sharding: Sharding) -> torch.nn.Module:
+def shard(module: torch.nn.Module, sharding: Sharding, device: str = "meta") -> torch.nn.Module:
     """``module`` sharded as torchtitan's ``apply_fsdp`` does, over the process group set
-    up for this rank (a mesh of ``sharding.world`` on the meta device); a model already
-    sharded by its own code is left as it is."""
+    up for this rank (a mesh of ``sharding.world`` on ``device``: the meta device in a
+    trace, ``cuda`` in a live run); a model already sharded is refused."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if sharded_by_user(module):
-        return module
-    mesh = init_device_mesh("meta", (sharding.world,))
+        from memcalc.tracing.errors import TraceError
+
+        raise TraceError("--fsdp: the model is already sharded (fully_shard was applied to "
+                         "it): give the unsharded model, which --fsdp shards per rank")
+    mesh = init_device_mesh(device, (sharding.world,))
     dtype = lambda name: getattr(torch, name) if name else None  # noqa: E731
     mp = MixedPrecisionPolicy(param_dtype=dtype(sharding.param_dtype),
                               reduce_dtype=dtype(sharding.reduce_dtype))
@@ -357,8 +362,6 @@ def sharded(call, rank: int, tracer) -> Iterator[tuple]:
 
 def described(module: torch.nn.Module, sharding: Sharding) -> str:
     """How FSDP2 is applied to ``module``, for the trace's notes."""
-    if sharded_by_user(module):
-        return "FSDP2: the model's own fully_shard calls, traced as written"
     layers = blocks(module)
     where = (f"each of the {len(layers)} {type(layers[0]).__name__} blocks, then the root"
              if layers else "the root (no repeated layers found)")
