@@ -239,6 +239,51 @@ def fsdp_worlds(text) -> list[int] | None:
                          f"them (1,2,4,8)") from None
 
 
+def impls_with_trace(args) -> list[str] | None:
+    """The implementations asked for: ``--impl a,b``, and ``--trace`` registered as one (one
+    a number of ranks under ``--fsdp 1,2,4``): what ``oom`` solves and ``sweep`` tabulates."""
+    from memcalc.names import impl_list
+
+    impls = impl_list(args.impl)
+    multiple_of = getattr(args, "multiple_of", None)  # oom's
+    if args.trace is None:
+        given = traced_options_given(args) or (
+            f"--multiple-of {multiple_of}" if multiple_of is not None else None)
+        if given:
+            raise ValueError(f"{given}: an option of a traced target; give --trace "
+                             f"FILE.py:FUNCTION")
+        return impls
+    if multiple_of is not None and multiple_of < 1:
+        raise ValueError(f"--multiple-of: a whole number of rows, at least 1 (got "
+                         f"{multiple_of})")
+    import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
+
+    from memcalc.tracing import TraceError, load_function, register_function
+
+    fn = load_function(args.trace)
+    worlds = fsdp_worlds(args.fsdp) or [None]
+    try:
+        callings = [calling_from(_with_fsdp(args, world), fn) for world in worlds]
+    except TraceError as error:
+        raise ValueError(f"--trace {args.trace}: {error}") from None
+    from memcalc.tracing import TraceOptions
+
+    options = TraceOptions(**release_of(args))
+    label = lambda c: args.trace if len(worlds) == 1 else f"{args.trace} {c.fsdp.text()}"  # noqa: E731
+    return (impls or []) + [register_function(fn, label(c), c, options, multiple_of or 1,
+                                              fsdp_in_title=len(worlds) == 1)
+                            for c in callings]
+
+
+def _with_fsdp(args, world: int | None):
+    """``args`` with ``--fsdp`` one of its list's numbers of ranks (oom solves each)."""
+    import copy
+
+    one = copy.copy(args)
+    one.fsdp = None if world is None else str(world)
+    return one
+
+
 def traced_options_given(args) -> str | None:
     """The first of a traced target's options given (``--input x=...``), for a command
     told no target."""

@@ -172,3 +172,29 @@ def test_a_model_already_sharded_is_refused():
         shard(model, Sharding(2), device="cpu")  # a mesh on the CPU: no device handle needed
         with pytest.raises(TraceError, match="--fsdp: the model is already sharded"):
             shard(model, Sharding(2), device="cpu")
+
+
+def test_the_process_groups_leave_the_excepthook_as_they_found_it():
+    """``init_process_group`` wraps ``sys.excepthook`` for good (a ``[rank0]: `` prefix on
+    every line of a later traceback, one more per group set up): each rank's fake group puts
+    it back."""
+    import sys
+
+    hook = sys.excepthook
+    _trace(fsdp=2)
+    assert sys.excepthook is hook
+
+
+def test_sweep_tabulates_each_number_of_ranks(capsys):
+    """``sweep --trace --fsdp 2,4``: a series per P, each its fitted program's figures,
+    which a direct trace of that P gives too."""
+    code, out, err = run(capsys, "sweep", "--trace", f"{__file__}:Stack", "--input",
+                         "x=B,N,30", "--batch", "2", "--optimizer", "adamw", "--fsdp", "2,4",
+                         "--seq", "300", "--bytes", "--csv")
+    assert code == 0, err
+    header, *rows = out.splitlines()
+    names = header.split(",")
+    table = {r.split(",")[0]: dict(zip(names, r.split(","))) for r in rows}
+    assert list(table) == [f"trace:{__file__}:Stack fsdp=2", f"trace:{__file__}:Stack fsdp=4"]
+    four = memcalc.trace(Stack, inputs=INPUTS, seq_len=300, batch=2, optimizer="adamw", fsdp=4)
+    assert int(table[f"trace:{__file__}:Stack fsdp=4"]["peak_bytes"]) == four.peak_bytes

@@ -483,6 +483,8 @@ class Evaluator:
             env = {k: int(v[j]) for k, v in leaves.items()}
             figures = scalar_figures(predict(self._config(env)), self.quadratic)
             for k, v in figures.items():
+                if k not in out:  # a training step's optimizer peak: inside peak_bytes
+                    continue
                 if abs(v) >= SAFE and out[k].dtype != object:
                     out[k] = out[k].astype(object)
                 out[k][i] = v

@@ -4,7 +4,7 @@ from argparse import ArgumentTypeError
 from math import prod
 
 from memcalc.cli import (DTYPE_HELP, budget_options, check_output, format_options, impl_option,
-                         plotting, step_options, whole, work_options)
+                         input_options, plotting, step_options, whole, work_options)
 
 HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
 
@@ -57,6 +57,11 @@ def add_arguments(p) -> None:
                         "sdpa-efficient; --causal; lengths multiples of 2P; or --cp-method "
                         "ulysses)")
     budget_options(p)
+    p.add_argument("--trace", default=None, metavar="FILE.py:FUNCTION",
+                   help="sweep your own function or module, traced on the meta device "
+                        "(imports and runs the named file), its program fitted over lengths; "
+                        "--fsdp 1,2,4,8 sweeps the number of FSDP ranks")
+    input_options(p)
     p.add_argument("--pivot", default=None, metavar="FIGURE",
                    help="one figure as a table with a row per seq_len and a column per "
                         "head_dim: peak, saved, reserved, forward or backward")
@@ -70,7 +75,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from memcalc.cli import budget_from, check_chunk, config_options, emit
+    from memcalc.cli import budget_from, check_chunk, config_options, emit, impls_with_trace
     from memcalc.config import make_config
     from memcalc.output.progress import progress, status
     from memcalc.analysis.scaling import FIGURE_KEY, sweep
@@ -82,7 +87,7 @@ def run(args) -> int:
         ("--seq", "seq"), ("--head-dim", "head_dim"), ("--batch", "batch"), ("--heads", "heads"))}
     cps = [n for r in int_ranges(args.cp, "--cp") for n in r]
     dtypes = name_list(args.dtype, "--dtype")
-    impls = impl_list(args.impl or ["naive"])
+    impls = impls_with_trace(args) if args.trace else impl_list(args.impl or ["naive"])
     impls = impls if impls is not None else impl_choices()
     rows = len(impls) * len(dtypes) * len(cps) * prod(sum(map(len, r)) for r in lists.values())
     check_rows(rows)

@@ -19,6 +19,7 @@ the rank's q, k, v, the merged output and logsumexp, and the last step's philox 
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -73,6 +74,7 @@ def fake_group(ranks: Ranks):
         raise NotModelled("--cp: a process group is already set up in this process")
     cp = _attention()
     method = cp._cp_options.rotate_method
+    hook = sys.excepthook  # init_process_group wraps it for good ("[rank0]: " on each line)
     if not nested:
         dist.init_process_group("fake", store=FakeStore(), rank=ranks.rank,
                                 world_size=ranks.world)
@@ -88,6 +90,7 @@ def fake_group(ranks: Ranks):
         if not nested:
             _SET_UP.pop()
             dist.destroy_process_group()
+            sys.excepthook = hook
 
 
 def deepspeed_installed() -> bool:
