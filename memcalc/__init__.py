@@ -341,8 +341,8 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
 
 def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
           optimizer=None, grad_accum=1, fsdp=None, reshard_after_forward="default",
-          fsdp_param_dtype=None, fsdp_reduce_dtype=None, gpu_gb=None, reserve=None,
-          **options):
+          fsdp_param_dtype=None, fsdp_reduce_dtype=None, fsdp_apply=None, fsdp_tp=1,
+          gpu_gb=None, reserve=None, **options):
     """The breakdown of your own function or module's step, traced on the meta device as
     the GPU runs it (needs torch): a function, an ``nn.Module`` instance (its weights are
     left as they are), or an ``nn.Module`` class (built with no arguments on the meta
@@ -358,8 +358,10 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     forward and backward passes. ``fsdp=8`` shards the module with PyTorch's FSDP2
     (``fully_shard`` on each repeated layer, then the root, as torchtitan applies it;
     ``reshard_after_forward`` its policy ``default``, ``always`` or ``never``;
-    ``fsdp_param_dtype``/``fsdp_reduce_dtype`` its ``MixedPrecisionPolicy``) and shows the
-    busiest rank's step. ``causal=True`` is passed as its
+    ``fsdp_param_dtype``/``fsdp_reduce_dtype`` its ``MixedPrecisionPolicy``; or
+    ``fsdp_apply``, your own ``apply(model, mesh)`` calling ``fully_shard``, over a 2-D mesh
+    ``("dp_shard", "tp")`` with ``fsdp_tp`` tensor-parallel ranks) and shows the busiest
+    rank's step. ``causal=True`` is passed as its
     ``causal`` or ``is_causal`` argument (refused when it takes neither); ``gpu_gb``,
     ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
 
@@ -402,7 +404,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
                           sharding_of(fsdp, reshard_after_forward,
                                       torch_dtype(fsdp_param_dtype, "fsdp_param_dtype"),
                                       torch_dtype(fsdp_reduce_dtype, "fsdp_reduce_dtype"),
-                                      "fsdp"))
+                                      "fsdp", fsdp_apply, getattr(fsdp_apply, "__qualname__",
+                                                                  "fsdp_apply"), fsdp_tp))
     except TraceError as error:
         raise ValueError(str(error).removeprefix("--trace ")) from None
     config = make_config(**{**options, "impl": register_function(fn, label_of(fn), calling)})

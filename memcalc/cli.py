@@ -174,6 +174,14 @@ def input_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp-param-dtype", default=None, metavar="DTYPE",
                    help="FSDP's MixedPrecisionPolicy param_dtype: the all-gathered "
                         "parameters' dtype (bf16; default: the parameters' own)")
+    p.add_argument("--fsdp-apply", default=None, metavar="FILE.py:FUNCTION",
+                   help="your own apply(model, mesh) calling fully_shard (as torchtitan's "
+                        "apply_fsdp does), called on each rank's copy of the model instead "
+                        "of memcalc's torchtitan-style sharding; traced as written")
+    p.add_argument("--fsdp-tp", type=whole, default=None, metavar="T",
+                   help="tensor-parallel ranks in each FSDP rank group: --fsdp-apply's "
+                        "function gets a 2-D mesh ('dp_shard', 'tp') of P x T ranks and "
+                        "applies the model's plan (parallelize_module) over mesh['tp']")
     p.add_argument("--fsdp-reduce-dtype", default=None, metavar="DTYPE",
                    help="FSDP's MixedPrecisionPolicy reduce_dtype: the gradients' "
                         "reduce-scatter dtype (fp32; default: param dtype)")
@@ -220,12 +228,21 @@ def sharding_from(args):
         for flag, value in (("--reshard-after-forward", None if args.reshard_after_forward
                              == "default" else args.reshard_after_forward),
                             ("--fsdp-param-dtype", args.fsdp_param_dtype),
-                            ("--fsdp-reduce-dtype", args.fsdp_reduce_dtype)):
+                            ("--fsdp-reduce-dtype", args.fsdp_reduce_dtype),
+                            ("--fsdp-apply", args.fsdp_apply),
+                            ("--fsdp-tp", args.fsdp_tp)):
             if value is not None:
                 raise ValueError(f"{flag} {value}: an FSDP option; give --fsdp P")
+    apply = None
+    if args.fsdp_apply is not None and worlds:
+        from memcalc.tracing import load_function
+
+        apply = load_function(args.fsdp_apply)
     return sharding_of(worlds[0] if worlds else None, args.reshard_after_forward,
                        torch_dtype(args.fsdp_param_dtype, "--fsdp-param-dtype"),
-                       torch_dtype(args.fsdp_reduce_dtype, "--fsdp-reduce-dtype"))
+                       torch_dtype(args.fsdp_reduce_dtype, "--fsdp-reduce-dtype"),
+                       apply=apply, apply_name=args.fsdp_apply or "",
+                       tp=args.fsdp_tp if args.fsdp_tp is not None else 1)
 
 
 def fsdp_worlds(text) -> list[int] | None:

@@ -135,8 +135,12 @@ def test_a_function_is_refused():
 
 
 def test_tensor_parallelism_with_it_is_refused_and_cp_needs_the_same_ranks():
-    with pytest.raises(ValueError, match="--fsdp 2 --tp 2: FSDP2 with tensor parallelism"):
+    with pytest.raises(ValueError, match="--fsdp 2 --tp 2: --tp splits the heads of a "
+                                         "built-in implementation"):
         memcalc.trace(Stack, inputs=INPUTS, seq_len=8, heads=2, fsdp=2, tp=2)
+    with pytest.raises(ValueError, match="--fsdp-tp 2: a tensor-parallel plan is the model's "
+                                         "own; give --fsdp-apply"):
+        memcalc.trace(Stack, inputs=INPUTS, seq_len=8, fsdp=2, fsdp_tp=2)
     with pytest.raises(ValueError, match="--fsdp 2 --cp 4: FSDP and context parallelism run "
                                          "over the same ranks here"):
         memcalc.trace(Stack, inputs=INPUTS, seq_len=16, fsdp=2, cp=4)
@@ -198,3 +202,99 @@ def test_sweep_tabulates_each_number_of_ranks(capsys):
     assert list(table) == [f"trace:{__file__}:Stack fsdp=2", f"trace:{__file__}:Stack fsdp=4"]
     four = memcalc.trace(Stack, inputs=INPUTS, seq_len=300, batch=2, optimizer="adamw", fsdp=4)
     assert int(table[f"trace:{__file__}:Stack fsdp=4"]["peak_bytes"]) == four.peak_bytes
+
+
+def shard_each_linear(model, mesh):
+    """A user's own ``apply_fsdp``: every Linear its own group, none resharded after the
+    forward, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+
+
+def test_the_users_own_fully_shard_calls_are_traced_as_written():
+    """``fsdp_apply``: each Linear a group (named after it), as the function wrote it; the
+    policy options are its to decide."""
+    history = []
+    from memcalc.engine.inputs import inputs_of
+    from memcalc.tracing import Calling, TraceOptions, register_function, traced
+    from memcalc.tracing.optimizers import loop_of
+
+    sharding = sharding_of(4, apply=shard_each_linear, apply_name="shard_each_linear")
+    calling = Calling(inputs_of(["x=B,N,30"], []), loop=loop_of("adamw"), fsdp=sharding)
+    config = memcalc.make_config(impl=register_function(Stack(), "Stack", calling),
+                                 seq_len=8, batch=2)
+    result = traced(Stack(), config, TraceOptions(), history=history, calling=calling)
+    made = {e.component.name: e.component.bytes for e in history
+            if e.kind == "alloc" and e.component}
+    # layers.0.0 is Linear(30, 10): 4 ranks x (3 x 30 + 3) padded elements x 4 B = 1,488 B
+    assert made["all-gather buffer (layers.0.0)"] == 4 * (3 * 30 + 3) * 4
+    assert "all-gather buffer (layers.1.2)" in made
+    assert any("FSDP2 as shard_each_linear applies it" in n for n in result.notes)
+    with pytest.raises(ValueError, match="--fsdp-apply shard_each_linear: its own fully_shard "
+                                         "calls decide resharding"):
+        sharding_of(4, "never", apply=shard_each_linear, apply_name="shard_each_linear")
+    with pytest.raises(ValueError, match="an FSDP option; give the number of ranks"):
+        sharding_of(None, apply=shard_each_linear, apply_name="shard_each_linear")
+
+
+def test_an_apply_that_shards_nothing_is_refused():
+    with pytest.raises(ValueError, match=r"--fsdp-apply .*<lambda>: it called fully_shard "
+                                         r"on nothing of the model"):
+        memcalc.trace(Stack, inputs=INPUTS, seq_len=8, batch=2, fsdp=2,
+                      fsdp_apply=lambda model, mesh: None)
+
+
+class Mlp(torch.nn.Module):
+    """Two residual blocks of ``Linear(64, 256)``, ReLU, ``Linear(256, 64)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(MlpBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class MlpBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def tensor_and_fully_sharded(model, mesh):
+    """Megatron's MLP split over mesh["tp"] (up by columns, down by rows), each block then
+    the root sharded over mesh["dp_shard"], as torchtitan's 2-D parallelism does."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+
+
+def test_tensor_parallelism_inside_fsdp_ranks():
+    """``--fsdp 2 --fsdp-tp 2`` over 4 ranks: up.weight (256, 64) split by columns over 2
+    tensor-parallel ranks (128 rows), then its rows over 2 FSDP ranks: 64 x 64 x 4 B =
+    16,384 B a rank, as are AdamW's moments of it; down.weight (64, 256) by rows (64 x
+    128), then 32 x 128 x 4 B = 16,384 B."""
+    shown = memcalc.trace(Mlp, inputs={"x": ("B", "N", 64)}, seq_len=8, batch=2,
+                          optimizer="adamw", fsdp=2, fsdp_tp=2,
+                          fsdp_apply=tensor_and_fully_sharded)
+    assert len(shown.rank_peaks) == 4
+    params = _bytes(shown, Role.parameter)
+    assert params["layers.0.up.weight"] == 64 * 64 * 4
+    assert params["layers.0.down.weight"] == 32 * 128 * 4
+    state = _bytes(shown, Role.optimizer_state)
+    assert state["layers.0.up.weight: exp_avg"] == 64 * 64 * 4

@@ -122,8 +122,8 @@ def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
 def _signature(call: Bound, config: Config, rank: int):
     """What rank ``rank``'s step depends on: under FSDP alone, the rows of each parameter
     it holds (``fsdp.rank_signature``: ranks that hold alike run alike); else the rank."""
-    if call.sharding is None or config.cp > 1:
-        return rank
+    if call.sharding is None or config.cp > 1 or call.sharding.apply is not None:
+        return rank  # the user's own sharding may not chunk dim 0 of every parameter
     from memcalc.tracing.fsdp import rank_signature
 
     return ("fsdp", rank_signature(call.fn, call.sharding.world, rank))
@@ -132,7 +132,7 @@ def _signature(call: Bound, config: Config, rank: int):
 def world_of(call: Bound, config: Config) -> int:
     """How many ranks the step runs on: context parallelism's, FSDP's (the same ranks when
     both), else 1."""
-    return max(config.cp, call.sharding.world if call.sharding is not None else 1)
+    return max(config.cp, call.sharding.ranks if call.sharding is not None else 1)
 
 
 def _rank_traced(call: Bound, config: Config, options: TraceOptions,

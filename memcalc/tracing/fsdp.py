@@ -31,16 +31,17 @@ The wrapping is torchtitan's (``torchtitan/models/llama3/infra/parallelize.py``,
 ``apply_fsdp``): each block of the model's repeated layers, then the root;
 ``reshard_after_forward`` by its policy ``default`` (every block but the last: backward
 starts with it), ``always`` or ``never``; ``MixedPrecisionPolicy(param_dtype,
-reduce_dtype)``. A model already sharded (its own code called ``fully_shard``) is refused:
-its construction needs the process group, which a trace sets up per rank after loading
-it; give the unsharded model.
+reduce_dtype)``; or the user's own function ``apply(model, mesh)`` that calls
+``fully_shard`` (``--fsdp-apply``: torchtitan's ``apply_fsdp`` written by the user), called
+on each rank's copy, traced as written. A model already sharded is refused: its
+construction needed a process group, which a trace sets up per rank after loading it.
 """
 
 from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -58,9 +59,24 @@ class Sharding:
     reshard_after_forward: str = "default"
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    # the user's own ``apply(model, mesh)`` calling ``fully_shard`` (``--fsdp-apply``), and
+    # its name; None: torchtitan's policy above
+    apply: object = field(default=None, compare=False)
+    apply_name: str = ""
+    # tensor-parallel ranks within each FSDP group (``--fsdp-tp``): a 2-D mesh
+    # ("dp_shard", "tp") of world x tp ranks, the user's ``apply`` parallelizing over "tp"
+    tp: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Every rank of the mesh: FSDP's times tensor parallelism's."""
+        return self.world * self.tp
 
     def text(self) -> str:
         """``fsdp=8`` and what differs from the defaults, for titles."""
+        if self.apply is not None:
+            tp = f" tp={self.tp}" if self.tp > 1 else ""
+            return f"fsdp={self.world}{tp} by {self.apply_name}"
         parts = [f"fsdp={self.world}"]
         if self.param_dtype or self.reduce_dtype:
             parts.append(f"mp {_short(self.param_dtype)}/{_short(self.reduce_dtype)}")
@@ -74,10 +90,15 @@ def _short(dtype: str | None) -> str:
 
 
 def sharding_of(world: int | None, reshard: str = "default", param_dtype: str | None = None,
-                reduce_dtype: str | None = None, field: str = "--fsdp") -> Sharding | None:
-    """The ``Sharding`` of ``--fsdp P`` and its options; None without it (or P = 1 and no
-    option); a ValueError naming the field for a bad value."""
+                reduce_dtype: str | None = None, field: str = "--fsdp", apply=None,
+                apply_name: str = "", tp: int = 1) -> Sharding | None:
+    """The ``Sharding`` of ``--fsdp P`` and its options (``apply``: the user's own
+    ``apply(model, mesh)``, named ``apply_name``, which then decides resharding and mixed
+    precision); None without it; a ValueError naming the field for a bad value."""
     if world is None:
+        if apply is not None:
+            raise ValueError(f"fsdp_apply {apply_name}: an FSDP option; give the number of "
+                             f"ranks, fsdp=P")
         return None
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"{field}: FSDP ranks, a whole number of at least 1 (got {world!r})")
@@ -86,7 +107,21 @@ def sharding_of(world: int | None, reshard: str = "default", param_dtype: str | 
 
         raise ValueError(f"--reshard-after-forward: one of {', '.join(POLICIES)} (got "
                          f"{reshard!r}){did_you_mean(reshard, list(POLICIES))}")
-    return Sharding(world, reshard, param_dtype, reduce_dtype)
+    if apply is not None and (reshard != "default" or param_dtype or reduce_dtype):
+        raise ValueError(f"--fsdp-apply {apply_name}: its own fully_shard calls decide "
+                         f"resharding and mixed precision; drop --reshard-after-forward, "
+                         f"--fsdp-param-dtype and --fsdp-reduce-dtype")
+    if apply is not None and not callable(apply):
+        raise ValueError(f"--fsdp-apply: a function apply(model, mesh), not "
+                         f"{type(apply).__name__}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--fsdp-tp: tensor-parallel ranks, a whole number of at least 1 "
+                         f"(got {tp!r})")
+    if tp > 1 and apply is None:
+        raise ValueError(f"--fsdp-tp {tp}: a tensor-parallel plan is the model's own; give "
+                         f"--fsdp-apply FILE.py:FUNCTION, an apply(model, mesh) that "
+                         f"parallelizes over mesh['tp'] and shards over mesh['dp_shard']")
+    return Sharding(world, reshard, param_dtype, reduce_dtype, apply, apply_name, tp)
 
 
 class MetaStream:
@@ -312,7 +347,18 @@ def shard(module: torch.nn.Module, sharding: Sharding, device: str = "meta") -> 
 
         raise TraceError("--fsdp: the model is already sharded (fully_shard was applied to "
                          "it): give the unsharded model, which --fsdp shards per rank")
-    mesh = init_device_mesh(device, (sharding.world,))
+    mesh = init_device_mesh(device, (sharding.world,), mesh_dim_names=("dp_shard",)) \
+        if sharding.tp == 1 else init_device_mesh(device, (sharding.world, sharding.tp),
+                                                  mesh_dim_names=("dp_shard", "tp"))
+    if sharding.apply is not None:  # the user's own fully_shard calls, as written
+        sharding.apply(module, mesh)
+        if not sharded_by_user(module):
+            from memcalc.tracing.errors import TraceError
+
+            raise TraceError(f"--fsdp-apply {sharding.apply_name}: it called fully_shard on "
+                             f"nothing of the model (apply(model, mesh) shards the model "
+                             f"it is given)")
+        return module
     dtype = lambda name: getattr(torch, name) if name else None  # noqa: E731
     mp = MixedPrecisionPolicy(param_dtype=dtype(sharding.param_dtype),
                               reduce_dtype=dtype(sharding.reduce_dtype))
@@ -349,11 +395,11 @@ def sharded(call, rank: int, tracer) -> Iterator[tuple]:
 
     from memcalc.tracing.context_parallel import Ranks, fake_group
 
-    with fake_group(Ranks(call.sharding.world, rank)), on_meta(tracer):
+    with fake_group(Ranks(call.sharding.ranks, rank)), on_meta(tracer):
         module = copy.deepcopy(call.fn)
         how = described(module, call.sharding)
         if tracer.paths is not None:
-            tracer.paths.note(f"{how}; rank {rank} of {call.sharding.world} on a fake process "
+            tracer.paths.note(f"{how}; rank {rank} of {call.sharding.ranks} on a fake process "
                               f"group, its collectives' buffers on streams of their own")
         on_rank = copy.copy(call)
         on_rank.fn = shard(module, call.sharding)
@@ -362,6 +408,11 @@ def sharded(call, rank: int, tracer) -> Iterator[tuple]:
 
 def described(module: torch.nn.Module, sharding: Sharding) -> str:
     """How FSDP2 is applied to ``module``, for the trace's notes."""
+    if sharding.apply is not None:
+        mesh = (f"a mesh of {sharding.world} x {sharding.tp} ranks ('dp_shard', 'tp')"
+                if sharding.tp > 1 else f"a mesh of {sharding.world} ranks ('dp_shard',)")
+        return (f"FSDP2 as {sharding.apply_name} applies it (its own fully_shard calls) on "
+                f"{mesh}")
     layers = blocks(module)
     where = (f"each of the {len(layers)} {type(layers[0]).__name__} blocks, then the root"
              if layers else "the root (no repeated layers found)")

@@ -311,11 +311,14 @@ def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
     if calling.fsdp is not None and not _is_module_class(type(fn)):
         raise TraceError("--fsdp: FSDP shards an nn.Module's parameters; trace the model "
                          "(FILE:CLASS or a module instance), not a function")
-    world = calling.fsdp.world if calling.fsdp is not None else 1
-    if world > 1 and getattr(config, "tp", 1) > 1:
-        raise TraceError(f"--fsdp {world} --tp {config.tp}: FSDP2 with tensor parallelism "
-                         f"(torch's 2-D DeviceMesh, DTensor-sharded layers) is not traced yet; "
-                         f"--fsdp alone, or with --cp over the same ranks")
+    world = calling.fsdp.ranks if calling.fsdp is not None else 1
+    if calling.fsdp is not None and getattr(config, "tp", 1) > 1:
+        raise TraceError(f"--fsdp {calling.fsdp.world} --tp {config.tp}: --tp splits the heads "
+                         f"of a built-in implementation; a traced model's tensor parallelism "
+                         f"is its own plan: --fsdp-tp T with --fsdp-apply FILE.py:FUNCTION")
+    if calling.fsdp is not None and calling.fsdp.tp > 1 and config.cp > 1:
+        raise TraceError("--fsdp-tp with --cp: not traced (context and tensor parallelism "
+                         "over one mesh)")
     if world > 1 and config.cp > 1 and world != config.cp:
         raise TraceError(f"--fsdp {world} --cp {config.cp}: FSDP and context parallelism run "
                          f"over the same ranks here (torchtitan's dp_shard_cp mesh): give "
