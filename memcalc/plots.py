@@ -77,8 +77,9 @@ def plot_timeline(config, path: str | None = None, recorded=None):
     ax.set_xlabel(f"allocation events of the measured step ({phases})")
     ax.set_ylabel(f"memory ({unit})")
     ax.set_ylim(0, max(e.reserved for e in events) / scale * 1.08)
-    ax.set_title(f"{config.impl}: one training step, {config.label()}\n"
-                 f"torch.cuda memory on {config.device.spec.label}", fontsize=11)
+    ax.set_title(_wrapped((f"{config.impl}: one training step, {config.label()}",
+                           f"torch.cuda memory on {config.device.spec.label}"), 70),
+                 fontsize=11)
     fig.legend(loc="outside lower center", ncols=3, fontsize=9, frameon=False)
     return _finish(fig, path)
 
@@ -405,12 +406,18 @@ def _fmt(value: float) -> str:
 
 def _peaks_title(sweep) -> str:
     """What is fixed in the sweep (``Sweep.fixed``) and the budget, each line wrapped to
-    the axes' width (a long one ran off the figure's left edge)."""
-    import textwrap
-
+    the axes' width."""
     b = sweep.budget
     lines = (f"Reserved memory of one training step (what must fit) against seq_len: "
              f"{sweep.fixed()}",
              f"budget {human(b.budget_bytes)} = {human(b.memory_bytes)} device "
              f"({sweep.base.device.spec.name}) less {human(b.reserve_bytes)} reserve")
-    return "\n".join(textwrap.fill(line, 95) for line in lines)
+    return _wrapped(lines, 95)
+
+
+def _wrapped(lines, width: int) -> str:
+    """Each of a title's ``lines`` wrapped to ``width`` characters: a long one (a traced
+    file's path, a sweep's fixed sizes) ran off the figure's left edge."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width) for line in lines)
