@@ -32,7 +32,7 @@ def test_breakdown_csv_and_markdown(capsys):
 
 @pytest.mark.parametrize("command", ["breakdown", "compare", "oom", "sweep"])
 def test_help_says_what_each_output_format_prints(capsys, command):
-    from memcalc.cli import FORMATS
+    from memcalc.options import FORMATS
 
     code, out, _ = run(capsys, command, "--help")
     said = " ".join(out.split())  # argparse wraps the lines

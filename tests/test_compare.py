@@ -8,7 +8,8 @@ import pytest
 
 import memcalc
 from cli_helpers import assert_refused, csv_as_json, run
-from memcalc.cli import PIPED_WIDTH, build_parser
+from memcalc.cli import build_parser
+from memcalc.options import PIPED_WIDTH
 from memcalc.analysis.comparison import ratio
 from memcalc.config import make_config
 from memcalc.analysis.predict import predict

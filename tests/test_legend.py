@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from memcalc.engine.component import Component
-from memcalc.cli import PIPED_WIDTH
+from memcalc.options import PIPED_WIDTH
 from memcalc.config import make_config
 from memcalc.output.legend import legend, made_by
 from memcalc.output.render import markdown, text

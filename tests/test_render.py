@@ -58,7 +58,8 @@ import re
 
 import pytest
 
-from memcalc.cli import PIPED_WIDTH, main
+from memcalc.cli import main
+from memcalc.options import PIPED_WIDTH
 
 WIDTHS = [60, 80, 100, 140, None]  # None: piped, no COLUMNS: PIPED_WIDTH
 TRACE = "examples/custom_softmax/variants.py:reciprocal"

@@ -91,7 +91,9 @@ LAYERS = (
     ("memcalc.tracing",),  # a user's code, traced into a program
     ("memcalc.validation",),  # the model against a trace or a GPU
     ("memcalc.plots",),
-    ("memcalc.cli", "memcalc.commands"),
+    ("memcalc.options",),  # the commands' shared options, read into the library's models
+    ("memcalc.commands",),
+    ("memcalc.cli",),  # the parser over the commands, and main
     ("memcalc",),  # the public face
 )
 TOP_LEVEL_MODULES = 8

@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from memcalc.analysis.budget import Budget  # noqa: E402
-from memcalc.cli import PIPED_WIDTH, main  # noqa: E402
+from memcalc.cli import main
+from memcalc.options import PIPED_WIDTH  # noqa: E402
 from memcalc.config import make_config  # noqa: E402
 from memcalc.tracing import register_function, trace, traced  # noqa: E402
 from memcalc.tracing.report import Traced  # noqa: E402

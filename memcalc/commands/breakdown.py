@@ -1,7 +1,8 @@
 """``memcalc breakdown``: what one forward and backward step allocates."""
 
-from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from, emit,
-                         format_options, plotting, shape_options, work_options)
+from memcalc.options import (budget_from, budget_options, check_chunk, check_output,
+                             config_from, emit, format_options, plotting, shape_options,
+                             work_options)
 
 HELP = "what one forward+backward step allocates, by component"
 

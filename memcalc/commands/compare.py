@@ -1,7 +1,8 @@
 """``memcalc compare``: every implementation side by side."""
 
-from memcalc.cli import (budget_from, budget_options, check_chunk, check_output, config_from, emit,
-                         format_options, plotting, shape_options, work_options)
+from memcalc.options import (budget_from, budget_options, check_chunk, check_output,
+                             config_from, emit, format_options, plotting, shape_options,
+                             work_options)
 from memcalc.names import check_impl, impl_list
 
 HELP = "every implementation side by side: saved, peaks, savings, largest seq_len"

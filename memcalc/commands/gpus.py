@@ -8,7 +8,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from memcalc.cli import show
+    from memcalc.options import show
     from memcalc.gpus import MEMORY_KINDS, gpu_presets
     from memcalc.output.render import Column, rich_table
     from memcalc.engine.units import human

@@ -8,7 +8,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from memcalc.cli import show
+    from memcalc.options import show
     from memcalc.impls import get_impl
     from memcalc.names import impl_choices
     from memcalc.output.render import Column, rich_table

@@ -3,8 +3,9 @@
 from argparse import ArgumentTypeError
 from math import prod
 
-from memcalc.cli import (DTYPE_HELP, budget_options, check_output, format_options, impl_option,
-                         input_options, plotting, step_options, whole, work_options)
+from memcalc.options import (DTYPE_HELP, budget_options, check_output, format_options,
+                             impl_option, input_options, plotting, step_options, whole,
+                             work_options)
 
 HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
 
@@ -75,7 +76,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from memcalc.cli import budget_from, check_chunk, config_options, emit, impls_with_trace
+    from memcalc.options import budget_from, check_chunk, config_options, emit, impls_with_trace
     from memcalc.config import make_config
     from memcalc.output.progress import progress, status
     from memcalc.analysis.scaling import FIGURE_KEY, sweep

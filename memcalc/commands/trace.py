@@ -4,9 +4,9 @@ the configured GPU would run it, with its fit in the device's budget."""
 import contextlib
 import sys
 
-from memcalc.cli import (budget_from, budget_options, calling_from, check_output, release_of,
-                         config_from, emit, format_options, input_options, plotting, shape_options,
-                         work_options)
+from memcalc.options import (budget_from, budget_options, calling_from, check_output,
+                             release_of, config_from, emit, format_options, input_options,
+                             plotting, shape_options, work_options)
 
 HELP = ("breakdown of your own attention function or nn.Module, traced on the meta device "
         "along the GPU's code paths (imports and runs the named file or module as Python code)")

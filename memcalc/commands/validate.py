@@ -4,8 +4,8 @@ import math
 import os
 import sys
 
-from memcalc.cli import (check_output, emit, format_options, impl_option, input_options,
-                         naming, shape_options)
+from memcalc.options import (check_output, emit, format_options, impl_option, input_options,
+                             naming, shape_options)
 from memcalc.names import CASE_KINDS, EMULATED_KINDS, unknown
 
 HELP = "compare predictions with the emulated trace or a live GPU run"
@@ -168,7 +168,7 @@ def _run_target(args) -> int:
             raise ValueError(f"{option}: checks the shipped cases; --trace checks its target")
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.cli import calling_from, config_from
+    from memcalc.options import calling_from, config_from
     from memcalc.tracing import TraceError, check_causal, load_function, register_function
     from memcalc.validation import validate_target
 
