@@ -115,11 +115,10 @@ def _sign() -> None:
         names = {p.name for p in extra}
         params = list(extra) + [p for p in _config_parameters() if p.name not in names]
         function.__signature__ = inspect.Signature(params)
+    own = [p for p in inspect.signature(trace).parameters.values()  # its own keywords
+           if p.kind is not p.VAR_KEYWORD]
     trace.__signature__ = inspect.Signature(
-        [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD), _kw("inputs"),
-         _kw("no_grad", ()), _kw("autocast"), _kw("param_dtype"), _kw("optimizer"),
-         _kw("grad_accum", 1), _kw("gpu_gb"), _kw("reserve"),
-         *(p for p in _config_parameters() if p.name != "impl")])
+        own + [p for p in _config_parameters() if p.name != "impl"])
 
 
 def _kw(name: str, default=None) -> inspect.Parameter:
