@@ -170,7 +170,7 @@ def input_options(p: argparse.ArgumentParser) -> None:
                    help="shard the module with PyTorch's FSDP2 over P ranks (fully_shard on "
                         "each repeated layer, then the root, as torchtitan does); the busiest "
                         "rank is shown, every rank in --json. With --cp: the same P ranks. "
-                        "oom takes a list (1,2,4,8): a row each")
+                        "oom and sweep take a list (1,2,4,8): a row or series each")
     p.add_argument("--reshard-after-forward", default="default", metavar="POLICY",
                    help="FSDP's reshard_after_forward, as torchtitan's policy: default "
                         "(every layer but the last), always or never")
