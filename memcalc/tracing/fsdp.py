@@ -300,18 +300,15 @@ class Names:
 
 
 def _group(fsdp_params) -> str:
-    """The module a parameter group belongs to: its parameters' common prefix
-    (``transformer.h.0``), ``root`` for the root's."""
-    fqns = [p._param_fqn.split(".") for p in fsdp_params]
-    if not fqns:
-        return "root"
+    """The module a parameter group belongs to: its parameters' modules' common prefix
+    (``transformer.h.0``), ``root`` when they share none."""
+    modules = [p._param_fqn.split(".")[:-1] for p in fsdp_params]
     prefix = []
-    for parts in zip(*(f[:-1] for f in fqns)):
+    for parts in zip(*modules):
         if len(set(parts)) > 1:
             break
         prefix.append(parts[0])
-    return ".".join(prefix) if len(fqns) > 1 and prefix else "root" if len(fqns) > 1 \
-        else ".".join(fqns[0][:-1]) or "root"
+    return ".".join(prefix) or "root"
 
 
 def sharded_by_user(module: torch.nn.Module) -> bool:
