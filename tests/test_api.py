@@ -8,9 +8,13 @@ import memcalc
 
 
 def test_docstring_examples():
+    """The package's own and its API functions' (``memcalc.api``, which it exports)."""
     pytest.importorskip("torch")
-    result = doctest.testmod(memcalc, extraglobs={"memcalc": memcalc})
-    assert result.attempted >= 8 and result.failed == 0
+    from memcalc import api
+
+    results = [doctest.testmod(module, extraglobs={"memcalc": memcalc})
+               for module in (memcalc, api)]
+    assert sum(r.attempted for r in results) >= 8 and not any(r.failed for r in results)
 
 
 def test_api_errors_name_the_field():
