@@ -159,11 +159,17 @@ def events(config, rank: int, run: str = "ring") -> list:
     """The allocator's events of the measured step (the warm-up's cleared), each with its
     innermost frames in torch or memcalc."""
     with as_rank(config, rank):
-        torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
-                                                 stacks="python", max_entries=1_000_000)
-        measured(config, run)
-        trace = torch.cuda.memory._snapshot()["device_traces"][0]
-        torch.cuda.memory._record_memory_history(enabled=None)
+        return allocator_events(lambda: measured(config, run))
+
+
+def allocator_events(step) -> list:
+    """The caching allocator's events while ``step()`` runs, each with its innermost frames
+    in torch or memcalc (also ``fsdp_one_gpu.py``'s)."""
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
+                                             stacks="python", max_entries=1_000_000)
+    step()
+    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
     return [[e["action"], e["size"], _frames(e)] for e in trace
             if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free")]
 
@@ -188,19 +194,19 @@ def case(config, rank: int, run: str = "ring") -> dict:
            "causal": config.causal, "method": config.cp_method, "rank": rank}
     columns_of = ((lambda c, r: example_columns(c, r, run)) if run in EXAMPLES
                   else columns)
-    if not _recorded(row, "error", lambda: row.update(columns_of(config, rank))):
+    if not recorded(row, "error", lambda: row.update(columns_of(config, rank))):
         return row
-    if _recorded(row, "error", lambda: row.update(live=live(config, rank, run))):
+    if recorded(row, "error", lambda: row.update(live=live(config, rank, run))):
         row["ok"] = row["live"] == row["trace_fake"]
         if not row["ok"] and EVENTS_KEPT[0] < MAX_EVENT_ROWS:
             EVENTS_KEPT[0] += 1
-            _recorded(row, "events_error",
+            recorded(row, "events_error",
                       lambda: row.update(events=events(config, rank, run)))
     return row
 
 
-def _recorded(row: dict, key: str, run) -> bool:
-    """``run()``; an exception is recorded in ``row`` under ``key`` (its last frames under
+def recorded(row: dict, key: str, run) -> bool:
+    """``run()`` (also ``fsdp_one_gpu.py``'s); an exception is recorded in ``row`` under ``key`` (its last frames under
     ``key`` + ``_where``) and the run goes on. True when it raised none."""
     try:
         run()
@@ -220,13 +226,13 @@ def main(out: str, max_seconds: float = 240, run: str = "ring") -> None:
             break
         config = cuda.live_config(config, env)
         rows += [case(config, rank, run) for rank in range(config.cp)]
-        _write(out, env, rows, time.monotonic() - start)
+        write_report(out, env, rows, time.monotonic() - start)
     done = sum(r.get("ok", False) for r in rows)
     print(f"{len(rows)} rank steps: {done} equal to the fake-group trace, "
           f"{sum('error' in r for r in rows)} errors, {time.monotonic() - start:.0f} s")
 
 
-def _write(out: str, env: dict, rows: list, seconds: float) -> None:
+def write_report(out: str, env: dict, rows: list, seconds: float) -> None:
     with open(out, "w") as f:
         json.dump({"environment": env, "seconds": round(seconds), "rows": rows}, f, indent=1)
 

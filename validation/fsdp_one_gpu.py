@@ -25,14 +25,13 @@ case; cases start until MAX_SECONDS (default 240) have passed.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
+from cp_one_gpu import allocator_events, recorded, write_report  # validation/: this folder
 from memcalc.config import make_config
 from memcalc.tracing import TraceOptions, bound, traced
 from memcalc.tracing.context_parallel import Ranks, fake_group
@@ -80,16 +79,9 @@ def live_column(name: str, module: type, config, sharding: Sharding, optimizer: 
             shard(model, sharding, device="cuda")
             model.to_empty(device="cuda")
             call = bound(model, config, calling_of(sharding, optimizer))
-            if record:
-                torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
-                                                         stacks="python", max_entries=1_000_000)
-            measured = cuda.measure(config, torch, fn=call, inputs=IDS, loop=call.loop)
-            if record:
-                events = torch.cuda.memory._snapshot()["device_traces"][0]
-                torch.cuda.memory._record_memory_history(enabled=None)
-                return [[e["action"], e["size"], _frames(e)] for e in events if e["action"] in
-                        ("alloc", "free_completed", "segment_alloc", "segment_free")]
-            return figures_of(measured)
+            step = lambda: cuda.measure(config, torch, fn=call, inputs=IDS,  # noqa: E731
+                                        loop=call.loop)
+            return allocator_events(step) if record else figures_of(step())
     finally:
         if nccl:
             dist.destroy_process_group()
@@ -99,13 +91,6 @@ def _nothing():
     from contextlib import nullcontext
 
     return nullcontext()
-
-
-def _frames(event: dict) -> list[str]:
-    kept = [f"{f['filename'].rsplit('site-packages/', 1)[-1]}:{f['line']} {f['name']}"
-            for f in event.get("frames", ())
-            if "torch/" in f["filename"] or "memcalc" in f["filename"]]
-    return kept[:4]
 
 
 MAX_EVENT_ROWS, EVENTS_KEPT = 8, [0]
@@ -118,26 +103,15 @@ def case(name: str, module: type, config, sharding: Sharding, optimizer: str,
            "param_dtype": sharding.param_dtype, "reduce_dtype": sharding.reduce_dtype,
            "reshard_after_forward": sharding.reshard_after_forward}
     args = (module, config, sharding, optimizer, rank)
-    if not _recorded(row, "error", lambda: row.update(trace=trace_column(*args))):
+    if not recorded(row, "error", lambda: row.update(trace=trace_column(*args))):
         return row
-    if _recorded(row, "error", lambda: row.update(live=live_column(name, *args))):
+    if recorded(row, "error", lambda: row.update(live=live_column(name, *args))):
         row["ok"] = row["live"] == row["trace"]
         if not row["ok"] and EVENTS_KEPT[0] < MAX_EVENT_ROWS:
             EVENTS_KEPT[0] += 1
-            _recorded(row, "events_error", lambda: row.update(
+            recorded(row, "events_error", lambda: row.update(
                 events=live_column(name, *args, record=True)))
     return row
-
-
-def _recorded(row: dict, key: str, run) -> bool:
-    """``run()``; an exception is recorded in ``row`` under ``key`` and the run goes on."""
-    try:
-        run()
-        return True
-    except Exception as error:
-        row[key] = "".join(traceback.format_exception_only(error)).strip()
-        row[key + "_where"] = traceback.format_exc().splitlines()[-12:]
-        return False
 
 
 def main(out: str, max_seconds: float = 240) -> None:
@@ -155,15 +129,10 @@ def main(out: str, max_seconds: float = 240) -> None:
             config = cuda.live_config(make_config(impl=impl, batch=2, seq_len=n), env)
             rows += [case(name, module, config, sharding, optimizer, r)
                      for r in range(sharding.world)]
-            _write(out, env, rows, time.monotonic() - start)
+            write_report(out, env, rows, time.monotonic() - start)
     done = sum(r.get("ok", False) for r in rows)
     print(f"{len(rows)} rank steps: {done} equal to the trace, "
           f"{sum('error' in r for r in rows)} errors, {time.monotonic() - start:.0f} s")
-
-
-def _write(out: str, env: dict, rows: list, seconds: float) -> None:
-    with open(out, "w") as f:
-        json.dump({"environment": env, "seconds": round(seconds), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
