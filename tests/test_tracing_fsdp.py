@@ -298,3 +298,19 @@ def test_tensor_parallelism_inside_fsdp_ranks():
     assert params["layers.0.down.weight"] == 32 * 128 * 4
     state = _bytes(shown, Role.optimizer_state)
     assert state["layers.0.up.weight: exp_avg"] == 64 * 64 * 4
+
+
+def test_a_ranks_signature_is_the_rows_fully_shard_gives_it():
+    """Ranks are traced once per signature: it must be what torch's ``fully_shard`` hands
+    each rank (``torch.chunk`` of dim 0), the uneven last rank included."""
+    from memcalc.tracing.context_parallel import Ranks, fake_group
+    from memcalc.tracing.fsdp import rank_signature, shard
+
+    for rank in range(4):
+        with fake_group(Ranks(4, rank)):
+            with torch.device("meta"):
+                model = Stack()
+            expected = rank_signature(model, 4, rank)
+            shard(model, Sharding(4), device="cpu")
+            rows = tuple(p.to_local().shape[0] for p in model.parameters())
+        assert rows == expected  # rank 3: 1 row of each (10, 30) weight, 6 of each (30, 10)
