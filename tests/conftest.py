@@ -1,8 +1,15 @@
 """Fixtures shared by the test modules."""
 
+import os
+
 import pytest
 
 from memcalc.impls import IMPLS, impl_names, register
+
+# Output is checked as a pipe without COLUMNS gets it (the piped width) unless a test sets
+# it: pytest-xdist's workers set COLUMNS=80 and LINES=24, a shell may set others.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture(autouse=True)

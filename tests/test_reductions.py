@@ -108,7 +108,8 @@ def test_over_symbolic_sizes_the_scratch_is_evaluated_per_configuration():
     assert values.tolist() == [4 * 128 * 17 * 32 * 4, 4 * 128 * 47 * 32 * 4, 0]
 
 
-@pytest.mark.parametrize("shape, itemsize", [((8, 1, 20_000, 20_000), 4),
+@pytest.mark.parametrize("shape, itemsize", [((8, 1, 10_000, 10_000), 4),  # halved once
+                                             ((8, 1, 20_000, 20_000), 4),
                                              ((8, 1, 16_000_001, 16_000_001), 4),
                                              ((1, 3, 70_001, 70_001), 2),
                                              # the floor halves fit a level before the
@@ -124,3 +125,62 @@ def test_a_row_reductions_split_in_integers_is_the_general_split(shape, itemsize
     parts = _split(it, 0)
     assert _row_parts(it) == parts
     assert all(part.shape[1] < it.shape[1] for part, _ in parts)  # it was split
+
+
+@pytest.mark.parametrize("shape, itemsize", [((1, 32, 1 << 20, 128), 2),  # 2^32 values
+                                             ((3, 5, 70_001, 4_099), 4)])
+def test_a_whole_sums_split_in_integers_is_the_general_split(shape, itemsize):
+    """A whole sum past 32-bit offsets is one row of every value: halved as rows are."""
+    from memcalc.impls.reductions import _row_parts, _split
+
+    it = reduction_iter(shape, contiguous_strides(shape), tuple(range(len(shape))), itemsize,
+                        itemsize)
+    assert len(it.shape) == 1 and _row_parts(it) == _split(it, 0)
+
+
+def test_the_iterator_of_a_run_of_dimensions_is_the_general_one():
+    """``run_iter`` (a contiguous input reduced over neighbouring dimensions, the grid's
+    closed form) gives what reordering and coalescing give, for every layout of sizes 1,
+    2 and 3 in up to four dimensions and every run."""
+    from itertools import product
+
+    from memcalc.impls.reductions import general_iter
+
+    for ndim in range(1, 5):
+        for shape in product((1, 2, 3), repeat=ndim):
+            runs = [tuple(range(a, b)) for a in range(ndim) for b in range(a + 1, ndim + 1)]
+            for dims in runs if max(shape) > 1 else ():
+                strides = contiguous_strides(shape)
+                assert reduction_iter(shape, strides, dims, 2, 4) == \
+                    general_iter(shape, strides, dims, 2, 4), (shape, dims)
+
+
+GRID_LENGTHS = sorted({1, 2, 3, 127, 128, 4095, 10_000, 46_341, 1 << 20, 2_421_787, 11_863_283,
+                       16_000_001, 1 << 24} | set(range(1, 16 << 20, 411_029)))
+"""Lengths across every layout and split: one row, no split, split warps, rows past
+32-bit offsets halved once (10,000), into two and into three sizes, up to 16M."""
+
+
+@pytest.mark.parametrize("gpu", [H200, Gpu(108, (8, 0))])
+@pytest.mark.parametrize("dims, shape, itemsize", [
+    ((3,), lambda n: (8, 1, n, n), 4),  # naive's row sums of the scores
+    ((3,), lambda n: (1, 3, n, n), 2),  # half: an accumulation buffer once split
+    ((0, 1, 2, 3), lambda n: (8, 1, n, 16), 4),  # the loss
+    ((0, 1, 2, 3), lambda n: (2, 8, n, 128), 2),
+    ((2,), lambda n: (2, 4, n, 16), 2),  # k.sum(-2): outputs on both sides of the run
+    ((2,), lambda n: (1, 1, n, 64), 4),
+])
+def test_a_grids_scratch_is_each_configurations(gpu, dims, shape, itemsize):
+    """The grid's closed form (one ``largest_launch`` per layout, over arrays) gives, for
+    every length, the figures ``Part`` gives one configuration at a time."""
+    import numpy as np
+
+    from memcalc.impls.reductions import Part, _grid_figures, forget
+
+    kernel = (dims, itemsize, itemsize, 4, gpu)
+    lengths = np.array(GRID_LENGTHS, dtype=np.int64)
+    grid = _grid_figures(kernel, shape(lengths))
+    forget()
+    one_by_one = [[Part(kernel, which)(*shape(int(n))) for n in lengths] for which in range(3)]
+    assert grid.tolist() == one_by_one
+    assert grid[1].any()  # some split across blocks

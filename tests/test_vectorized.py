@@ -161,3 +161,25 @@ def test_an_evaluator_shared_by_bases_of_other_shapes_keeps_none_of_their_sizes(
     base = make_config(**options, seq_len=512)
     figures = evaluate(base, seq_len=np.array([1024]))
     assert int(figures.peak_bytes[0]) == predict(base.replace(seq_len=1024)).peak_bytes
+
+
+def test_forms_over_atoms_past_float_precision_are_exact_in_limbs():
+    """Atoms of up to 2^54 B (a length of 16M: the scores' 2^53 B) under forms with
+    coefficients up to 2^27 (constant bytes times the ones row): the limbs' float products
+    recombined give exactly what Python integers give; where a result could pass 2^62 no
+    limb product is offered."""
+    import numpy as np
+
+    from memcalc.analysis.vectorized import _limb_product
+
+    rng = np.random.default_rng(0)
+    matrix = rng.integers(-3, 4, size=(40, 9))
+    matrix[:, -1] = rng.integers(-(1 << 27), 1 << 27, size=40)  # the constant column
+    atoms = np.vstack([rng.integers(0, 1 << 54, size=(8, 500)), np.ones((1, 500), dtype=np.int64)])
+    atoms = (atoms // 512 * 512).astype(object)  # rounded blocks, as Python integers
+    atoms[-1] = 1
+    exact = matrix.astype(object) @ atoms
+    assert _limb_product(matrix, atoms, None).tolist() == exact.tolist()
+    huge = atoms.copy()
+    huge[0] = 1 << 61
+    assert _limb_product(matrix, huge, None) is None

@@ -199,20 +199,52 @@ class _Bank:
 
 def _product(matrix: np.ndarray, atoms: np.ndarray, floats: np.ndarray | None,
              matrix_f: np.ndarray | None = None) -> np.ndarray:
-    """``matrix`` (forms) times ``atoms``: in float64 when that is exact, else int64, or
-    Python integers when the atoms are."""
+    """``matrix`` (forms) times ``atoms``: in float64 when that is exact, else in float64
+    limbs (``_limb_product``), else int64, or Python integers when the atoms need them."""
+    mf = matrix_f if matrix_f is not None else None
+    if floats is not None:
+        return _float_product(mf if mf is not None else matrix.astype(np.float64), floats)
+    limbed = _limb_product(matrix, atoms, mf)
+    if limbed is not None:
+        return limbed
     if atoms.dtype == object:
         return matrix.astype(object) @ atoms
-    if floats is not None:
-        mf = matrix_f if matrix_f is not None else matrix.astype(np.float64)
-        n = floats.shape[1]
-        if n <= BLOCK:
-            return (mf @ floats).astype(np.int64)
-        out = np.empty((mf.shape[0], n), dtype=np.int64)
-        for start in range(0, n, BLOCK):  # small blocks: BLAS stays on one fast thread
-            out[:, start:start + BLOCK] = mf @ floats[:, start:start + BLOCK]
-        return out
     return _forms(matrix, atoms)
+
+
+def _float_product(mf: np.ndarray, floats: np.ndarray) -> np.ndarray:
+    """``mf @ floats`` as int64, for products every partial sum of which is an exact float."""
+    n = floats.shape[1]
+    if n <= BLOCK:
+        return (mf @ floats).astype(np.int64)
+    out = np.empty((mf.shape[0], n), dtype=np.int64)
+    for start in range(0, n, BLOCK):  # small blocks: BLAS stays on one fast thread
+        out[:, start:start + BLOCK] = mf @ floats[:, start:start + BLOCK]
+    return out
+
+
+def _limb_product(matrix: np.ndarray, atoms: np.ndarray,
+                  matrix_f: np.ndarray | None) -> np.ndarray | None:
+    """``matrix @ atoms``, exact, with float64 products: the atoms are cut into limbs of
+    ``bits`` bits, few enough that every partial sum of ``matrix`` times one limb is below
+    2^53 (an exact float); the limbs' products are then shifted back together in int64.
+    None where some result could pass 2^62 (then only Python integers hold it)."""
+    if atoms.size == 0 or int(atoms.min()) < 0:
+        return None
+    weights = np.abs(matrix).astype(np.float64)
+    largest = atoms.max(axis=1).astype(np.float64)  # each atom's largest value
+    if (weights @ largest).max(initial=0) >= 2.0 ** 61:  # a sum of |c| a: some result might
+        return None  # pass 2^62 (the float sum is within a part in 2^50 of the true one)
+    bits = 52
+    while bits > 1 and (weights @ np.minimum(largest, 2.0 ** bits - 1)).max(initial=0) >= 2.0 ** 52:
+        bits -= 1  # a limb < 2^bits: every partial sum below 2^53, exact as a float
+    whole = atoms.astype(np.int64)
+    mf = matrix_f if matrix_f is not None else matrix.astype(np.float64)
+    out = np.zeros((matrix.shape[0], atoms.shape[1]), dtype=np.int64)
+    for shift in range(0, max(int(whole.max()).bit_length(), 1), bits):
+        limb = (whole >> shift) & ((1 << bits) - 1)
+        out += _float_product(mf, limb.astype(np.float64)) << shift
+    return out
 
 
 def _floats(atoms: np.ndarray, coef_sum: int) -> np.ndarray | None:

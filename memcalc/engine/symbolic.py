@@ -216,6 +216,8 @@ def _apply_values(fn, values: list):
     """``fn`` over the sizes' values, element by element where they are arrays."""
     if not any(isinstance(v, np.ndarray) for v in values):
         return fn(*values)
+    if hasattr(fn, "over_arrays"):
+        return fn.over_arrays(*values)
     arrays = np.broadcast_arrays(*values)
     out = np.fromiter((fn(*map(int, row)) for row in zip(*(a.ravel() for a in arrays))),
                       dtype=np.int64, count=arrays[0].size)

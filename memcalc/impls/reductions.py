@@ -23,6 +23,7 @@ from functools import lru_cache, partial
 from math import prod
 from typing import NamedTuple
 
+from memcalc.engine.elementwise import div_up, every, maximum, minimum, negate, where
 from memcalc.engine.program import ITEMSIZE, Dims, Role, free, new
 from memcalc.impls.device import Gpu, gpu_of, max_threads_per_sm
 
@@ -57,9 +58,19 @@ def reduction_iter(sizes: tuple, strides: tuple, dims: tuple, in_itemsize: int,
     into a new contiguous result (``make_reduction``, ``ReduceOpsUtils.h``): the result's
     strides are 0 along reduced dimensions."""
     ndim = len(sizes)
-    if dims == tuple(range(ndim - len(dims), ndim)) and strides == contiguous_strides(sizes) \
-            and prod(sizes) > 1:
-        return _trailing(sizes, len(dims), in_itemsize, out_itemsize)
+    run = _run(dims, ndim)
+    if run and strides == contiguous_strides(sizes) and prod(sizes) > 1:
+        start, stop = run
+        return run_iter(prod(sizes[:start]), prod(sizes[start:stop]), prod(sizes[stop:]),
+                        in_itemsize, out_itemsize)
+    return general_iter(sizes, strides, dims, in_itemsize, out_itemsize)
+
+
+def general_iter(sizes: tuple, strides: tuple, dims: tuple, in_itemsize: int,
+                 out_itemsize: int) -> Iter:
+    """``reduction_iter`` of any input, as ``TensorIterator`` builds it: strides reordered,
+    then neighbours coalesced."""
+    ndim = len(sizes)
     kept = [i for i in range(ndim) if i not in dims]
     out = [0] * ndim
     for i, stride in zip(kept, contiguous_strides(tuple(sizes[i] for i in kept))):
@@ -69,16 +80,30 @@ def reduction_iter(sizes: tuple, strides: tuple, dims: tuple, in_itemsize: int,
     return _coalesce([sizes[p] for p in perm], [[out[p] for p in perm], [ins[p] for p in perm]])
 
 
-def _trailing(sizes: tuple, reduced: int, in_itemsize: int, out_itemsize: int) -> Iter:
-    """What reordering and coalescing give for a contiguous tensor reduced over its last
-    ``reduced`` dimensions (a row sum, a whole sum): one reduced run, then one run of
-    outputs; dimensions of size 1 vanish."""
-    inputs = prod(sizes[len(sizes) - reduced:])
-    outputs = prod(sizes[:len(sizes) - reduced])
-    if outputs == 1 or inputs == 1:
-        return Iter((inputs * outputs,), (0 if outputs == 1 else out_itemsize,),
-                    (in_itemsize,), 1 if outputs == 1 else 0)
-    return Iter((inputs, outputs), (0, out_itemsize), (in_itemsize, inputs * in_itemsize), 1)
+def _run(dims: tuple, ndim: int) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``dims`` are one run of neighbouring dimensions, else None."""
+    if not dims:
+        return None
+    start, stop = min(dims) % ndim, max(dims) % ndim + 1
+    return (start, stop) if sorted(d % ndim for d in dims) == list(range(start, stop)) else None
+
+
+def run_iter(outer, reduced, inner, in_itemsize: int, out_itemsize: int) -> Iter:
+    """What reordering and coalescing give for a contiguous tensor reduced over one run of
+    dimensions (a row sum, a whole sum, ``k.sum(-2)``), from the products of its sizes
+    before, in and after the run: dimensions of size 1 vanish, the reduced run goes first,
+    then the outputs inside it (the input's smaller stride), then those outside; those two
+    cannot merge past the reduced run. The products may be numpy arrays over configurations
+    that agree on which of them are 1 (the grid groups them so)."""
+    if every(reduced == 1):  # nothing reduced: one run of outputs
+        return Iter((inner * outer,), (out_itemsize,), (in_itemsize,), 0)
+    runs = [(reduced, 0, in_itemsize * inner)]  # (size, output stride, input stride), bytes
+    if not every(inner == 1):
+        runs.append((inner, out_itemsize, in_itemsize))
+    if not every(outer == 1):
+        runs.append((outer, out_itemsize * inner, in_itemsize * reduced * inner))
+    shape, out, ins = zip(*runs)
+    return Iter(shape, out, ins, 1)
 
 
 def _reorder(shape: list, strides: list) -> list:
@@ -134,13 +159,16 @@ def _coalesce(shape: list, strides: list) -> Iter:
     return Iter(tuple(shape[:n]), out, ins, sum(1 for s in out if s == 0))
 
 
-def _last_pow2(n: int) -> int:
-    """``last_pow2`` (``Reduce.cuh``): the largest power of two not above ``n`` (at least 1)."""
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
-def _div_up(a: int, b: int) -> int:
-    return -(-a // b)
+def _last_pow2(n):
+    """``last_pow2`` (``Reduce.cuh``): the largest power of two not above ``n`` (at least
+    1). Over an array, exact below ``MAX_NUM_THREADS``, the only values it is asked for
+    (``_block`` caps the rest)."""
+    if getattr(n, "ndim", 0) == 0:
+        return 1 << (max(int(n), 1).bit_length() - 1)
+    power = 1
+    for k in range(1, MAX_NUM_THREADS.bit_length()):
+        power = where(n >= 1 << k, 1 << k, power)
+    return power
 
 
 def _output_vec_size(it: Iter, in_itemsize: int, storage_offset: int) -> int:
@@ -150,14 +178,12 @@ def _output_vec_size(it: Iter, in_itemsize: int, storage_offset: int) -> int:
     vec = 4
     values = [storage_offset, it.shape[it.num_reduce_dims]] + [
         s // in_itemsize for i, s in enumerate(it.in_strides) if i != it.num_reduce_dims]
-    for n in values:
-        while n % vec != 0:
-            vec //= 2
+    for n in values:  # halving 4 until it divides n: the largest of 4, 2, 1 that does
+        vec = minimum(vec, where(n % 4 == 0, 4, where(n % 2 == 0, 2, 1)))
     return vec
 
 
-@lru_cache(maxsize=1 << 12)
-def _on_fastest(it: Iter) -> bool:
+def _on_fastest(it: Iter):
     """Whether the reduced dimension is the input's fastest moving (``setReduceConfig``)."""
     r = it.num_reduce_dims
     return r == len(it.shape) or it.in_strides[0] < it.in_strides[r]
@@ -166,75 +192,62 @@ def _on_fastest(it: Iter) -> bool:
 def launch(it: Iter, in_itemsize: int, acc_itemsize: int, storage_offset: int, sm_count: int,
            max_threads_per_sm: int) -> Launch:
     """``setReduceConfig`` (``Reduce.cuh``) for one 32-bit-indexable iterator, and the
-    global memory it then takes (0 and 0 when the blocks do not split an output)."""
+    global memory it then takes (0 and 0 when the blocks do not split an output). The
+    sizes may be arrays over configurations whose iterators share ``it``'s layout: each
+    decision is then made element by element (``memcalc.engine.elementwise``)."""
     if not it.shape:  # a 0-d input: one value, one thread
         return Launch(0, 0)
-    num_outputs = 1
-    for size, stride in zip(it.shape, it.out_strides):
-        num_outputs *= size if stride else 1
-    numel = 1
-    for size in it.shape:
-        numel *= size
-    inputs_per_output = numel // num_outputs
+    num_outputs = prod(n for n, stride in zip(it.shape, it.out_strides)
+                       if not (isinstance(stride, int) and stride == 0))
+    inputs_per_output = prod(it.shape) // num_outputs
     r = it.num_reduce_dims
     on_fastest = _on_fastest(it)
-    dim0, dim1 = (inputs_per_output, num_outputs) if on_fastest else (num_outputs,
-                                                                      inputs_per_output)
-    fastest_stride = it.in_strides[0] if on_fastest else it.in_strides[r]
-    vec = 1
+    dim0 = where(on_fastest, inputs_per_output, num_outputs)
+    dim1 = where(on_fastest, num_outputs, inputs_per_output)
+    fastest_stride = it.in_strides[0] if r == len(it.shape) else where(
+        on_fastest, it.in_strides[0], it.in_strides[r])
+    contiguous = fastest_stride == in_itemsize
     # "vectorize along input" divides dim0 by input_vec_size (4, or 8 for 16-bit types from
     # the releases that widened it); never enough to change the split: a split needs 256
     # values per thread, which the block width these dims give never leaves
-    if fastest_stride == in_itemsize:
-        if on_fastest and dim0 >= 128 and r == 1:
-            dim0 //= 4
-        elif not on_fastest:
-            vec = _output_vec_size(it, in_itemsize, storage_offset)
-            dim0 //= vec
+    along_input = contiguous & on_fastest & (dim0 >= 128) & (r == 1)
+    vec = 1 if r == len(it.shape) else where(
+        contiguous & negate(on_fastest), _output_vec_size(it, in_itemsize, storage_offset), 1)
+    dim0 = where(along_input, dim0 // 4, dim0 // vec)
     width, height = _block(dim0, dim1, MAX_NUM_THREADS // vec)
-    step_input = step_output = 1
-    if on_fastest:
-        step_input *= width
-    else:
-        step_output *= width
-    values = _div_up(inputs_per_output, step_input)
-    split_warps = values >= min(height * 16, MAX_VALUES_PER_THREAD)
-    if split_warps:
-        step_input *= height
-    else:
-        step_output *= height
+    step_input, step_output = where(on_fastest, width, 1), where(on_fastest, 1, width)
+    split_warps = div_up(inputs_per_output, step_input) >= minimum(height * 16,
+                                                                   MAX_VALUES_PER_THREAD)
+    step_input = where(split_warps, step_input * height, step_input)
+    step_output = where(split_warps, step_output, step_output * height)
     return _global(num_outputs, inputs_per_output, vec, width, height, step_input,
                    step_output, split_warps, on_fastest, acc_itemsize, sm_count,
                    max_threads_per_sm)
 
 
-def _block(dim0: int, dim1: int, max_threads: int) -> tuple[int, int]:
+def _block(dim0, dim1, max_threads):
     """``ReduceConfig::set_block_dimension``: block width and height."""
-    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
-    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
-    width = min(dim0_pow2, WARP)
-    height = min(dim1_pow2, max_threads // width)
-    width = min(dim0_pow2, max_threads // height)
+    dim0_pow2 = where(dim0 < max_threads, _last_pow2(dim0), max_threads)
+    dim1_pow2 = where(dim1 < max_threads, _last_pow2(dim1), max_threads)
+    width = minimum(dim0_pow2, WARP)
+    height = minimum(dim1_pow2, max_threads // width)
+    width = minimum(dim0_pow2, max_threads // height)
     return width, height
 
 
-def _global(num_outputs: int, inputs: int, vec: int, width: int, height: int,
-            step_input: int, step_output: int, split_warps: bool, on_fastest: bool,
-            acc_itemsize: int, sm_count: int, max_threads_per_sm: int) -> Launch:
+def _global(num_outputs, inputs, vec, width, height, step_input, step_output, split_warps,
+            on_fastest, acc_itemsize: int, sm_count: int, max_threads_per_sm: int) -> Launch:
     """The last step of ``setReduceConfig``: split the input across blocks when each thread
     has at least 256 values and the grid is small; then ``global_memory_size()`` (times the
     block's lanes when they do not reduce among themselves) and ``semaphore_size()``."""
-    values = _div_up(inputs, step_input)
-    grid_x = _div_up(num_outputs // vec, step_output)
+    values = div_up(inputs, step_input)
+    grid_x = div_up(num_outputs // vec, step_output)
     target = sm_count * (max_threads_per_sm // (width * height))
-    if not (split_warps and values >= MAX_VALUES_PER_THREAD and grid_x <= target):
-        return Launch(0, 0)
-    ctas = max(min(_div_up(target, grid_x), _div_up(values, MIN_VALUES_PER_THREAD)),
-               _div_up(values, MAX_VALUES_PER_THREAD))
-    if ctas <= 1:
-        return Launch(0, 0)
-    size = acc_itemsize * num_outputs * ctas * (1 if on_fastest else width * vec)
-    return Launch(size, 4 * grid_x)
+    ctas = maximum(minimum(div_up(target, grid_x), div_up(values, MIN_VALUES_PER_THREAD)),
+                   div_up(values, MAX_VALUES_PER_THREAD))
+    split = split_warps & (values >= MAX_VALUES_PER_THREAD) & (grid_x <= target) & (ctas > 1)
+    size = acc_itemsize * num_outputs * ctas * where(on_fastest, 1, width * vec)
+    return Launch(where(split, size, 0), where(split, 4 * grid_x, 0))
 
 
 class Scratch(NamedTuple):
@@ -245,51 +258,88 @@ class Scratch(NamedTuple):
     launches: tuple
 
 
-def _fits_32bit(it: Iter, numel: int) -> bool:
-    """``TensorIteratorBase::can_use_32bit_indexing``: every offset, in bytes, fits int32."""
-    if numel > INT32_MAX:
-        return False
-    return all(1 + sum((n - 1) * s for n, s in zip(it.shape, strides)) <= INT32_MAX
-               for strides in (it.out_strides, it.in_strides))
+def _fits_32bit(it: Iter, numel):
+    """``TensorIteratorBase::can_use_32bit_indexing``: every offset, in bytes, fits int32
+    (element by element over arrays of configurations)."""
+    fits = numel <= INT32_MAX
+    for strides in (it.out_strides, it.in_strides):
+        fits = fits & (1 + sum((n - 1) * s for n, s in zip(it.shape, strides)) <= INT32_MAX)
+    return fits
+
+
+class Rows(NamedTuple):
+    """A row reduction's iterator read as rows (each a reduced run of ``inputs`` values,
+    ``size`` bytes apart, into one output ``out_size`` bytes after the last): a whole sum
+    is one row of every value, or rows of one value each."""
+
+    it: Iter
+    inputs: object
+    rows: object
+    size: int
+    out_size: int
+
+    @staticmethod
+    def of(it: Iter) -> "Rows | None":
+        """The rows of ``it`` when it is one contiguous reduced run (then rows of it), else
+        None."""
+        if it.num_reduce_dims != 1 or len(it.shape) not in (1, 2):
+            return None
+        size = it.in_strides[0]
+        if len(it.shape) == 1:
+            return Rows(it, 1, it.shape[0], size, it.out_strides[0])
+        inputs, rows = it.shape
+        if not every(it.in_strides[1] == inputs * size):
+            return None
+        return Rows(it, inputs, rows, size, it.out_strides[1])
+
+    def part(self, rows) -> Iter:
+        """The iterator of ``rows`` of them."""
+        return self.it._replace(shape=(rows,) if len(self.it.shape) == 1 else (self.inputs, rows))
+
+    def fits(self, rows):
+        """Whether ``rows`` of them fit 32-bit offsets (``_fits_32bit`` of ``part(rows)``)."""
+        return (rows * self.inputs <= INT32_MAX) \
+            & (rows * self.inputs * self.size - self.size + 1 <= INT32_MAX) \
+            & (1 + (rows - 1) * self.out_size <= INT32_MAX)
+
+    def halved(self) -> tuple:
+        """``_split`` of the rows in integers: they are halved (first halves ``rows // 2``
+        first) until each part fits, so at the first depth ``k`` where the ceiling half
+        ``ceil(rows / 2^k)`` fits, every part is ``floor`` or ``ceil`` of ``rows / 2^k``,
+        but for the floor parts one level up, which are leaves already when they fit.
+        Returns the three row counts that may occur, in the order they first do (some
+        equal), and whether a single row fits (where not, the reduced run is split too,
+        which ``_split`` does)."""
+        rows = self.rows
+        whole = self.fits(rows)
+        depth, k, found = 0, 0, whole
+        while not every(found):
+            depth += 1
+            ceiling = div_up(rows, 1 << depth)
+            newly = self.fits(ceiling) & negate(found)
+            k, found = where(newly, depth, k), found | newly
+            if every(ceiling == 1):
+                break
+        up = 2 ** (maximum(k, 1) - 1)  # where no halving is needed, or none is enough: any
+        up_floor, up_ceil = rows // up, div_up(rows, up)
+        three = self.fits(up_floor)  # the floor parts one level up stop there
+        counts = (where(three, up_floor, rows // (2 * up)),
+                  where(three, up_ceil // 2, div_up(rows, 2 * up)),
+                  where(three, up_ceil - up_ceil // 2, div_up(rows, 2 * up)))
+        # rows that fit whole, or that no halving fits, keep their count (then unused)
+        counts = tuple(where(found & negate(whole), c, rows) for c in counts)
+        return counts, found
 
 
 def _row_parts(it: Iter) -> tuple | None:
-    """``_split`` of a row reduction (reduced run first, then rows of it, contiguous) in
-    integers: the rows are halved until a part fits, so the parts are the distinct row
-    counts of that halving, in order; None where a single row does not fit (then the
-    reduced run is split too, which ``_split`` does)."""
-    if len(it.shape) != 2 or it.num_reduce_dims != 1:
+    """``_split`` of a row reduction (``Rows``) in integers: the parts of the halved rows,
+    in order, with input offset 0; None where a single row does not fit, or ``it`` is no
+    row reduction."""
+    rows = Rows.of(it)
+    if rows is None:
         return None
-    inputs, rows = it.shape
-    size = it.in_strides[0]
-    if it.in_strides != (size, inputs * size):
-        return None
-    counts = _halved_rows(rows, inputs, size, it.out_strides[1])
-    return None if counts is None else tuple(
-        (it._replace(shape=(inputs, r)), 0) for r in counts)
-
-
-def _halved_rows(rows: int, inputs: int, size: int, out_size: int) -> tuple | None:
-    """The distinct row counts of halving ``rows`` (first halves ``rows // 2`` first) until
-    each part fits, in the order they first occur: at the first depth ``k`` where the
-    ceiling half ``ceil(rows / 2^k)`` fits, every part is ``floor`` or ``ceil`` of
-    ``rows / 2^k``, but for the floor parts one level up, which are leaves already when
-    they fit. None when a single row does not fit."""
-    def fits(r: int) -> bool:
-        return r * inputs <= INT32_MAX and r * inputs * size - size + 1 <= INT32_MAX \
-            and 1 + (r - 1) * out_size <= INT32_MAX
-
-    if fits(rows):
-        return (rows,)
-    k = 1
-    while not fits(-(-rows // (1 << k))):
-        if -(-rows // (1 << k)) == 1:
-            return None
-        k += 1
-    up_floor, up_ceil = rows // (1 << (k - 1)), -(-rows // (1 << (k - 1)))
-    if fits(up_floor):  # the floor parts one level up stop there; the ceiling ones halve
-        return tuple(dict.fromkeys((up_floor, up_ceil // 2, up_ceil - up_ceil // 2)))
-    return tuple(dict.fromkeys((rows // (1 << k), -(-rows // (1 << k)))))
+    counts, found = rows.halved()
+    return tuple((rows.part(r), 0) for r in dict.fromkeys(counts)) if found else None
 
 
 @lru_cache(maxsize=1 << 12)
@@ -328,16 +378,48 @@ def reduction_scratch(sizes: tuple, strides: tuple, dims: tuple, in_itemsize: in
     fits = _fits_32bit(it, numel)
     parts = ((it, storage_offset * in_itemsize % 16),) if fits else (
         _row_parts(it) or _split(it, storage_offset * in_itemsize % 16))
-    accumulation = 0
-    if not fits and out_itemsize == 2:  # a half or bfloat16 result
-        extent = max([out_itemsize] + [n * s for n, s in zip(it.shape, it.out_strides)])
-        accumulation = extent // out_itemsize * acc_itemsize
+    accumulation = _accumulation(it, fits, out_itemsize, acc_itemsize)
     launches = (launch(p, in_itemsize, acc_itemsize, at // in_itemsize % 4, gpu.sm_count,
                        threads) for p, at in parts)
     # each launch frees what it took before the next: a launch like an earlier one finds
     # the blocks that one took free again, so each distinct launch is kept once, in order
     # (millions of kernels reduce 10^16 elements; their buffers take a few sizes)
     return Scratch(accumulation, tuple(dict.fromkeys(launches)))
+
+
+def _accumulation(it: Iter, fits, out_itemsize: int, acc_itemsize: int):
+    """A half or bfloat16 result (which cannot accumulate in itself) of an iterator split
+    for 32-bit offsets gets a float buffer the size of the result (``AccumulationBuffer``)."""
+    if out_itemsize != 2:
+        return 0
+    extent = out_itemsize
+    for n, stride in zip(it.shape, it.out_strides):
+        extent = maximum(extent, n * stride)
+    return where(fits, 0, extent // out_itemsize * acc_itemsize)
+
+
+def largest_launch(it: Iter, in_itemsize: int, out_itemsize: int, acc_itemsize: int,
+                   gpu: Gpu) -> tuple:
+    """``(accumulation, buffer, semaphores, exact)`` of reducing with iterator ``it`` (a
+    contiguous input: offset 0), for arrays of configurations at once (the grid path): the
+    launch that takes the largest buffer, the first of those where several do, whose
+    blocks the others reuse. ``exact`` is False where a split iterator is no row
+    reduction (``Rows``); those configurations are left to ``reduction_scratch``."""
+    fits = _fits_32bit(it, prod(it.shape))
+    threads = max_threads_per_sm(gpu)
+    whole = launch(it, in_itemsize, acc_itemsize, 0, gpu.sm_count, threads)
+    accumulation = _accumulation(it, fits, out_itemsize, acc_itemsize)
+    rows = Rows.of(it)
+    if rows is None:
+        return accumulation, whole.buffer, whole.semaphores, fits
+    counts, found = rows.halved()
+    best = whole
+    for i, count in enumerate(counts):
+        part = launch(rows.part(count), in_itemsize, acc_itemsize, 0, gpu.sm_count, threads)
+        better = negate(fits) & ((i == 0) | (part.buffer > best.buffer))
+        best = Launch(where(better, part.buffer, best.buffer),
+                      where(better, part.semaphores, best.semaphores))
+    return accumulation, best.buffer, best.semaphores, fits | found
 
 
 class Reduction(NamedTuple):
@@ -399,40 +481,91 @@ def reduced(name: str, shape: tuple, dtype: str, role: Role, d: Dims, source: tu
         from memcalc.engine.symbolic import apply  # numpy: not on the CLI's path
 
         bound = _bound_of(ITEMSIZE[source_dtype or dtype])
-        sizes = [apply(_part_of(kernel, i), source, bound) for i in range(3)]
+        sizes = [apply(Part(kernel, i), source, bound) for i in range(3)]
         scratch = Scratch(sizes[0], (Launch(sizes[1], sizes[2]),))
     else:
         scratch = _scratch(kernel, tuple(source))
     return [new(name, shape, dtype, role, op), *scratch_events(name, scratch, op)]
 
 
-@lru_cache(maxsize=1 << 17)  # a grid's configurations, read once per part (``_part``);
-def _scratch(kernel: tuple, source: tuple) -> Scratch:  # emptied after it (``forget``)
+@lru_cache(maxsize=1 << 12)
+def _scratch(kernel: tuple, source: tuple) -> Scratch:
     dims, in_size, out_size, acc_size, gpu = kernel
     return reduction_scratch(source, contiguous_strides(source), dims, in_size, out_size,
                              acc_size, 0, gpu)
 
 
 def forget() -> None:
-    """Empty the per-configuration cache a grid filled: a hundred thousand entries kept
-    make every later garbage collection of the process slow."""
+    """Let go of what a grid left behind: its last arrays and the per-size cache."""
     _scratch.cache_clear()
+    _LAST_GRID[:] = [None, None]
 
 
-def _part(kernel: tuple, which: int, *source: int) -> int:
-    """The accumulation buffer (0), or the largest launch's buffer (1) or semaphores (2)."""
-    scratch = _scratch(kernel, source)
-    if which == 0:
-        return scratch.accumulation
-    largest = max(scratch.launches, key=lambda part: part.buffer, default=Launch(0, 0))
-    return largest.buffer if which == 1 else largest.semaphores
+class Part(NamedTuple):
+    """One figure of a reduction's scratch as a function of its input's sizes: the
+    accumulation buffer (``which`` 0), or the largest launch's buffer (1) or semaphores (2).
+    A placeholder's identity (``memcalc.engine.symbolic.apply``): equal reductions (naive's
+    three row sums) are one expression, evaluated once per grid."""
+
+    kernel: tuple
+    which: int
+
+    def __call__(self, *source: int) -> int:
+        scratch = _scratch(self.kernel, source)
+        if self.which == 0:
+            return scratch.accumulation
+        largest = max(scratch.launches, key=lambda part: part.buffer, default=Launch(0, 0))
+        return largest.buffer if self.which == 1 else largest.semaphores
+
+    def over_arrays(self, *source):
+        """The figure for every configuration of a grid (``source``: ints or int64 arrays of
+        one length), in closed form (``largest_launch``) where it can be."""
+        return _grid_scratch(self.kernel, source)[self.which]
 
 
-@lru_cache(maxsize=None)
-def _part_of(kernel: tuple, which: int):
-    """One function object per kernel and part: placeholders of equal reductions (naive's
-    three row sums) are then one expression, evaluated once per configuration."""
-    return partial(_part, kernel, which)
+_LAST_GRID: list = [None, None]  # (kernel, sources) and their figures: the three parts
+
+
+def _grid_scratch(kernel: tuple, sources: tuple) -> tuple:
+    """``Part``'s three figures over a grid, computed once for the three placeholders that
+    read them (they are evaluated one after another, on the same arrays)."""
+    key = (kernel, tuple(map(id, sources)))
+    if _LAST_GRID[0] is None or _LAST_GRID[0][0] != key:
+        _LAST_GRID[:] = [(key, sources), _grid_figures(kernel, sources)]
+    return _LAST_GRID[1]
+
+
+def _grid_figures(kernel: tuple, sources: tuple):
+    """(3, n) int64: each configuration's accumulation, buffer and semaphores. The inputs
+    are grouped by which of the products before, in and after the reduced run are 1 (the
+    iterator's layout, ``run_iter``); each group is one call of ``largest_launch`` on its
+    arrays. Configurations that call for the general split, and inputs of 2^55 elements or
+    more, are computed one by one."""
+    import numpy as np
+
+    dims, in_size, out_size, acc_size, gpu = kernel
+    n = max(np.size(x) for x in sources)
+    arrays = [np.broadcast_to(np.asarray(x), (n,)) for x in sources]
+    out = np.zeros((3, n), dtype=np.int64)
+    run = _run(dims, len(sources))
+    bound = prod(int(a.max()) for a in arrays)
+    one_by_one = np.ones(n, dtype=bool)
+    if run is not None and bound < 1 << 55:
+        arrays = [a.astype(np.int64) for a in arrays]
+        start, stop = run
+        ones = np.ones(n, dtype=np.int64)
+        outer, reduced, inner = (prod(arrays[i:j], start=ones)
+                                 for i, j in ((0, start), (start, stop), (stop, len(arrays))))
+        layout = (reduced > 1) * 4 + (inner > 1) * 2 + (outer > 1)
+        for code in np.unique(layout):
+            at = np.flatnonzero(layout == code)
+            it = run_iter(outer[at], reduced[at], inner[at], in_size, out_size)
+            *figures, exact = largest_launch(it, in_size, out_size, acc_size, gpu)
+            out[:, at] = np.broadcast_arrays(*figures, at)[:3]
+            one_by_one[at] = ~np.broadcast_to(exact, at.shape)
+    for i in np.flatnonzero(one_by_one):
+        out[:, i] = [Part(kernel, w)(*(int(a[i]) for a in arrays)) for w in range(3)]
+    return out
 
 
 @lru_cache(maxsize=None)

@@ -26,8 +26,10 @@ def instantiate(cls, spec: str):
     """``cls()`` built on the meta device (its parameters and buffers never materialize)."""
     import torch
 
+    from memcalc.tracing.deferred import deferred
+
     try:
-        with torch.device("meta"):
+        with deferred(), torch.device("meta"):
             return cls()
     except Exception as error:  # noqa: BLE001 - the user's constructor may raise anything
         raise TraceError(f"--trace {spec}: {cls.__name__}() failed on the meta device: "

@@ -41,6 +41,7 @@ from memcalc.impls.reductions import Reduction, accumulator_bytes
 from memcalc.impls.device import Gpu, gpu_of
 from memcalc.tracing import interrupt
 from memcalc.tracing.collectives import Collectives
+from memcalc.tracing.deferred import deferred
 from memcalc.tracing.fsdp_copies import COPIES as FSDP_COPIES
 from memcalc.tracing.optimizers import Loop
 from memcalc.tracing.protocol import Measured, make_inputs, run_protocol
@@ -711,7 +712,7 @@ def run_traced(config: Config, fn: Callable, tracer: Tracer, probe: TracerProbe,
     is called with, in order (``q, k, v`` by default); ``loop``: the training loop's
     optimizer and micro-steps, if any."""
     proto = config.protocol
-    with tracer, function_modes(tracer), loop.running():
+    with deferred(), tracer, function_modes(tracer), loop.running():
         for name, t, role in state:  # a DTensor's: its local shard's shape
             tracer.adopt(t, component(name, role, "resident", tuple(local(t).shape),
                                       str(t.dtype).removeprefix("torch."), 0), located=False)
@@ -743,7 +744,7 @@ def output_of(config: Config, fn: Callable, tracer: Tracer,
     """``(shape, dtype name)`` of what ``fn`` returns for ``inputs``, from one forward under
     ``no_grad`` on the meta device, along ``tracer``'s code paths (a scratch tracer: what
     it records is not read)."""
-    with tracer, function_modes(tracer):
+    with deferred(), tracer, function_modes(tracer):
         made = make_inputs(torch, config.dims.replace(forward_only=True), "meta", inputs)
         with torch.no_grad():
             out = fn(*made.leaves)
