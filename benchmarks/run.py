@@ -9,9 +9,12 @@
    trace`` of the SDPA example against ``python -c "import torch"`` (``bench_startup``).
 6. The engine's long cases (``bench_engine``): chunked programs at N = 1e4..1e6, their OOM
    solve under a time limit, ``compare`` against ``breakdown``, a 1e6 grid and sweep to 16M.
+7. The figures memcalc holds itself to, each against its bound (``targets``), written to
+   ``benchmarks/results.json``; ``--readme`` renders the README's table from that file.
 
-Run from the repository root: ``python benchmarks/run.py`` (under three minutes on 2 cores;
-``--quick`` for smaller sweep grids).
+Run from the repository root: ``python benchmarks/run.py`` (about eight minutes on 2 cores;
+``--quick`` for smaller sweep grids; ``--targets`` for the bounded figures alone, about two
+minutes, ``--suite`` to add the test suite's time).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_engine  # noqa: E402  (this folder's benchmarks, reused as they are)
 import bench_oom_sweep  # noqa: E402
 import bench_startup  # noqa: E402
+import targets  # noqa: E402
 
 from memcalc.config import Config  # noqa: E402
 from memcalc.impls import impl_names  # noqa: E402
@@ -173,14 +177,32 @@ def summary(latency: float, sweeps: list[float], oom: float | None, emulated: fl
     ])
 
 
+def bench_targets(runs: int, with_suite: bool, readme: bool) -> None:
+    """The bounded figures (``targets``), recorded in ``benchmarks/results.json``."""
+    results = targets.record(targets.measure(runs, with_suite), machine())
+    targets.save(results)
+    print("the figures and their bounds (benchmarks/results.json):")
+    print(targets.report(results))
+    if readme:
+        targets.rewrite_readme(results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sweep grids")
     parser.add_argument("--runs", type=int, default=10, help="CLI start-up runs (default 10)")
+    parser.add_argument("--targets", action="store_true",
+                        help="only the bounded figures, recorded in benchmarks/results.json")
+    parser.add_argument("--suite", action="store_true", help="time the test suite too")
+    parser.add_argument("--readme", action="store_true",
+                        help="render README's performance table from the record")
     args = parser.parse_args()
     start = time.perf_counter()
+    os.chdir(targets.ROOT)
     print(machine())
     print()
+    if args.targets:
+        return bench_targets(max(3, args.runs // 2), args.suite, args.readme)
     latency = bench_breakdown()
     print()
     sweeps = bench_sweeps(args.quick)
@@ -196,6 +218,8 @@ def main() -> None:
     bench_engine_cases(args.quick)
     print()
     print(summary(latency, sweeps, oom, emulated, startup, trace))
+    print()
+    bench_targets(max(3, args.runs // 2), args.suite, args.readme)
     print(f"(total {time.perf_counter() - start:.0f} s)")
 
 

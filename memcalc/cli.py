@@ -19,27 +19,31 @@ from memcalc.options import INTERRUPTED, Parser, UsageError, limits
 
 
 
-def commands() -> dict:
-    """Every module of ``memcalc.commands`` by subcommand name."""
+def command_names() -> list[str]:
+    """The subcommands, one per module of ``memcalc.commands`` (named, not imported)."""
     import memcalc.commands as package
 
-    return {m.name.replace("_", "-"): importlib.import_module(f"{package.__name__}.{m.name}")
-            for m in pkgutil.iter_modules(package.__path__)}
+    return [m.name.replace("_", "-") for m in pkgutil.iter_modules(package.__path__)]
+
+
+def command(name: str):
+    """The module of subcommand ``name``."""
+    return importlib.import_module(f"memcalc.commands.{name.replace('-', '_')}")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``memcalc`` parser with one subparser per module of ``memcalc.commands``; with
-    ``only``, the options of that command alone (the others are listed, not built: building
-    every command's options was a tenth of a command's start-up)."""
+    ``only``, that command's alone is built and the others are named, not imported
+    (importing and building every command was a fifth of a command's start-up)."""
     parser = Parser(prog="memcalc", description="Byte-exact GPU memory of attention steps.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for name, module in commands().items():
-        subparser = sub.add_parser(name, help=module.HELP)
+    for name in command_names():
         if only is None or name == only:
-            module.add_arguments(subparser)
+            module = command(name)
+            module.add_arguments(sub.add_parser(name, help=module.HELP))
+        else:
+            sub.add_parser(name)
     return parser
-
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,9 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser(argv[0] if argv and argv[0] in commands() else None).parse_args(argv)
+        args = build_parser(argv[0] if argv and argv[0] in command_names() else None
+                            ).parse_args(argv)
         with limits(args):
-            return commands()[args.command].run(args)
+            return command(args.command).run(args)
     except TimeUp:
         print(f"memcalc: error: --time-limit: {args.command} ran past {args.time_limit:g} s "
               f"and stopped; raise the limit to let it finish", file=sys.stderr)
@@ -102,8 +107,8 @@ def suggest_option(message: str, argv: list[str]) -> str:
                   if argv[0].split("=")[0] in sub._option_string_actions]
         return (f"{argv[0]}: options follow a command (memcalc COMMAND {argv[0]} ...)"
                 + (f"; {argv[0]} is an option of {_listed(takers)}" if takers else ""))
-    if "invalid choice:" in message and argv and argv[0] not in commands():
-        return message + did_you_mean(argv[0], list(commands()))
+    if "invalid choice:" in message and argv and argv[0] not in command_names():
+        return message + did_you_mean(argv[0], command_names())
     return message
 
 

@@ -3,6 +3,7 @@
 import math
 import os
 import sys
+from functools import cache
 
 from memcalc.options import (check_output, emit, format_options, impl_option, input_options,
                              naming, shape_options)
@@ -116,7 +117,7 @@ def run(args) -> int:
 
     from memcalc.names import impl_list
 
-    check_target_options(args, DEFAULTS)
+    check_target_options(args, _defaults())
     if args.out and not (os.path.isdir(args.out) or args.out.endswith("/")):
         check_output(args.out, "--out")
     if args.trace is not None:
@@ -147,6 +148,7 @@ def run(args) -> int:
 
 
 
+@cache
 def _defaults() -> dict:
     """The parser's defaults of the target's options (what "not given" is)."""
     import argparse
@@ -155,8 +157,6 @@ def _defaults() -> dict:
     add_arguments(parser)
     return {dest: parser.get_default(dest) for dest in TARGET_OPTIONS}
 
-
-DEFAULTS = _defaults()
 
 
 def _run_target(args) -> int:
