@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from memcalc.engine.allocator import KiB
 from memcalc.engine.dims import Dims
 from memcalc.gpus import GPU, gpu_preset
-from memcalc.impls import IMPLS, canonical, get_impl
-from memcalc.impls.ring import refusal
+from memcalc.impls import canonical, get_impl, registered
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -197,7 +196,8 @@ class Config(BaseModel):
     def _check_mask_read(self) -> "Config":
         kind = self.mask.split(":")[0]
         if self.mask != "none" and kind not in get_impl(self.impl).masks:
-            readers = "; ".join(f"{n}: {', '.join(i.masks)}" for n, i in IMPLS.items() if i.masks)
+            readers = "; ".join(f"{n}: {', '.join(i.masks)}" for n, i in registered().items()
+                                if i.masks)
             raise ValueError(f"mask: {self.impl} takes no {kind} mask; the masks each reads: "
                              f"{readers} (--causal masks the others)")
         return self
@@ -221,6 +221,10 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _check_cp(self) -> "Config":
+        if self.cp == 1:
+            return self
+        from memcalc.impls.ring import refusal  # the SDPA kernels' modules: not at start-up
+
         refused = refusal(self.impl, get_impl(self.impl).user_code, self.cp, self.cp_method,
                           self.causal, self.shape, self.tp)
         if refused:

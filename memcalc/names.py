@@ -34,11 +34,13 @@ def impl_choices() -> list[str]:
 
 def check_impl(name: str, field: str = "--impl") -> str:
     """``name`` if it is an implementation; a ValueError with a suggestion otherwise."""
-    from memcalc.impls import canonical, impl_names
+    from memcalc.impls import canonical, get_impl
 
     name = canonical(name)
-    if name not in impl_names():
-        raise unknown(field, name, impl_choices(), "implementation", "memcalc impls")
+    try:
+        get_impl(name)  # loads the modules it needs, or all of them to say it is unknown
+    except ValueError:
+        raise unknown(field, name, impl_choices(), "implementation", "memcalc impls") from None
     return name
 
 

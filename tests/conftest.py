@@ -17,7 +17,7 @@ def registry_restored():
     """Every test leaves the registry as it found it: a function a test traces (as
     ``memcalc trace`` registers it) is gone after it, so that a test over every
     implementation does not depend on which tests ran before."""
-    before = set(IMPLS)
+    before = set(impl_names())  # every module loaded: only the test's own are removed
     yield
     for name in set(IMPLS) - before:
         IMPLS.pop(name)

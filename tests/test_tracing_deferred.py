@@ -60,6 +60,7 @@ def test_asked_for_more_a_stand_in_becomes_the_real_module():
     assert stand_in.dumps([1]) == "[1]"  # its own name, now the real one's
 
 
+@pytest.mark.filterwarnings("ignore:guard_size_oblivious will be removed:FutureWarning")
 @pytest.mark.parametrize("name, values", [
     ("expect_true", [True, False]), ("guard_or_false", [True, False]),
     ("guard_or_true", [True, False]), ("statically_known_true", [True, False]),

@@ -28,8 +28,11 @@ later (``memcalc trace``) are not. Implementations without marks: the recomputat
 
 from __future__ import annotations
 
+from memcalc.impls import load_before
 from memcalc.impls.registry import IMPLS, Impl, register
 from memcalc.engine.program import (FIRST_UNPACK, LAST_SAVE, Dims, Event, Free, Mark, Program, Release, Role, Tensor, free)
+
+load_before("checkpoint")  # the implementations it wraps
 
 # traced implementations this wrapper cannot describe, and why
 UNSUPPORTED = {

@@ -36,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcalc.engine.program import Dims, Release, Role, free, release
-from memcalc.impls import sdpa_cudnn, sdpa_efficient, sdpa_flash
 from memcalc.impls.accepted import context_parallel
 from memcalc.impls.frame import Frame, prefixed, roled
 from memcalc.impls.device import gpu_of
@@ -148,6 +147,8 @@ def kernel_forward_events(kernel: str, d: Dims) -> tuple[list, tuple[str, ...]]:
     offset on the device (the efficient kernel's are CPU scalars without dropout). Under
     context parallelism the logsumexp is always made (``compute_log_sumexp`` forced on:
     ``_scaled_dot_product_ring_efficient_attention``, ``..._cudnn_attention``)."""
+    from memcalc.impls import sdpa_cudnn, sdpa_efficient, sdpa_flash  # not at start-up
+
     if kernel == "sdpa-cudnn":
         return sdpa_cudnn.forward(d, True, sdpa_cudnn.Workspace())[:-1], ("seed", "offset")
     if kernel == "sdpa-efficient":
@@ -160,6 +161,8 @@ def kernel_backward_events(ring: Ring, d: Dims, rows: int) -> list:
     the step's grad, (B, H, n, D)-contiguous or their second chunks: flash copies their
     transposes unless contiguous; cuDNN copies the grad to the output's strides when they
     differ (the stride-0 expand of ``loss="sum"``)."""
+    from memcalc.impls import sdpa_cudnn, sdpa_efficient, sdpa_flash
+
     copy = d.loss == "sum" or not transposed_contiguous(ring.d, rows)
     if ring.kernel == "sdpa-cudnn":
         events = sdpa_cudnn.backward(d, d.loss == "sum", sdpa_cudnn.Workspace())

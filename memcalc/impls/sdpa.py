@@ -15,9 +15,12 @@ from functools import lru_cache
 
 from memcalc.engine.dims import Dims
 from memcalc.engine.program import ITEMSIZE, Program
+from memcalc.impls import load_before
 from memcalc.impls.registry import IMPLS, register
 from memcalc.impls.sdpa_select import (CUDNN, EFFICIENT, FLASH, MATH, Call, Choice, Release,
                                        select)
+
+load_before("sdpa")  # the kernels it picks among
 
 BACKENDS = {FLASH: "sdpa-flash", EFFICIENT: "sdpa-efficient", CUDNN: "sdpa-cudnn",
             MATH: "sdpa-math"}

@@ -24,16 +24,16 @@ def caveats(impls, kernels=()) -> list[str]:
     """One line on the figures that rest on models not checked against a GPU: kernels read
     from PyTorch's CUDA sources (``Impl.traced`` False, or the fused SDPA ``kernels`` a
     trace ran) and the allocator model."""
-    from memcalc.impls import IMPLS, get_impl
+    from memcalc.impls import get_impl, registered
 
     derived: dict[str, list[str]] = {}  # by the sources each model is read from
     for name in dict.fromkeys(impls):
         if not _traced(get_impl, name):
             derived.setdefault(get_impl(name).source, []).append(name)
     for k in kernels:  # a fused SDPA backend, or a package's kernel memcalc models
-        if k in IMPLS:  # a package's kernel, or FlexAttention's
+        if k in registered():  # a package's kernel, or FlexAttention's
             call = "flex_attention" if k == "flex" else "flash_attn_func"
-            derived.setdefault(IMPLS[k].source, []).append(f"{k}'s {call}")
+            derived.setdefault(get_impl(k).source, []).append(f"{k}'s {call}")
         else:
             derived.setdefault(PYTORCH, []).append(f"scaled_dot_product_attention's {k} backend")
     parts = [f"{', '.join(names)} modelled from {source}, not traced"

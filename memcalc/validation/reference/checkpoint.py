@@ -10,7 +10,7 @@ import pkgutil
 
 from torch.utils.checkpoint import checkpoint
 
-from memcalc.impls import IMPLS, impl_names
+from memcalc.impls import impl_names
 from memcalc.impls.checkpoint import PREFIX
 from memcalc.validation import reference as package
 from memcalc.validation.reference import REFERENCES, reference
@@ -34,7 +34,7 @@ def _register_all() -> None:
         if module.name != __name__.rsplit(".", 1)[1]:
             importlib.import_module(f"{package.__name__}.{module.name}")
     impl_names()  # load the registry, wrappers included
-    for name in [n for n in IMPLS if n.startswith(PREFIX)]:
+    for name in [n for n in impl_names() if n.startswith(PREFIX)]:
         inner = name.removeprefix(PREFIX)
         if inner in REFERENCES:
             reference(name)(checkpointed(REFERENCES[inner]))
