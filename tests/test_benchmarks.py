@@ -44,3 +44,18 @@ def test_the_startup_benchmark_measures_the_trace(capsys):
     text = bench_startup.report(result, "Trace")
     assert text.startswith("Trace, median of 1 fresh processes each:")
     assert "floor: import torch " in text and result["factor"] > 0
+
+
+def test_the_readmes_performance_table_is_the_record():
+    """README's table is ``targets.render`` of ``benchmarks/results.json``, as ``run.py
+    --targets --readme`` writes it; every bounded figure recorded is within its bound."""
+    import json
+
+    targets = pytest.importorskip("targets")
+    results = json.loads(targets.RESULTS.read_text())
+    readme = (targets.ROOT / "README.md").read_text()
+    table = readme.split(targets.README_START)[1].split(targets.README_END)[0]
+    assert table.strip() == targets.render(results).strip()
+    assert {k for k, *_ in targets.FIGURES} <= set(results["figures"])
+    over = [k for k, f in results["figures"].items() if f["bound"] and f["value"] > f["bound"]]
+    assert over == []
