@@ -136,12 +136,16 @@ README_START = "<!-- benchmarks/results.json (python benchmarks/run.py --targets
 README_END = "<!-- end of benchmarks/results.json -->"
 
 
-def rewrite_readme(results: dict, readme: Path = ROOT / "README.md") -> None:
-    """Replace the README's table between the markers with ``render(results)``."""
-    text = readme.read_text()
-    head, rest = text.split(README_START)
-    _, tail = rest.split(README_END)
-    readme.write_text(f"{head}{README_START}\n{render(results)}\n{README_END}{tail}")
+PAGES = (ROOT / "README.md", ROOT / "docs" / "performance.md")
+"""Where the table is shown: the README and the documentation's performance page."""
+
+
+def rewrite_readme(results: dict) -> None:
+    """Replace the table between the markers of each of ``PAGES`` with ``render(results)``."""
+    for page in PAGES:
+        head, rest = page.read_text().split(README_START)
+        _, tail = rest.split(README_END)
+        page.write_text(f"{head}{README_START}\n{render(results)}\n{README_END}{tail}")
 
 
 def save(results: dict) -> None:

@@ -90,8 +90,8 @@ def _kw(name: str, default=None) -> inspect.Parameter:
 def make_config(**options):
     """The ``Config`` for these options, validated (``memcalc.config.make_config``).
 
-    >>> memcalc.make_config(seq_len=4096, dtype="bf16").shape.seq_len
-    4096
+        >>> memcalc.make_config(seq_len=4096, dtype="bf16").shape.seq_len
+        4096
     """
     from memcalc.config import make_config as make
 
@@ -105,11 +105,11 @@ def breakdown(**options):
     (default 512 MiB), a budget it shows and serializes as ``memcalc breakdown`` does.
     ``seq`` is accepted for ``seq_len``, as on the command line.
 
-    >>> b = memcalc.breakdown(impl="naive", seq_len=16384)
-    >>> b.saved_bytes  # exp_x and p (2 x 8 x 16384^2 x 4 B), row sum and int64 argmax
-    17181442048
-    >>> [c.name for c in b.components][:2]
-    ['exp_x', 'dp']
+        >>> b = memcalc.breakdown(impl="naive", seq_len=16384)
+        >>> b.saved_bytes  # exp_x and p (2 x 8 x 16384^2 x 4 B), row sum and int64 argmax
+        17181442048
+        >>> [c.name for c in b.components][:2]
+        ['exp_x', 'dp']
     """
     from memcalc.analysis.predict import predict
 
@@ -210,10 +210,10 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_l
     (Ctrl-C, a notebook's stop button), it raises a ``KeyboardInterrupt`` whose ``report``
     holds what was solved and what the interrupted search knew.
 
-    >>> report = memcalc.oom(gpu_gb=80, impls=["naive"])
-    >>> r = report.results[0]
-    >>> (r.max_value, r.at_max.fits, r.at_next.fits)  # fits at N, not at N + 1
-    (19511, True, False)
+        >>> report = memcalc.oom(gpu_gb=80, impls=["naive"])
+        >>> r = report.results[0]
+        >>> (r.max_value, r.at_max.fits, r.at_next.fits)  # fits at N, not at N + 1
+        (19511, True, False)
     """
     from memcalc.config import first_accepted
     from memcalc.names import solve_field
@@ -250,9 +250,9 @@ def sweep(*, seq_lens=None, head_dims=(), batches=(),
     ranks: the busiest rank's figures); the other options (``heads=4``, ``batch=2``,
     ``seq_len=1024``, ...) fix the rest.
 
-    >>> table = memcalc.sweep(seq_lens=(8192, 16384))
-    >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
-    51658620928
+        >>> table = memcalc.sweep(seq_lens=(8192, 16384))
+        >>> table.rows[1].peak_bytes  # 6 x 8 x 16384^2 x 4 + rows + 2 workspaces + 7 (8, N, 16)
+        51658620928
     """
     from memcalc.config import first_accepted
     from memcalc.analysis.scaling import sweep as run
@@ -281,9 +281,9 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
     """Every implementation side by side against ``baseline`` (default naive, or the first
     with figures for the options when naive is not compared or has none): a ``Comparison``.
 
-    >>> rows = memcalc.compare(seq_len=4096, impls=["naive", "naive-softmax"]).rows
-    >>> [(r.impl, r.breakdown.saved_bytes) for r in rows]  # 8 x 4096^2 x 4 B = 536,870,912
-    [('naive', 1074135040), ('naive-softmax', 536870912)]
+        >>> rows = memcalc.compare(seq_len=4096, impls=["naive", "naive-softmax"]).rows
+        >>> [(r.impl, r.breakdown.saved_bytes) for r in rows]  # 8 x 4096^2 x 4 B = 536,870,912
+        [('naive', 1074135040), ('naive-softmax', 536870912)]
 
     (naive: ``exp_x`` and ``p``, plus the row sum 8 x 4096 x 4 B and the int64 argmax
     8 x 4096 x 8 B: 2 x 536,870,912 + 131,072 + 262,144.)
@@ -325,11 +325,11 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     ``causal`` or ``is_causal`` argument (refused when it takes neither); ``gpu_gb``,
     ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
 
-    >>> import math, torch
-    >>> def attn(q, k, v):
-    ...     return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), -1) @ v
-    >>> memcalc.trace(attn, seq_len=1024, batch=1).saved_bytes  # p: 1024 x 1024 x 4 B
-    4194304
+        >>> import math, torch
+        >>> def attn(q, k, v):
+        ...     return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), -1) @ v
+        >>> memcalc.trace(attn, seq_len=1024, batch=1).saved_bytes  # p: 1024 x 1024 x 4 B
+        4194304
     """
     from memcalc.engine.inputs import inputs_of
     from memcalc.names import autocast_dtype, torch_dtype
@@ -377,9 +377,9 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
 def validate(backend: str = "emulated", impls: list[str] | None = None, grid=None):
     """Check predictions against the emulated trace or a live GPU: a ``Report``.
 
-    >>> report = memcalc.validate(impls=["naive-weights"])
-    >>> report.mismatches
-    0
+        >>> report = memcalc.validate(impls=["naive-weights"])
+        >>> report.mismatches
+        0
     """
     _needs_torch("memcalc.validate")
     from memcalc.validation import validate as run

@@ -31,3 +31,21 @@ def test_another_builder_under_the_same_name_gets_its_own_program(monkeypatch):
     naive = get_impl("naive")
     other = dataclasses.replace(naive, build=lambda dims: naive.build(dims.replace(N=dims.N // 2)))
     assert other.program(d) != naive.program(d)
+
+
+def test_the_order_of_the_names_does_not_depend_on_what_loaded_first():
+    """Implementation modules load when first needed; a module imported out of turn (the
+    tracer imports cuDNN's, a command names FlexAttention) leaves every list of names in
+    ``MODULES``' order, as a process that loads them all at once has it."""
+    import subprocess
+    import sys
+
+    code = ("import {first}\nfrom memcalc.impls import impl_names\nprint(impl_names())")
+    orders = {first: subprocess.run([sys.executable, "-c", code.format(first=first)],
+                                    capture_output=True, text=True, check=True).stdout
+              for first in ("memcalc.impls", "memcalc.impls.flex", "memcalc.impls.sdpa_cudnn",
+                            "memcalc.impls.sdpa_efficient")}
+    assert len(set(orders.values())) == 1, orders
+    names = eval(orders["memcalc.impls"])  # noqa: S307 - a list of names this test printed
+    assert names.index("sdpa-flash") < names.index("sdpa-efficient") < names.index("sdpa")
+    assert names[-1].startswith("checkpoint-")

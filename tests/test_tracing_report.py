@@ -13,8 +13,7 @@ from memcalc.tracing import register_function, trace, traced  # noqa: E402
 from memcalc.tracing.report import Traced  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3 (SXM)"  # the default GPU's label
-FIRST = (f"traced as on {H100}: CUDA code paths emulated (memcalc README, 'Your own "
-         "attention code')")
+FIRST = f"traced as on {H100}: CUDA code paths emulated (memcalc's docs, docs/guides/trace.md)"
 
 
 def mul(q, k, v):

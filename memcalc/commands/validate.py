@@ -104,8 +104,8 @@ def check_cases(kinds: tuple[str, ...] | None, live: bool) -> None:
         if live and kind not in CASE_KINDS:
             raise ValueError(f"--cases {kind}: context parallelism runs live on several GPUs: "
                              f"torchrun --nproc-per-node P validation/cp_live.py, or rank "
-                             f"after rank on one: python validation/cp_one_gpu.py (the README, "
-                             f"'Several GPUs'); emulated here without --backend cuda")
+                             f"after rank on one: python validation/cp_one_gpu.py "
+                             f"(docs/guides/several-gpus.md); emulated here without --backend cuda")
         if not live and kind not in EMULATED_KINDS:
             raise ValueError(f"--cases {kind}: a live case (--backend cuda); emulated runs "
                              f"{' and '.join(EMULATED_KINDS)}")

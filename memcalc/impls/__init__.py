@@ -16,7 +16,7 @@ import importlib
 
 from memcalc.impls.registry import IMPLS, Impl, register  # noqa: F401
 
-MODULES = ("flash2", "linear", "naive", "sdpa_efficient", "sdpa_flash", "sdpa_math",
+MODULES = ("flash2", "linear", "naive", "sdpa_flash", "sdpa_efficient", "sdpa_math",
            "sdpa_cudnn",
            "sdpa",  # the kernel torch picks, of those above
            "flash_attn", "flash_attn3", "flex",  # packages, FlexAttention

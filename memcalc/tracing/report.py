@@ -25,8 +25,8 @@ class Traced(Result):
     grad_accum: int = 1  # forward and backward passes per optimizer step (--grad-accum)
 
     def summary(self) -> str:
-        lines = [f"traced as on {self.gpu}: CUDA code paths emulated (memcalc README, "
-                 "'Your own attention code')" if self.cuda_paths else
+        lines = [f"traced as on {self.gpu}: CUDA code paths emulated (memcalc's docs, "
+                 "docs/guides/trace.md)" if self.cuda_paths else
                  f"traced on the meta device's own code paths (--meta-paths), not the CUDA "
                  f"paths of {self.gpu}"]
         if self.inputs:

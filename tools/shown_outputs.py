@@ -1,0 +1,58 @@
+"""Regenerate every shown output of README.md and the documentation (``docs/``): each fenced
+block whose first line is ``$ COMMAND`` gets COMMAND's output (run with this checkout's
+memcalc), so the pages show what their commands print on this machine. The tests run each
+block and compare (``tests/test_shown_outputs.py``).
+
+    python tools/shown_outputs.py                  # rewrite the pages in place
+    python tools/shown_outputs.py docs/guides/x.md # only these pages
+    python tools/shown_outputs.py --check          # exit 1 if any block differs, naming it
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"```\n\$ (?P<cmd>[^\n]+)\n(?P<out>.*?)```", re.S)
+
+
+def pages() -> list[Path]:
+    """README.md and every Markdown page of ``docs/``."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def blocks(page: Path) -> list[tuple[str, str]]:
+    """``(command, shown output)`` of each ``$ COMMAND`` block of ``page``."""
+    return [(m["cmd"], m["out"]) for m in BLOCK.finditer(page.read_text())]
+
+
+def output(command: str) -> str:
+    """What ``command`` prints (stdout and stderr), ``memcalc`` being this checkout's."""
+    shell = command.replace("memcalc ", f"{sys.executable} -m memcalc.cli ")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("COLUMNS", None)  # as the command says, or the piped width
+    done = subprocess.run(shell, shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
+    text = done.stdout + done.stderr
+    return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
+
+
+def main() -> int:
+    differ = 0
+    named = {(ROOT / a).resolve() for a in sys.argv[1:] if not a.startswith("--")}
+    for page in [p for p in pages() if not named or p.resolve() in named]:
+        old = page.read_text()
+        new = BLOCK.sub(lambda m: f"```\n$ {m['cmd']}\n{output(m['cmd'])}```", old)
+        if new != old:
+            differ += 1
+            print(f"{page.relative_to(ROOT)}: a shown output differs", file=sys.stderr)
+            if "--check" not in sys.argv:
+                page.write_text(new)
+    return int(differ > 0 and "--check" in sys.argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
