@@ -93,7 +93,8 @@ def measure(runs: int = 7, with_suite: bool = False) -> dict:
     values = {"sweep_1m": sweep_1m(), "chunked_1e6": chunked_1e6(runs),
               "trace_autocast": factor(NANOGPT, bench_startup.TORCH_FLOOR, runs),
               "trace_llama": factor(LLAMA, LLAMA_FLOOR, max(3, runs // 2)),
-              "startup": factor(bench_startup.ARGS, bench_startup.FLOOR, 3 * runs)}
+              # 30 pairs at least: the two medians differ by 40 ms, single runs by 10
+              "startup": factor(bench_startup.ARGS, bench_startup.FLOOR, max(30, 6 * runs))}
     if with_suite:
         values["suite"] = suite()
     return values
@@ -101,11 +102,10 @@ def measure(runs: int = 7, with_suite: bool = False) -> dict:
 
 def record(values: dict, machine: str) -> dict:
     """``values`` with the figures' descriptions and bounds, and the machine: what
-    ``results.json`` holds (a figure measured before and not now is kept)."""
-    old = json.loads(RESULTS.read_text())["figures"] if RESULTS.exists() else {}
+    ``results.json`` holds, all measured in one run."""
     figures = {}
     for key, what, unit, bound in FIGURES + [SUITE]:
-        value = values.get(key, old.get(key, {}).get("value"))
+        value = values.get(key)  # the suite's only when timed in this run (--suite)
         if value is not None:
             figures[key] = {"what": what, "value": round(value, 2), "unit": unit,
                             "bound": bound}
