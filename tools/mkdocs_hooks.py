@@ -16,14 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def cli_reference() -> str:
     """``memcalc --help`` and each command's ``--help``, at 100 columns."""
     os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal's width
-    from memcalc.cli import build_parser, command, command_names
+    from memcalc.cli import _subparsers, build_parser, command
 
-    parts = ["```text", build_parser().format_help().rstrip(), "```"]
-    for name in command_names():
-        sub = build_parser(name)._subparsers._group_actions[0].choices[name]
-        parts += ["", f"## memcalc {name}", "", command(name).HELP[:1].upper()
-                  + command(name).HELP[1:] + ".", "", "```text",
-                  sub.format_help().rstrip(), "```"]
+    parser = build_parser()  # every command's options
+    parts = ["```text", parser.format_help().rstrip(), "```"]
+    for name, sub in _subparsers(parser):
+        summary = command(name).HELP
+        parts += ["", f"## memcalc {name}", "", summary[:1].upper() + summary[1:] + ".", "",
+                  "```text", sub.format_help().rstrip(), "```"]
     return "\n".join(parts)
 
 

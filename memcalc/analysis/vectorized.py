@@ -201,10 +201,10 @@ def _product(matrix: np.ndarray, atoms: np.ndarray, floats: np.ndarray | None,
              matrix_f: np.ndarray | None = None) -> np.ndarray:
     """``matrix`` (forms) times ``atoms``: in float64 when that is exact, else in float64
     limbs (``_limb_product``), else int64, or Python integers when the atoms need them."""
-    mf = matrix_f if matrix_f is not None else None
     if floats is not None:
-        return _float_product(mf if mf is not None else matrix.astype(np.float64), floats)
-    limbed = _limb_product(matrix, atoms, mf)
+        return _float_product(matrix.astype(np.float64) if matrix_f is None else matrix_f,
+                              floats)
+    limbed = _limb_product(matrix, atoms, matrix_f)
     if limbed is not None:
         return limbed
     if atoms.dtype == object:

@@ -59,10 +59,17 @@ def registered() -> dict[str, Impl]:
     return IMPLS
 
 
+def _load_for(name: str) -> None:
+    """Load the modules through the one that probably registers ``name``, if any."""
+    module = _module_of(name)
+    if module:
+        load(module)
+
+
 def get_impl(name: str) -> Impl:
     """The implementation called ``name``; a ValueError listing the known ones otherwise."""
-    if name not in IMPLS and isinstance(name, str) and _module_of(name):
-        load(_module_of(name))
+    if name not in IMPLS and isinstance(name, str):
+        _load_for(name)
     if name not in IMPLS and name not in registered():
         from memcalc.errors import did_you_mean
 
@@ -76,10 +83,9 @@ def canonical(name):
     and dtype names are taken in any case too); otherwise as given."""
     if not isinstance(name, str) or name in IMPLS:
         return name
-    if _module_of(name):
-        load(_module_of(name))
-        if name in IMPLS:
-            return name
+    _load_for(name)
+    if name in IMPLS:
+        return name
     return next((known for known in registered() if known.lower() == name.lower()), name)
 
 

@@ -59,16 +59,17 @@ def _why(found) -> str:
 
 def page(folder: Path) -> str:
     """The accuracy page's generated part, Markdown."""
-    return "\n".join(_live_table(folder) + _other_table(folder)) + "\n"
+    live = live_reports(folder)
+    return "\n".join(_live_table(live) + _other_table(folder, {p.name for p, _ in live})) + "\n"
 
 
-def _live_table(folder: Path) -> list[str]:
+def _live_table(live: list[tuple[Path, dict]]) -> list[str]:
     """Cases run and given back per device, torch and kind (the reports of a device and
     release added up), then the cases not given back, alike ones on one line."""
     runs: Counter = Counter()
     equal: Counter = Counter()
     missed: dict[tuple, list[str]] = {}
-    for _, report in live_reports(folder):
+    for _, report in live:
         env = report["environment"]
         kinds, differ = tally(report)
         for kind, n, same in kinds:
@@ -91,11 +92,11 @@ def _live_table(folder: Path) -> list[str]:
     return lines
 
 
-def _other_table(folder: Path) -> list[str]:
-    """The recorded runs in formats of their own, each with the test that gives it back."""
+def _other_table(folder: Path, live: set[str]) -> list[str]:
+    """The recorded runs in formats of their own (not ``live``, the live reports' file
+    names), each with the test that gives it back."""
     lines = ["", "## The other recorded runs", "",
              "| file | what it records | given back by |", "|---|---|---|"]
-    live = {p.name for p, _ in live_reports(folder)}
     for path in sorted(folder.glob("*.json")):
         what = next((v for k, v in OTHERS.items() if path.name.startswith(k)), None)
         if path.name not in live and what:
