@@ -577,11 +577,46 @@ def call_within(mode: TorchFunctionMode, func, types, args, kwargs):
     releases lack it: there the inner calls of such functions stay unseen. A builtin's inner
     calls are C++, below every torch-function mode, and it is called as it is (some, such
     as ``torch._C._set_grad_enabled``, do not take the skip)."""
+    kwargs = kwargs or {}
     redispatch = getattr(torch.overrides, "redispatch_function", None)
     if redispatch is None or not inspect.isfunction(func):
-        return func(*args, **(kwargs or {}))
-    with mode:
-        return redispatch(func, types, args, kwargs or {})
+        return func(*args, **kwargs)
+    if _reentered(func, args):
+        return _c_method(func, args, kwargs)
+    _REDISPATCHED.append((func, _first(args)))
+    try:
+        with mode:
+            return redispatch(func, types, args, kwargs)
+    finally:
+        _REDISPATCHED.pop()
+
+
+# (function, its first argument) of each Python torch function running under call_within,
+# innermost last
+_REDISPATCHED: list[tuple] = []
+
+
+def _first(args):
+    return args[0] if args else None
+
+
+def _reentered(func, args) -> bool:
+    """Whether this call is the C++ method under a Python ``Tensor`` method asking the modes
+    again: ``Tensor.unflatten`` (``torch/_tensor.py``) checks for torch functions, then calls
+    ``super().unflatten``, whose C++ check names the Python method again
+    (``torch/csrc/utils/python_arg_parser.cpp`` looks the override up on ``torch.Tensor``);
+    redispatched again it would recurse without end (``nn.MultiheadAttention``'s
+    ``unflatten``)."""
+    return bool(_REDISPATCHED) and _REDISPATCHED[-1][0] is func and \
+        _REDISPATCHED[-1][1] is _first(args)
+
+
+def _c_method(func, args, kwargs):
+    """The re-entered call run below every torch-function mode: it is the C++ op itself,
+    whose work the dispatch modes (the tracer) still see, and the modes have already
+    handled it once under its Python name."""
+    with torch._C.DisableTorchFunction():
+        return func(*args, **kwargs)
 
 
 class TracerProbe:
