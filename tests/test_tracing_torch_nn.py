@@ -10,6 +10,7 @@ with its loss and AdamW, traced and solved (``examples/torch_nn/mha_lm.py``)."""
 
 import contextlib
 import json
+import runpy
 import traceback
 from pathlib import Path
 
@@ -260,8 +261,11 @@ def test_a_multihead_attention_model_is_solved(capsys):
     n = json.loads(out)["results"][0]["max_seq_len"]
     assert n is not None
 
+    model = runpy.run_path(str(EXAMPLE))["MhaLM"]
+
     def fits(seq: int) -> bool:
-        return memcalc.trace(f"{EXAMPLE}:MhaLM", seq=seq, batch=4, optimizer="adamw",
-                             inputs=["idx=B,N:int64", "targets=B,N:int64"], gpu_gb=16).fits
+        return memcalc.trace(model, seq_len=seq, batch=4, optimizer="adamw", gpu_gb=16,
+                             inputs={"idx": ("B", "N", "int64"),
+                                     "targets": ("B", "N", "int64")}).fits
 
     assert fits(n) and not fits(n + 1)
