@@ -21,6 +21,7 @@ import inspect
 import linecache
 import os
 import sys
+import threading
 import weakref
 from contextlib import contextmanager
 from typing import Callable
@@ -583,17 +584,24 @@ def call_within(mode: TorchFunctionMode, func, types, args, kwargs):
         return func(*args, **kwargs)
     if _reentered(func, args):
         return _c_method(func, args, kwargs)
-    _REDISPATCHED.append((func, _first(args)))
+    running = _redispatched()
+    running.append((func, _first(args)))
     try:
         with mode:
             return redispatch(func, types, args, kwargs)
     finally:
-        _REDISPATCHED.pop()
+        running.pop()
 
 
-# (function, its first argument) of each Python torch function running under call_within,
-# innermost last
-_REDISPATCHED: list[tuple] = []
+_THREAD = threading.local()
+
+
+def _redispatched() -> list[tuple]:
+    """``(function, its first argument)`` of each Python torch function this thread runs
+    under ``call_within``, innermost last."""
+    if not hasattr(_THREAD, "running"):
+        _THREAD.running = []
+    return _THREAD.running
 
 
 def _first(args):
@@ -607,8 +615,8 @@ def _reentered(func, args) -> bool:
     (``torch/csrc/utils/python_arg_parser.cpp`` looks the override up on ``torch.Tensor``);
     redispatched again it would recurse without end (``nn.MultiheadAttention``'s
     ``unflatten``)."""
-    return bool(_REDISPATCHED) and _REDISPATCHED[-1][0] is func and \
-        _REDISPATCHED[-1][1] is _first(args)
+    running = _redispatched()
+    return bool(running) and running[-1][0] is func and running[-1][1] is _first(args)
 
 
 def _c_method(func, args, kwargs):
