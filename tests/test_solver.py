@@ -75,6 +75,35 @@ def test_time_limit():
         max_fitting(Config(impl="naive"), GIB80, time_limit=1e-9)
 
 
+def test_a_work_limit_stops_a_search_where_it_would_on_any_machine(monkeypatch):
+    """The work limit counts replayed events, not seconds: the chunked loop in 268,435,456 B
+    from 1,024 rows stops with the same bounds whether the clock runs as it does or an
+    hour per reading (a machine thousands of times slower, or loaded): fits at 8,933, the
+    estimate 21,773 not replayed, at most 29,502 (the ceiling of the test below)."""
+    import time
+
+    config, budget = Config(impl="linear-causal-chunked"), 268_435_456
+
+    def stopped() -> str:
+        with pytest.raises(Unsolved) as caught:
+            max_fitting(config, budget, start=1024, work_limit=100_000)
+        return str(caught.value)
+
+    here = stopped()
+    clock = iter(range(0, 10**9, 3600))
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    assert stopped() == here == (
+        "no exact answer within the work limit of 100,000 events (fits at 8,933; the "
+        "closed-form estimate, not replayed: 21,773; at most 29,502, past which the tensors "
+        "alive at the peak alone exceed the budget)")
+
+
+def test_a_work_limit_that_is_enough_finds_the_answer_without_one():
+    """The search a work limit plans (4x steps up to a far estimate) ends where the
+    unlimited one does when the work is enough: naive at 80 GiB, 19,511."""
+    assert max_fitting(Config(impl="naive"), GIB80, work_limit=10**6).max_value == 19511
+
+
 def test_time_limit_names_the_estimate_it_could_not_replay():
     """The chunked loop at 80 GiB: the estimate (millions of rows) is known within a
     second, its replay would take minutes, so it is not started; the time left steps up
