@@ -12,6 +12,8 @@ import inspect
 import operator
 from typing import Callable, Sequence
 
+from memcalc.engine.deadline import DEFAULT_WORK_LIMIT
+
 
 # other spellings of make_config's keywords that are accepted as they are (the CLI's
 # ``--seq`` is ``seq``; the usual names from model configs)
@@ -199,14 +201,16 @@ def _impl_names() -> list[str]:
 
 
 @_signature(_kw("gpu_gb"), _kw("reserve"), _kw("impls"), _kw("solve", "seq_len"),
-            _kw("time_limit", 60.0))
-def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_limit=60.0,
-        **options):
+            _kw("work_limit", DEFAULT_WORK_LIMIT), _kw("time_limit"))
+def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len",
+        work_limit=DEFAULT_WORK_LIMIT, time_limit=None, **options):
     """The largest seq_len (or ``solve="batch"``, ``"head_dim"``) whose step fits, per
-    implementation: an ``OomReport``. ``time_limit``: seconds per implementation, as
-    ``memcalc oom --time-limit`` (None: none); a chunked loop's search past it is listed
-    under ``unsolved`` with the bounds it found (its replays take seconds per million
-    rows). Interrupted
+    implementation: an ``OomReport``. ``work_limit``: allocator events replayed per
+    implementation, as ``memcalc oom --work-limit`` (the same answer on any machine);
+    ``time_limit``: seconds per implementation as well, as ``--time-limit`` (None: none;
+    the answer then depends on the machine's load). A chunked loop's search past either
+    is listed under ``unsolved`` with the bounds it found (its replays take seconds per
+    million rows). Interrupted
     (Ctrl-C, a notebook's stop button), it raises a ``KeyboardInterrupt`` whose ``report``
     holds what was solved and what the interrupted search knew.
 
@@ -223,7 +227,8 @@ def oom(*, gpu_gb=None, reserve=None, impls=None, solve: str = "seq_len", time_l
     options = _options("oom", options)
     impls = _one_or_many("oom", impls, options)
     config = first_accepted(impls, **options)
-    return run(config, _budget(config, gpu_gb, reserve), solve, impls, time_limit)
+    return run(config, _budget(config, gpu_gb, reserve), solve, impls, time_limit,
+               work_limit=work_limit)
 
 
 def _one_or_many(function: str, impls, options: dict) -> list[str] | None:

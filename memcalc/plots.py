@@ -11,8 +11,8 @@ memcalc never loads it. Axes are in MiB or GiB, chosen from the largest value, a
 
 from __future__ import annotations
 
-
 from memcalc.engine.allocator import MiB
+from memcalc.engine.deadline import DEFAULT_WORK_LIMIT
 from memcalc.engine.units import GiB, human
 
 ROLE_COLOURS = {
@@ -171,16 +171,18 @@ def _breakdowns(results) -> list:
     return results
 
 
-def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | None = 10.0):
+def plot_peaks(sweep, report=None, path: str | None = None, time_limit: float | None = None,
+               work_limit: int | None = DEFAULT_WORK_LIMIT // 10):
     """Reserved memory (max_memory_reserved, the figure that decides fitting) against
     seq_len, log-log, one line per series of
     ``sweep`` (a ``memcalc.analysis.scaling.Sweep``), with the budget as a horizontal line and each
     series' largest fitting seq_len (``report``, an ``OomReport``, or solved here with
-    ``memcalc.analysis.thresholds.solve``, at most ``time_limit`` seconds per series) marked and
+    ``memcalc.analysis.thresholds.solve``, at most ``work_limit`` events and ``time_limit``
+    seconds per series) marked and
     labelled with N: where each one runs out. A sweep over context-parallel ranks (``cp``)
     adds a panel: each series' largest N against the number of ranks."""
     series = _series(sweep)
-    solved = _solved_by_series(sweep, series, report, time_limit)
+    solved = _solved_by_series(sweep, series, report, time_limit, work_limit)
     budget = sweep.budget.budget_bytes
     tops = [budget] + [r.reserved_peak_bytes for rows in series.values() for r in rows]
     scale, unit = _unit(max(tops))
@@ -228,7 +230,7 @@ def _series_names(sweep, series) -> dict[tuple, str]:
     return {k: " ".join(f"{prefix[fields[i]]}{k[i]}" for i in varying) for k in series}
 
 
-def _solved_by_series(sweep, series, report, time_limit) -> dict[tuple, object]:
+def _solved_by_series(sweep, series, report, time_limit, work_limit) -> dict[tuple, object]:
     """The ``Solved`` threshold of each series: from ``report`` when it has the
     implementation and the sweep has one shape and dtype, else solved per series. Series
     that ``memcalc oom`` would skip as too slow (events that grow with seq_len) get none:
@@ -250,7 +252,8 @@ def _solved_by_series(sweep, series, report, time_limit) -> dict[tuple, object]:
         try:
             if _too_big(config, "seq_len") is not None:
                 continue
-            result = solve(config, sweep.budget, "seq_len", [key[0]], time_limit).results
+            result = solve(config, sweep.budget, "seq_len", [key[0]], time_limit,
+                           work_limit=work_limit).results
         except ValueError:  # a threshold the solver cannot reach: the line has no x
             continue
         if result:

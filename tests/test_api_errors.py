@@ -95,7 +95,8 @@ def test_a_misspelt_keyword_of_the_function_itself_is_suggested():
     with pytest.raises(TypeError, match="'seqlens' .*did you mean 'seq_lens'"):
         memcalc.sweep(seqlens=[64])
     with pytest.raises(TypeError, match="'time_limt' .*did you mean 'time_limit'.*; it takes "
-                                        "gpu_gb, reserve, impls, solve, time_limit, impl,"):
+                                        "gpu_gb, reserve, impls, solve, work_limit, time_limit, "
+                                        "impl,"):
         memcalc.oom(time_limt=3)
 
 

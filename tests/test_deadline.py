@@ -5,7 +5,7 @@ import time
 import pytest
 
 from memcalc.config import Config
-from memcalc.engine.deadline import CHECK_EVERY, TimeUp, deadline, tick
+from memcalc.engine.deadline import CHECK_EVERY, TimeUp, WorkUp, deadline, tick, work_done
 from memcalc.impls import get_impl
 from memcalc.engine.replay import Ledger, replay
 
@@ -48,3 +48,23 @@ def test_steps_counted_in_batches_still_reach_the_clock():
     with deadline(time.perf_counter() - 1), pytest.raises(TimeUp):
         for _ in range(3):
             tick(CHECK_EVERY - 1)
+
+
+def test_a_work_limit_stops_the_replay_at_the_same_event():
+    """The replay counts its events in batches of 1,024 and stops at the first batch past
+    the limit: 5,000 events allowed, stopped once 5 x 1,024 = 5,120 are counted, on any
+    machine."""
+    program = get_impl(CHUNKED.impl).build(CHUNKED.dims)
+    start = work_done()
+    with deadline(None, start + 5000), pytest.raises(WorkUp):
+        replay(Ledger(CHUNKED.workspace_bytes), CHUNKED.dims, program)
+    assert work_done() - start == 5 * 1024
+
+
+def test_a_build_is_not_work():
+    """A program build ticks for the clock only: small programs are kept once built, so
+    its steps would count or not by what ran before."""
+    start = work_done()
+    with deadline(None, start):  # no work left
+        get_impl(CHUNKED.impl).build(CHUNKED.dims)
+    assert work_done() == start

@@ -25,13 +25,13 @@ def test_flags_are_the_options_that_set_each_field():
     """Every field a user can get wrong on the command line (make_config's keywords, less
     the --forward-only switch; --causal is, for a traced function without the argument)
     maps to an option the parser really has; so do the limits on the work (memcalc.engine.work,
-    --time-limit), which every command that replays has."""
+    --time-limit), which every command that replays has, and oom's --work-limit."""
     (sub,) = build_parser()._subparsers._group_actions
     options = {name: set(parser._option_string_actions) for name, parser in sub.choices.items()}
     fields = set(inspect.signature(make_config).parameters) - {"forward_only"}
-    assert set(FLAGS) == fields | {"time_limit", "memory_limit"}
+    assert set(FLAGS) == fields | {"time_limit", "memory_limit", "work_limit"}
     for field, flag in FLAGS.items():
-        assert flag in options["breakdown"], (field, flag)
+        assert flag in options["oom" if field == "work_limit" else "breakdown"], (field, flag)
     for command in ("breakdown", "compare", "sweep", "oom", "trace"):
         assert {"--time-limit", "--memory-limit"} <= options[command], command
 

@@ -47,6 +47,8 @@ def test_oom_table_in_a_terminal(capsys):
     (["--impl", "naive,,flash2"], "--impl"),
     (["--impl", "nope"], "--impl"),
     (["--time-limit", "-1"], "--time-limit"),
+    (["--work-limit", "0"], "--work-limit"),
+    (["--work-limit", "1.5"], "--work-limit"),
     (["--gpu-gb", "x"], "--gpu-gb"),
     (["--batch", "0"], "--batch"),
 ])

@@ -14,14 +14,39 @@ import shown_outputs  # noqa: E402
 BLOCKS = [(page.relative_to(shown_outputs.ROOT).as_posix(), command, shown)
           for page in shown_outputs.pages() for command, shown in shown_outputs.blocks(page)]
 
+SLOW = ("examples/training/llama3_8b.py", "memcalc validate", "memcalc.validation.context_parallel")
+"""What makes a shown command slow (minutes each on a 2-core machine): Llama-3-8B's 32
+layers traced on the meta device (at six lengths for a search, ``oom --trace``; 16 minutes
+with 8 ranks' ring attention), the whole validation grid and context parallelism's
+(``memcalc validate``, ``--cases cp``), the recorded ring runs given back rank by rank.
+Their checks run with ``-m slow``; what they rest on is checked quickly elsewhere: the
+search (``tests/test_solver.py``), traced training steps and FSDP
+(``tests/test_tracing_*.py``), the grid (``tests/test_validate_emulated.py``), the ring
+against torch's (``tests/test_impls_ring.py``) and the recorded ranks, every eighth
+(``tests/test_validate_context_parallel.py``)."""
+
+
+def _checked(blocks):
+    """``pytest.param`` per block, ``page:index`` its id; the slow ones marked ``slow``."""
+    return [pytest.param(page, command, shown, id=f"{page}:{i}",
+                         marks=[pytest.mark.slow] if any(s in command for s in SLOW) else [])
+            for i, (page, command, shown) in enumerate(blocks)]
+
 
 def test_the_pages_show_commands():
     assert len(BLOCKS) > 50 and {p for p, *_ in BLOCKS} >= {"README.md",
                                                             "docs/guides/trace.md"}
 
 
-@pytest.mark.parametrize("page, command, shown", BLOCKS,
-                         ids=[f"{p}:{i}" for i, (p, *_) in enumerate(BLOCKS)])
+def test_the_slow_blocks_are_the_minutes_long_ones():
+    """The Llama-3-8B blocks of the training guide, the validation commands of two pages,
+    and nothing else."""
+    slow = [p for p in _checked(BLOCKS) if p.marks]
+    assert len(slow) >= 10 and {p.values[0] for p in slow} == {
+        "docs/guides/training.md", "docs/concepts/validation.md", "docs/guides/several-gpus.md"}
+
+
+@pytest.mark.parametrize("page, command, shown", _checked(BLOCKS))
 def test_a_shown_command_prints_what_is_shown(page, command, shown):
     assert shown_outputs.output(command) == shown, f"{page}: $ {command}"
 

@@ -13,6 +13,7 @@ from memcalc.analysis.probe import REACH, Probe, events_growth
 from memcalc.analysis.solved import Interrupted, Unsolved
 from memcalc.analysis.solver import (_climb, _closed_form, _estimate_again, _guess, _step_top, bisect_max, max_fitting)
 from memcalc.analysis.predict import predict
+from memcalc.engine.deadline import DEFAULT_WORK_LIMIT
 from breakers import interrupt_after
 
 GIB80 = 85_362_475_008  # 80 x 2^30 - 512 x 2^20: --gpu-gb 80 with the default reserve
@@ -75,23 +76,54 @@ def test_time_limit():
         max_fitting(Config(impl="naive"), GIB80, time_limit=1e-9)
 
 
-def test_time_limit_names_the_estimate_it_could_not_replay():
-    """The chunked loop at 80 GiB: the estimate (millions of rows) is known within a
-    second, its replay would take minutes, so it is not started; the time left steps up
-    from the largest length that fits while a replay is expected to end in time. (A 3 s
-    limit left no time for the estimate once, with two other heavy processes on the
-    machine's 2 cores.)"""
+def test_a_work_limit_stops_a_search_where_it_would_on_any_machine(monkeypatch):
+    """The work limit counts replayed events, not seconds: the chunked loop in 268,435,456 B
+    from 1,024 rows stops with the same bounds whether the clock runs as it does or an
+    hour per reading (a machine thousands of times slower, or loaded): fits at 8,933, the
+    estimate 21,773 not replayed, at most 29,502 (the ceiling of the test below)."""
+    import time
+
+    config, budget = Config(impl="linear-causal-chunked"), 268_435_456
+
+    def stopped() -> str:
+        with pytest.raises(Unsolved) as caught:
+            max_fitting(config, budget, start=1024, work_limit=100_000)
+        return str(caught.value)
+
+    here = stopped()
+    clock = iter(range(0, 10**9, 3600))
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    assert stopped() == here == (
+        "no exact answer within the work limit of 100,000 events (fits at 8,933; the "
+        "closed-form estimate, not replayed: 21,773; at most 29,502, past which the tensors "
+        "alive at the peak alone exceed the budget)")
+
+
+def test_a_work_limit_that_is_enough_finds_the_answer_without_one():
+    """The search a work limit plans (4x steps up to a far estimate) ends where the
+    unlimited one does when the work is enough: naive at 80 GiB, 19,511."""
+    assert max_fitting(Config(impl="naive"), GIB80, work_limit=10**6).max_value == 19511
+
+
+def test_a_limit_names_the_estimate_it_could_not_replay():
+    """The chunked loop at 80 GiB: the estimate (millions of rows) is known after a few
+    replays, its replay would take millions of events, so it is not started; the work left
+    steps up from the largest length that fits while a replay is expected to end within it:
+    fits at 171,983 (from 16,384, 4x steps planned by the events left), the estimate
+    9,871,642 from 16,384 rows, at most 12,499,320 (the closed form's ceiling). (A 5 s time
+    limit left no time for the estimate once, with other heavy processes on the machine's 2
+    cores.)"""
     config = Config(impl="linear-causal-chunked")
     with pytest.raises(Unsolved) as caught:
-        max_fitting(config, GIB80, time_limit=5)
+        max_fitting(config, GIB80, work_limit=1_000_000)
     error = caught.value
-    assert error.hi is None and error.lo >= 16384  # the start, or a step up from it
+    assert (error.lo, error.hi, error.estimate, error.ceiling) == (
+        171_983, None, 9_871_642, 12_499_320)
     assert fits(config.replace(seq_len=error.lo), GIB80)
-    assert error.estimate > 100 * 16384
-    assert f"fits at {error.lo:,}; the closed-form estimate, not replayed: {error.estimate:,}; " \
-        f"at most {error.ceiling:,}, past which the tensors alive at the peak alone exceed " \
-        "the budget" in str(error)
-    assert error.estimate < error.ceiling
+    assert str(error) == (
+        "no exact answer within the work limit of 1,000,000 events (fits at 171,983; the "
+        "closed-form estimate, not replayed: 9,871,642; at most 12,499,320, past which the "
+        "tensors alive at the peak alone exceed the budget)")
 
 
 def test_a_loop_is_timed_only_near_the_lengths_replayed():
@@ -401,7 +433,7 @@ def test_a_loop_grows_at_every_doubling_a_split_heuristic_does_not():
     assert not Probe(flash, "seq_len", GIB80).grows()
     chunked = Config(impl="linear-causal-chunked")
     assert events_growth(chunked, "seq_len") == (2173, 4349)
-    s = max_fitting(flash, GIB80, time_limit=5)  # the default limit in a tenth of it
+    s = max_fitting(flash, GIB80, work_limit=DEFAULT_WORK_LIMIT // 10)  # planned as a loop's: none
     assert s.max_value > 0 and s.next_value == s.max_value + 1
 
 

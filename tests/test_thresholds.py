@@ -52,12 +52,25 @@ def test_oom_shows_reserved_under_the_budget_and_a_readable_closed_form():
     assert "naive: 192*N^2 + 3,168*N + 67,108,864" in why  # 6 N x N tensors x 8 x 4 B = 192
 
 
-def test_the_api_has_the_commands_time_limit():
-    """``memcalc.oom`` stops a search at ``time_limit`` seconds (60 by default, as
-    ``memcalc oom``): a chunked loop's is listed unsolved, with what it found."""
+def test_the_api_has_the_commands_limits():
+    """``memcalc.oom`` stops a search at ``work_limit`` events (``DEFAULT_WORK_LIMIT`` by
+    default, as ``memcalc oom``) and, when given, at ``time_limit`` seconds (none by
+    default, as the command: the answer would depend on the machine's load): a chunked
+    loop's is listed unsolved, with what it found and which limit to raise."""
     import memcalc
+    from memcalc.engine.deadline import DEFAULT_WORK_LIMIT
 
-    assert inspect.signature(memcalc.oom).parameters["time_limit"].default == 60
+    parameters = inspect.signature(memcalc.oom).parameters
+    assert parameters["time_limit"].default is None
+    assert parameters["work_limit"].default == DEFAULT_WORK_LIMIT
+    report = memcalc.oom(gpu_gb=0.75, impls=["linear-causal-chunked"], work_limit=1000)
+    (unsolved,) = report.unsolved
+    assert unsolved.reason == ("no exact answer within the work limit of 1,000 events "
+                               "(nothing replayed within it); raise the work limit "
+                               "(--work-limit, work_limit=)")
+    for bad in (0, -1, 1.5, True, "1000"):
+        with pytest.raises(ValueError, match="work_limit: a positive whole number of events"):
+            memcalc.oom(impls=["naive"], work_limit=bad)
     # 0.75 GB: without the limit, an exact answer in seconds (28,672)
     report = memcalc.oom(gpu_gb=0.75, impls=["linear-causal-chunked"], time_limit=1)
     (unsolved,) = report.unsolved
@@ -73,10 +86,10 @@ def test_csv_and_json_give_every_implementation_its_status_bounds_and_reason():
     default 512 MiB reserve: 8,053,063,680 B) with its closed form's integer coefficients;
     naive-softmax's search stopped with bounds, each its own column (no figure in prose
     only); sdpa-flash skipped. Absent figures are empty, null in the JSON."""
-    def solver(config, budget_bytes, field, time_limit=None):
+    def solver(config, budget_bytes, field, **limits):
         if config.impl == "naive-softmax":
             raise Unsolved(1000, 1200, 5, estimate=1100)
-        return max_fitting(config, budget_bytes, field, time_limit=time_limit)
+        return max_fitting(config, budget_bytes, field, **limits)
 
     budget = Budget.of(Device(), memory_gb=8)
     report = solve(Config(), budget, impls=["naive", "naive-softmax"], solver=solver)
@@ -277,9 +290,10 @@ def test_when_nothing_fits_the_report_says_what_the_smallest_needs():
 
 def test_a_report_with_nothing_solved_says_what_is_known():
     """``largest seq_len within 79.50 GiB: `` with nothing after it, when the one search
-    asked for ran out of time: it names the search and what it found."""
+    asked for ran out of work: it names the search and what it found (its first replay, at
+    16,384 rows, fits within the 100,000 events)."""
     report = solve(Config(impl="linear-causal-chunked"), Budget.of(Device(), memory_gb=80),
-                   "seq_len", ["linear-causal-chunked"], time_limit=0.5)
+                   "seq_len", ["linear-causal-chunked"], work_limit=100_000)
     assert not report.results and report.unsolved
     assert str(report).startswith("largest seq_len within 79.50 GiB: linear-causal-chunked "
                                   "not solved (fits at ")

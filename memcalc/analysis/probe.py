@@ -1,7 +1,12 @@
 """The solver's probe: ``fits`` at values of one field, each a replay under the budget's
-capacity, cached and counted, stopped at the search's deadline; and what a replay at a
-value will cost (its events, from the programs at 2,048 and 4,096), so that a search
-only starts replays it can finish.
+capacity, cached and counted, stopped at the search's limits (its work, counted in events,
+and optionally the clock); and what a replay at a value will cost (its events, from the
+programs at 2,048 and 4,096), so that a search only starts replays it can finish.
+
+The work limit makes an answer a function of the question alone: the events a replay
+counts (``memcalc.engine.deadline.tick``) are the same on any machine under any load, so a
+search stops at the same replay, knowing the same bounds, wherever it runs; a time limit,
+the user's own cap, ends it where the clock says.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from memcalc.analysis.closed_form import Quadratic
 from memcalc.analysis.predict import predict
 from memcalc.analysis.solved import Interrupted, Unsolved
 from memcalc.config import Config
-from memcalc.engine.deadline import TimeUp, deadline
+from memcalc.engine.deadline import TimeUp, WorkUp, deadline, work_done
 from memcalc.engine.status import listening, say
 from memcalc.errors import one_line
 from memcalc.impls import get_impl
@@ -32,10 +37,11 @@ STRETCH = 0.8  # the share of the time left a climb's step is planned to take
 
 
 class Probe:
-    """``fits`` at values of one field, cached, counting full predictions (replays)."""
+    """``fits`` at values of one field, cached, counting full predictions (replays);
+    ``time_limit`` seconds and ``work_limit`` events (None: none) for the whole search."""
 
     def __init__(self, config: Config, field: str, budget_bytes: int,
-                 time_limit: float | None = None):
+                 time_limit: float | None = None, work_limit: int | None = None):
         self.config, self.field, self.budget = config, field, budget_bytes
         self.accepted = get_impl(config.impl).rule(config.dims, field)  # the values probed
         self.first_accepted: int | None = None  # the first value the check let through
@@ -45,10 +51,14 @@ class Probe:
         self.evaluations = 0
         self.started = time.perf_counter()
         self.deadline = None if time_limit is None else self.started + time_limit
-        self.time_limit = time_limit
+        self.time_limit, self.work_limit = time_limit, work_limit
+        self.work_at = None if work_limit is None else work_done() + work_limit
+        self.limited = self.deadline is not None or self.work_at is not None
+        self.ran_out: str | None = None  # which limit stopped the search: "time" or "work"
         self.estimate: int | None = None  # the latest closed-form guess, for Unsolved
         self.model: Quadratic | None = None  # the closed form the estimate solves
         self.per_event = 0.0  # the slowest replay so far, in seconds per event
+        self.work_per_event = 0.0  # the most steps counted per event of a replay so far
         self.timed = 0  # the longest value replayed and timed
         self._events: tuple[int, int] | None = None  # events at 256, and per 256 more
 
@@ -88,29 +98,35 @@ class Probe:
     def _limited(self, x: int, timed: bool = True):
         """A replay at ``x`` (or ``x``'s worth of events) that stops at the deadline: not
         started when it is expected to end after it, stopped inside otherwise. ``timed``:
-        the replay's seconds per event steer the next ones."""
-        start = time.perf_counter()
+        the replay's seconds and steps per event steer the next ones."""
+        start, work = time.perf_counter(), work_done()
         try:
-            if not self.affordable(x, single=timed):
-                raise TimeUp
-            with deadline(self.deadline):
+            self.ran_out = self._short_of(x, single=timed)
+            if self.ran_out is not None:
+                raise self.unsolved()
+            with deadline(self.deadline, self.work_at):
                 yield
-        except TimeUp:
+        except TimeUp as stop:
+            self.ran_out = "work" if isinstance(stop, WorkUp) else "time"
             raise self.unsolved() from None
-        if self.deadline is not None and timed:
-            seconds = time.perf_counter() - start
-            self.per_event = max(self.per_event, seconds / self.events_at(x))
+        if self.limited and timed:
+            events = self.events_at(x)
+            self.per_event = max(self.per_event, (time.perf_counter() - start) / events)
+            self.work_per_event = max(self.work_per_event, (work_done() - work) / events)
             self.timed = max(self.timed, x)
 
     def say(self, doing: str) -> None:
         """Tell an open status line (``memcalc.output.progress``) what the search does now, with
-        the bounds known so far and the seconds spent."""
+        the bounds known so far and the events and seconds spent."""
         if not listening():
             return
         lo, hi = self.bounds()
         known = [f"fits at {lo:,}"] if lo else []
         if hi is not None and hi > lo:  # near a threshold, fitting is not monotone
             known.append(f"not at {hi:,}")
+        if self.work_at is not None:
+            known.append(f"{self.work_limit - (self.work_at - work_done()):,} of "
+                         f"{self.work_limit:,} events")
         if self.deadline is not None:
             spent = self.time_limit - (self.deadline - time.perf_counter())
             known.append(f"{spent:.0f} of {self.time_limit:g} s")
@@ -130,14 +146,18 @@ class Probe:
 
     def unsolved(self) -> Unsolved:
         """What is known: the bounds, the closed-form estimate unless it was replayed, and
-        the ceiling of an exact closed form where it says more than the bounds."""
+        the ceiling of an exact closed form where it says more than the bounds, and the
+        limit that stopped the search (the work limit when neither stopped it yet and the
+        search has no time limit)."""
         replayed = self.estimate in self.known or self.estimate in self.full
         lo, hi = self.bounds()
         estimate = None if replayed else self.estimate
         ceiling = self.ceiling()
         if ceiling is not None and (ceiling <= max(lo, estimate or 0) or hi and hi <= ceiling):
             ceiling = None
-        return Unsolved(lo, hi, self.time_limit, estimate, ceiling)
+        work = self.ran_out == "work" or (self.ran_out is None and self.deadline is None)
+        return Unsolved(lo, hi, None if work else self.time_limit, estimate, ceiling,
+                        events=self.work_limit if work else None)
 
     def proven(self, lo: int) -> bool:
         """Whether ``lo`` (the largest value replayed that fits, or 0) is an exact answer:
@@ -166,19 +186,32 @@ class Probe:
 
     def affordable(self, x: int, single: bool = True, share: float = 1.0) -> bool:
         """Whether a replay at ``x`` (``single``: one replay of that length; else ``x``'s
-        worth of events) is expected to end before the deadline, within ``share`` of the
-        time left: the slowest time per event so far times the events at ``x``; for a
-        loop, within ``REACH`` times the longest replay timed."""
-        if self.deadline is None:
-            return True
+        worth of events) is expected to end within ``share`` of the work and the time
+        left (``_short_of``)."""
+        return self._short_of(x, single, share) is None
+
+    def _short_of(self, x: int, single: bool = True, share: float = 1.0) -> str | None:
+        """Which limit a replay at ``x`` is expected to run past: ``"work"`` when the most
+        steps per event so far times the events at ``x`` exceed ``share`` of the work
+        left, ``"time"`` when the slowest time per event does for the time left; for a
+        loop, either past ``REACH`` times the longest replay timed (the time limit's, if
+        any). None when it is expected to end within both."""
+        if not self.limited:
+            return None
         if single and self.timed and x > REACH * self.timed and self.grows():
-            return False
-        left = self.deadline - time.perf_counter()
-        return self.per_event * self.events_at(x) <= share * left
+            return "work" if self.deadline is None else "time"
+        events = self.events_at(x)
+        if self.work_at is not None and \
+                self.work_per_event * events > share * (self.work_at - work_done()):
+            return "work"
+        if self.deadline is not None and \
+                self.per_event * events > share * (self.deadline - time.perf_counter()):
+            return "time"
+        return None
 
     def reachable(self, lo: int, top: int) -> int:
         """The largest value in ``(lo, top]`` whose replay is expected to take at most
-        ``STRETCH`` of the time left (a replay's pace varies by a tenth or more here), or
+        ``STRETCH`` of the work and time left (a replay's pace varies by a tenth or more here), or
         ``lo`` when none is."""
         hi = top + 1
         while hi - lo > 1:

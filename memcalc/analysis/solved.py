@@ -108,22 +108,27 @@ class Solved(BaseModel):
 
 
 class Unsolved(Exception):
-    """The solver ran out of time; what it knows so far: ``lo`` fits (0: nothing known
-    to), ``hi`` does not (None: nothing known not to), the closed-form ``estimate`` not
-    replayed, and the ``ceiling`` past which nothing fits."""
+    """The solver ran out of time (``seconds``) or work (``events``); what it knows so
+    far: ``lo`` fits (0: nothing known to), ``hi`` does not (None: nothing known not to),
+    the closed-form ``estimate`` not replayed, and the ``ceiling`` past which nothing
+    fits."""
 
     def __init__(self, lo: int, hi: int | None, seconds: float | None,
                  estimate: int | None = None, ceiling: int | None = None,
-                 stopped_after: float | None = None):
+                 stopped_after: float | None = None, events: int | None = None):
         self.lo, self.hi, self.estimate, self.ceiling = lo, hi, estimate, ceiling
+        self.events = events  # the work limit that stopped it, if that one did
         known = ([f"fits at {lo:,}"] if lo else []) + ([f"not at {hi:,}"] if hi else [])
-        bound = ", ".join(known) or "nothing replayed in time"
+        bound = ", ".join(known) or ("nothing replayed in time" if events is None
+                                     else "nothing replayed within it")
         if estimate is not None:
             bound += f"; the closed-form estimate, not replayed: {estimate:,}"
         if ceiling is not None:
             bound += (f"; at most {ceiling:,}, past which the tensors alive at the peak alone "
                       f"exceed the budget")
         within = f" within {seconds:g} s" if seconds is not None else ""
+        if events is not None:
+            within = f" within the work limit of {events:,} events"
         if stopped_after is not None:
             within = f": interrupted after {stopped_after:.0f} s"
         super().__init__(f"no exact answer{within} ({bound})")

@@ -129,15 +129,17 @@ def _narrow(probe: Probe, lo: int, hi: int) -> int:
 
 
 def max_fitting(config: Config, budget_bytes: int, field: SolveField = "seq_len",
-                start: int | None = None, time_limit: float | None = None) -> Solved:
+                start: int | None = None, time_limit: float | None = None,
+                work_limit: int | None = None) -> Solved:
     """A value ``N`` of ``field`` with ``fits(N)`` and not ``fits(N + 1)`` for
     ``budget_bytes``, searched from the closed-form estimate of the top of the fitting range
     (so in practice the largest: see the module docstring), with the figures at ``N`` and
     ``N + 1`` (over accepted values only: ``N + 1`` is the next one, if any). ``Unsolved``
-    after ``time_limit`` seconds, unless by then the largest value replayed that fits is
-    such an ``N`` (the next accepted value replayed, not fitting: adjacent bounds): that
-    answer, exact, with the figures it had time to replay (``_cut_short``)."""
-    probe = Probe(config, field, budget_bytes, time_limit)
+    after ``work_limit`` events replayed or ``time_limit`` seconds (None: no such limit),
+    unless by then the largest value replayed that fits is such an ``N`` (the next accepted
+    value replayed, not fitting: adjacent bounds): that answer, exact, with the figures it
+    had time to replay (``_cut_short``)."""
+    probe = Probe(config, field, budget_bytes, time_limit, work_limit)
     x = probe.snap(start or _start(config, field))
     try:
         try:
@@ -212,11 +214,11 @@ def _topmost(probe: Probe, n: int, step: int) -> int:
 
 
 def _approach(probe: Probe, x: int) -> None:
-    """Before a time-limited search replays a loop at ``x``: predictions at lengths growing
+    """Before a limited search replays a loop at ``x``: predictions at lengths growing
     ``REACH``-fold up to it, since a replay's pace is known only near the lengths timed
     (each also a lower bound when it fits). Without them a loop's estimate, millions of
-    rows from a start of 16,384, could never be replayed, whatever the time limit."""
-    if probe.deadline is None or not probe.grows():
+    rows from a start of 16,384, could never be replayed, whatever the limit."""
+    if not probe.limited or not probe.grows():
         return
     while probe.timed and REACH * probe.timed < x:
         step = REACH * probe.timed
@@ -242,14 +244,14 @@ def _closed_form(probe: Probe, n: int, field: str) -> Quadratic | None:
 
 
 def _climb(probe: Probe) -> Unsolved:
-    """What a search cut off by its time limit knows, improved with the time left: from the
-    largest value that fits, step up as far as a replay is expected to end in time (up to
+    """What a search cut off by its limit knows, improved with the work and time left: from
+    the largest value that fits, step up as far as a replay is expected to end within them (up to
     ``REACH`` times, and not past the estimate while below it), or halve the gap to one
     that does not fit. A chunked loop's estimate can be millions of rows, minutes of
     replay; its lower bound grows in seconds. A step is a prediction judged by ``fit``:
     below the budget it proves a fit without a second, capped replay."""
     try:
-        for _ in range(128):  # steps up, then halvings; the time limit ends them first
+        for _ in range(128):  # steps up, then halvings; the limits end them first
             lo, hi = probe.bounds()
             if lo == 0:
                 break
@@ -292,11 +294,11 @@ def _estimate_again(probe: Probe) -> None:
 
 
 def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",
-               time_limit: float | None = None) -> Solved:
+               time_limit: float | None = None, work_limit: int | None = None) -> Solved:
     """The reference solver: double from the smallest accepted value until a step does
     not fit (or up to the largest accepted), then bisect, every step a full prediction
     (what ``benchmarks/`` compares ``max_fitting`` with)."""
-    probe = Probe(config, field, budget_bytes, time_limit)
+    probe = Probe(config, field, budget_bytes, time_limit, work_limit)
     lo, hi = 0, probe.accepted.step
     while probe.fit(hi).fits:
         lo, hi = hi, probe.accepted.floor(2 * hi)
@@ -313,7 +315,7 @@ def bisect_max(config: Config, budget_bytes: int, field: SolveField = "seq_len",
 
 
 def _cut_short(probe: Probe, n: int, field: str) -> Solved:
-    """The answer of a search its time limit stopped once it had replayed ``n`` fitting
+    """The answer of a search its limit stopped once it had replayed ``n`` fitting
     and the next accepted value not (adjacent bounds: exact), with what it had replayed in
     time: the figures at both (in full, or None), the first accepted power of two above
     ``n`` known to fail (None if not replayed), and the closed form it started from."""

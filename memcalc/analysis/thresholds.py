@@ -291,12 +291,12 @@ def _too_big(config: Config, field: str) -> str | None:
         return (f"its program's events grow with {field} ({small:,} at {PROBED[1]:,}, "
                 f"{large:,} at {PROBED[2]:,}), "
                 f"so exact replays near the threshold take too long; solve it with memcalc "
-                f"oom --impl {config.impl} --time-limit SECONDS")
+                f"oom --impl {config.impl} (and --work-limit EVENTS)")
     x = getattr(config.shape, field)
     events = program_events(config)
     if events > MAX_EVENTS:
         return (f"its program has {events:,} events at {field} = {x} (replays are slow); "
-                f"name it with --impl (and --time-limit) to solve it")
+                f"name it with --impl (and --work-limit) to solve it")
     return None
 
 
@@ -311,17 +311,15 @@ class PartialReport(KeyboardInterrupt):
 
 def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
           impls: Iterable[str] | None = None, time_limit: float | None = None,
-          solver: Callable[..., Solved] = max_fitting) -> OomReport:
+          solver: Callable[..., Solved] = max_fitting,
+          work_limit: int | None = None) -> OomReport:
     """The threshold of each implementation (every registered one by default) for
     ``base``'s other options. Implementations that reject the options (fp32 for a kernel
     that has none, say) are listed as skipped with the reason, and so, without ``impls``,
     are those whose replays are too slow (``MAX_EVENTS``); one implementation named alone
-    is solved or raises. ``time_limit``: seconds per implementation."""
-    if time_limit is not None and not (isinstance(time_limit, (int, float))
-                                       and not isinstance(time_limit, bool)
-                                       and 0 < time_limit < float("inf")):
-        raise ValueError(f"time_limit: a positive number of seconds, or None (got "
-                         f"{time_limit!r})")
+    is solved or raises. ``work_limit``: events replayed per implementation (the same
+    answer on any machine), ``time_limit``: seconds per implementation (None: none)."""
+    _check_limits(time_limit, work_limit)
     named = list(impls) if impls else None
     alone = named is not None and len(named) == 1  # its refusal is the answer: raise it
     results, unsolved, skipped = [], [], []
@@ -336,7 +334,7 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
             reason = None if named else _too_big(config, field)
             if reason is None:
                 search = lambda c=config: solver(c, budget.budget_bytes, field,  # noqa: E731
-                                                 time_limit=time_limit)
+                                                 time_limit=time_limit, work_limit=work_limit)
                 solved = confirmed(search(), config, budget.budget_bytes, search)
                 results.append(with_holes(solved, config, budget.budget_bytes))
                 continue
@@ -347,8 +345,7 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
                 unsolved.append(Bounds.of(name, stop.known, str(stop.known)))
             raise PartialReport(report()) from None
         except Unsolved as error:
-            unsolved.append(Bounds.of(name, error, f"{error}; raise the time limit "
-                                                   "(--time-limit, time_limit=)"))
+            unsolved.append(Bounds.of(name, error, f"{error}; {_raise_it(error)}"))
             continue
         except Exception as error:  # noqa: BLE001 - one broken model must not hide the others
             if alone:
@@ -356,3 +353,23 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
             reason = refusal(error, name)
         skipped.append(Skipped(impl=name, reason=reason))
     return report()
+
+
+def _check_limits(time_limit, work_limit) -> None:
+    """One line naming the limit that is neither None nor a positive number of its unit."""
+    if time_limit is not None and not (isinstance(time_limit, (int, float))
+                                       and not isinstance(time_limit, bool)
+                                       and 0 < time_limit < float("inf")):
+        raise ValueError(f"time_limit: a positive number of seconds, or None (got "
+                         f"{time_limit!r})")
+    if work_limit is not None and not (isinstance(work_limit, int)
+                                       and not isinstance(work_limit, bool) and work_limit > 0):
+        raise ValueError(f"work_limit: a positive whole number of events, or None (got "
+                         f"{work_limit!r})")
+
+
+def _raise_it(stop: Unsolved) -> str:
+    """How to let a search that ``stop`` ended go further: raise the limit that ended it."""
+    if stop.events is not None:
+        return "raise the work limit (--work-limit, work_limit=)"
+    return "raise the time limit (--time-limit, time_limit=)"

@@ -3,6 +3,7 @@
 from memcalc.options import (INTERRUPTED, budget_from, budget_options, check_chunk,
                              config_options, emit, format_options, impls_with_trace,
                              input_options, shape_options, whole, work_options)
+from memcalc.engine.deadline import DEFAULT_WORK_LIMIT
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
 
@@ -25,12 +26,25 @@ def add_arguments(parser) -> None:
                              "the lengths you run (a step with padded buffers is solved from "
                              "a program fitted at multiples of 256, other lengths traced "
                              "directly)")
-    parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
-                        help="give up on an implementation after this long, saying what is "
-                             "known so far (default: 60; a chunked program at millions of "
-                             "rows replays for minutes)")
+    parser.add_argument("--work-limit", type=_events, default=DEFAULT_WORK_LIMIT,
+                        metavar="EVENTS",
+                        help="give up on an implementation after replaying this many "
+                             "allocator events, saying what is known so far: the same "
+                             f"answer on any machine (default: {DEFAULT_WORK_LIMIT:,}, "
+                             "about a minute; none: no limit; a chunked program at "
+                             "millions of rows replays millions of events at each length)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="give up on an implementation after this long as well "
+                             "(default: none; the answer then depends on the machine's "
+                             "speed and load)")
     work_options(parser, time_limit=False)
     format_options(parser)
+
+
+def _events(text: str) -> int | None:
+    """``--work-limit``'s value: a whole number (``whole``; zero and negatives are refused
+    with the limit's allowed range), or ``none``: no limit."""
+    return None if text.strip().lower() == "none" else whole(text)
 
 
 def run(args) -> int:
@@ -46,7 +60,8 @@ def run(args) -> int:
     base = first_accepted(impls, **config_options(args))
     try:
         with status(f"solving {field}"):  # a chunked loop's search replays for a minute
-            report = solve(base, budget_from(args), field, impls, args.time_limit)
+            report = solve(base, budget_from(args), field, impls, args.time_limit,
+                           work_limit=args.work_limit)
     except PartialReport as stop:  # Ctrl-C: what is known so far is the whole answer
         emit(stop.report, args.format)
         return INTERRUPTED
