@@ -131,6 +131,41 @@ def live_polynomial(config: Config, field: str, breakdown=None,
         return total
 
     xs, check_x = ((x0 // 4, x0 // 2, x0), 3 * x0 // 4) if below else ((x0, 2 * x0, 4 * x0), 3 * x0)
+    q = _fitted(raw, xs, check_x, snap)
+    if q is not None and not q[1]:  # a fit (sizes with a ceil): where there is none, if exact
+        aligned = _fitted(raw, _aligned(xs[0]), 3 * _aligned(xs[0])[0], snap)
+        if aligned is not None and aligned[1]:  # exact on multiples of ALIGN, a fit at x0
+            q = (aligned[0], False, aligned[2])
+    if q is None:
+        return None
+    (a, bb, c), exact, points = q
+    return Quadratic(symbol=SYMBOL.get(field, field), a=a, b=bb, c=c, exact=exact, at=x0,
+                     points=points, components=tuple(comp.name for comp in live))
+
+
+ALIGN = 1024
+"""The multiple of rows a fit is moved to: kernels pad rows to multiples of a power of two
+no larger (flash's ``softmax_d`` and FlexAttention's blocks to 128, the memory-efficient
+kernel's logsumexp to 32), so that on multiples of it their sizes have no ceil: a linear
+kernel's fit is linear, not a quadratic through the padding's noise (``344/2,752,281*N^2``
+for SDPA's flash kernel at 106,176 rows)."""
+
+
+def _aligned(x: int) -> tuple[int, int, int]:
+    """``x``, ``2x``, ``4x`` moved down to multiples of ``ALIGN`` (of the largest power of
+    two up to ``x`` when it is smaller): every point still within 2x of the original."""
+    step = min(ALIGN, 1 << (max(x, 1).bit_length() - 1))
+    x = x // step * step
+    return x, 2 * x, 4 * x
+
+
+def _fitted(raw, xs: tuple[int, int, int], check_x: int, snap):
+    """The coefficients of the quadratic through ``raw`` at ``xs``, whether it holds at
+    ``check_x`` as well (exact), and the points (moved by ``snap``); None without one (too
+    few distinct points, a size the builder rejects, a tensor missing). Memory's N^2 term
+    is a sum of sizes, none negative: a negative one is the noise of padded sizes, and the
+    fit is the line through the outermost points instead (never ``-512/751,472,569*N^2``
+    on a linear kernel)."""
     if snap is not None:
         xs, check_x = tuple(snap(x) for x in xs), snap(check_x)
     if len({*xs, check_x}) < 4 or xs[0] < 1:
@@ -148,8 +183,10 @@ def live_polynomial(config: Config, field: str, breakdown=None,
     # Newton's divided differences, exact
     d1, d2 = Fraction(y2 - y1, x2 - x1), Fraction(y3 - y2, x3 - x2)
     a = (d2 - d1) / (x3 - x1)
+    if a < 0:
+        a, d1 = Fraction(0), Fraction(y3 - y1, x3 - x1)
     bb = d1 - a * (x1 + x2)
     c = y1 - a * x1 * x1 - bb * x1
-    q = Quadratic(symbol=SYMBOL.get(field, field), a=a, b=bb, c=c, exact=False, at=x0,
-                  points=xs, components=tuple(comp.name for comp in live))
-    return q.model_copy(update={"exact": check is not None and q(check_x) == check})
+    exact = check is not None and a * check_x ** 2 + bb * check_x + c == check \
+        and all(a * x * x + bb * x + c == y for x, y in points)
+    return (a, bb, c), exact, xs
