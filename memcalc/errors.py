@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Iterable
+import sys
+from typing import Callable, Iterable, NoReturn
 
 # config field -> the CLI option that sets it
 FLAGS = {
@@ -17,6 +18,92 @@ FLAGS = {
     "mask": "--mask", "block_mask": "--block-mask", "cp": "--cp", "cp_method": "--cp-method",
     "tp": "--tp",
 }
+
+
+# an optional dependency -> the extra of memcalc's that installs it (pyproject.toml)
+EXTRAS = {"matplotlib": "plot", "pandas": "pandas", "deepspeed": "deepspeed",
+          "transformers": "hf", "nbclient": "notebook", "nbformat": "notebook",
+          "ipykernel": "notebook"}
+NAMES = {"torch": "PyTorch"}  # as its makers write it, where that is not its module's name
+INTERRUPTED = 130  # the shell's status for a process stopped by Ctrl-C (128 + SIGINT)
+
+
+class MissingExtra(ImportError):
+    """What a function needs is not installed: one line naming the extra that installs it
+    (``needs matplotlib, which is not installed: pip install 'memcalc[plot]'``)."""
+
+
+def install(package: str) -> str:
+    """How to install ``package``: its extra of memcalc's, or torch itself."""
+    if package == "torch":
+        return "pip install torch (the CPU build is enough)"
+    return f"pip install 'memcalc[{EXTRAS[package]}]'" if package in EXTRAS \
+        else f"pip install {package}"
+
+
+def require(package: str, what: str):
+    """``package``, imported; missing, a ``MissingExtra`` saying that ``what`` needs it and
+    how to install it (instead of a bare ``No module named ...`` from deep inside)."""
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        name = NAMES.get(package, package)
+        raise MissingExtra(f"{what} needs {name}, which is not installed: {install(package)}",
+                           name=package) from None
+
+
+def install_hint(error: BaseException) -> str:
+    """``; pip install 'memcalc[deepspeed]'`` for an ImportError of a package one of
+    memcalc's extras installs (user code importing DeepSpeed, transformers), else ``""``."""
+    name = (getattr(error, "name", None) or "").split(".")[0]
+    if not isinstance(error, ImportError) or (name not in EXTRAS and name != "torch"):
+        return ""
+    return f"; {install(name)}"
+
+
+def error_line(error: BaseException, flags: dict[str, str] | None = None) -> str | None:
+    """The one line of an error a user can act on (bad input: pydantic's ValidationError, a
+    ValueError, an OSError; a missing extra), else None (a bug: its traceback stands)."""
+    if isinstance(error, MissingExtra):
+        return str(error)
+    if isinstance(error, ImportError):
+        hint = install_hint(error)
+        return f"{_first_line(str(error), type(error).__name__)}{hint}" if hint else None
+    if isinstance(error, (ValueError, OSError)):  # pydantic's ValidationError is a ValueError
+        return one_line(error, flags)
+    return None
+
+
+def run_main(main: Callable[..., int | None], *args, prog: str | None = None) -> NoReturn:
+    """``sys.exit(main(*args))`` for a script or a ``python -m`` module of memcalc's, ending
+    as the ``memcalc`` command does: bad input or a missing extra in one line ``prog:
+    error: ...`` and exit status 2, Ctrl-C in ``prog: interrupted`` and 130, no traceback."""
+    prog = prog or _program()
+    try:
+        status = main(*args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+    except Exception as error:  # noqa: BLE001 - what error_line does not know is re-raised
+        line = error_line(error)
+        if line is None:
+            raise
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(status or 0)
+
+
+def _program() -> str:
+    """What the user ran: ``memcalc.validation.recorded`` for ``python -m ...``, else the
+    script's file name (``peaks.py``)."""
+    import os
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
 
 
 def one_line(error: Exception, flags: dict[str, str] | None = None) -> str:

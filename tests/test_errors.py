@@ -165,3 +165,62 @@ def test_a_refusal_drops_the_name_the_line_already_shows():
     assert refusal(ValueError("--dtype: sdpa-flash: fp16 only"), "sdpa-flash") == \
         "--dtype: fp16 only"
     assert refusal(KeyError("x"), "naive") == "the model raised KeyError: 'x'"
+
+
+def test_a_missing_extra_is_named_with_how_to_install_it(monkeypatch):
+    """``require``: the package, or one line naming what needs it and memcalc's extra."""
+    import sys
+
+    from memcalc.errors import MissingExtra, require
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    with pytest.raises(MissingExtra, match=r"^drawing needs matplotlib, which is not "
+                                           r"installed: pip install 'memcalc\[plot\]'$"):
+        require("matplotlib", "drawing")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ImportError, match=r"^memcalc.trace needs PyTorch, which is not "
+                                          r"installed: pip install torch \(the CPU build"):
+        require("torch", "memcalc.trace")
+    assert require("json", "reading").dumps(1) == "1"
+
+
+def test_error_line_says_what_a_user_can_act_on_and_nothing_else():
+    """Bad input and a missing extra are one line; a bug (a RuntimeError, an ImportError of
+    nothing an extra installs) is None: its traceback stands."""
+    from memcalc.errors import error_line
+
+    assert error_line(ValueError("--seq: too long\nmore")) == "--seq: too long"
+    assert error_line(ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed")) \
+        == "No module named 'deepspeed'; pip install 'memcalc[deepspeed]'"
+    assert error_line(ModuleNotFoundError("No module named 'transformers.x'",
+                                          name="transformers.x")).endswith("'memcalc[hf]'")
+    assert error_line(ModuleNotFoundError("No module named 'nosuch'", name="nosuch")) is None
+    assert error_line(RuntimeError("a bug")) is None
+
+
+@pytest.mark.parametrize("raised, code, err", [
+    (ValueError("--x: bad"), 2, "prog.py: error: --x: bad\n"),
+    (KeyboardInterrupt(), 130, "prog.py: interrupted\n"),
+    (None, 0, ""),
+])
+def test_run_main_ends_a_script_as_the_command_ends(capsys, raised, code, err):
+    """A script's bad input: one line and status 2; Ctrl-C: one line and 130; else 0."""
+    from memcalc.errors import run_main
+
+    def main():
+        if raised is not None:
+            raise raised
+
+    with pytest.raises(SystemExit) as done:
+        run_main(main, prog="prog.py")
+    assert (done.value.code, capsys.readouterr().err) == (code, err)
+
+
+def test_run_main_leaves_a_bugs_traceback():
+    from memcalc.errors import run_main
+
+    def main():
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_main(main, prog="prog.py")
