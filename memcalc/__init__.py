@@ -17,9 +17,9 @@ from __future__ import annotations
 
 
 try:
-    from memcalc import startup as _startup
+    from memcalc import errors as _errors
 
-    _startup.hold()  # Ctrl-C from here on: answered by memcalc.cli.main, or at the end
+    _errors.hold()  # Ctrl-C from here on: answered by memcalc.cli.main, or at the end
     try:
         from memcalc.api import (breakdown, compare, make_config, oom, sweep,  # noqa: F401
                                  trace, validate)
@@ -29,10 +29,10 @@ try:
 
         _sign()
     finally:
-        if not _startup.the_command():  # imported by other code: its interrupt, now
-            _startup.release()
+        if not _errors.the_command():  # imported by other code: its interrupt, now
+            _errors.release()
 except KeyboardInterrupt:  # where SIGINT cannot be held, or before it was
-    from memcalc.startup import interrupted
+    from memcalc.errors import interrupted
 
     interrupted()
 

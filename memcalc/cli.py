@@ -15,7 +15,7 @@ import sys
 from typing import Sequence
 
 from memcalc.options import INTERRUPTED, Parser, UsageError, limits
-from memcalc.startup import release
+from memcalc.errors import release
 
 
 def command_names() -> list[str]:
@@ -34,10 +34,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``memcalc`` parser with one subparser per module of ``memcalc.commands``; with
     ``only``, that command's alone is built and the others are named, not imported
     (importing and building every command was a fifth of a command's start-up)."""
-    from memcalc import __version__
-
+    version = sys.modules["memcalc"].__version__  # the package, imported before this module
     parser = Parser(prog="memcalc", description="Byte-exact GPU memory of attention steps.")
-    parser.add_argument("--version", action="version", version=f"memcalc {__version__}")
+    parser.add_argument("--version", action="version", version=f"memcalc {version}")
     sub = parser.add_subparsers(dest="command", parser_class=Parser)
     for name in command_names():
         if only is None or name == only:
@@ -57,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        release()  # a Ctrl-C held since start-up (memcalc.startup) is raised here
+        release()  # a Ctrl-C held since start-up (memcalc.errors.hold) is raised here
         args = build_parser(argv[0] if argv and argv[0] in command_names() else None
                             ).parse_args(argv)
         if args.command is None:  # ``memcalc`` alone: what it can do

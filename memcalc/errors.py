@@ -1,10 +1,28 @@
 """One-line messages for bad input, shared by the CLI and the file loaders, with a
-suggestion for a near miss (``did_you_mean``)."""
+suggestion for a near miss (``did_you_mean``); the one line a missing extra ends in
+(``require``, ``error_line``, ``run_main``); and Ctrl-C while the ``memcalc`` command starts
+(``hold``, ``release``).
+
+Ctrl-C at start-up is held until ``memcalc.cli.main`` answers it with its one line
+(``memcalc: interrupted``, status 130), whenever in start-up it came.
+
+A ``KeyboardInterrupt`` can be raised at any bytecode of an import, and one raised while
+pydantic_core (a Rust extension, built with PyO3) imports the ``datetime`` C API becomes
+``pyo3_runtime.PanicException: failed to import datetime C API`` with a traceback (PyO3's
+``PyDateTime_IMPORT`` failing is a panic, and the panic is not a ``KeyboardInterrupt``).
+So the package's first lines block SIGINT in this thread (``hold``, POSIX only: elsewhere
+the package's ``except KeyboardInterrupt`` guards are all there is) and ``release`` unblocks
+it where an interrupt can be answered: the command's ``main``, inside its ``try``, or, for
+other code importing memcalc, the end of the package's import, which raises it there as a
+plain ``KeyboardInterrupt``. Threads started while it is held (numpy's BLAS pool) keep it
+blocked, so the signal comes to this thread. Before ``hold`` (this module's own imports),
+the package's ``except KeyboardInterrupt`` answers it the same way (``interrupted``).
+"""
 
 from __future__ import annotations
 
-import difflib
 import re
+import signal
 import sys
 from typing import Callable, Iterable, NoReturn
 
@@ -161,6 +179,8 @@ def _first_line(text: str, otherwise: str) -> str:
 def did_you_mean(word: str, known: Iterable[str]) -> str:
     """`` (did you mean 'x'?)``: the names that start with ``word`` (``a100`` ->
     ``a100-40gb`` or ``a100-80gb``), else the closest one by ``difflib``; or ``""``."""
+    import difflib
+
     known = list(known)
     low = str(word).strip().lower()
     matches = [k for k in known if low and k.lower().startswith(low)][:3]
@@ -170,3 +190,45 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
     if not matches:
         return ""
     return f" (did you mean {' or '.join(repr(m) for m in matches)}?)"
+
+
+# --- Ctrl-C while the command starts ------------------------------------------------------
+
+_HELD: list[bool] = []  # one entry while held: whether hold() blocked SIGINT itself
+
+
+def the_command() -> bool:
+    """Whether this process is the ``memcalc`` command (``memcalc ...`` or ``python -m
+    memcalc.cli ...``), not other code importing the package."""
+    import os
+
+    argv = getattr(sys, "orig_argv", sys.argv)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return script in ("memcalc", "memcalc.exe") or module in ("memcalc", "memcalc.cli")
+
+
+def hold() -> None:
+    """Block SIGINT in this thread until ``release`` (no-op where it cannot be blocked, or
+    where the caller had blocked it: it stays as the caller left it)."""
+    if _HELD or not hasattr(signal, "pthread_sigmask"):
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    _HELD.append(signal.SIGINT not in before)
+
+
+def release() -> None:
+    """Unblock SIGINT if ``hold`` blocked it; one that came meanwhile is raised here, as a
+    ``KeyboardInterrupt`` (``pthread_sigmask`` runs the handlers of signals it unblocks)."""
+    if _HELD and _HELD.pop():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def interrupted() -> None:
+    """Ctrl-C while the command starts, before ``memcalc.cli.main`` can catch it (where
+    ``hold`` cannot block it): its one line and status, as main's; imported by other code,
+    the interrupt goes on."""
+    if not the_command():
+        raise KeyboardInterrupt
+    print("memcalc: interrupted", file=sys.stderr)
+    raise SystemExit(130)
