@@ -97,7 +97,7 @@ class Quadratic(BaseModel):
 
 
 def live_polynomial(config: Config, field: str, breakdown=None,
-                    below: bool = False, snap=None) -> Quadratic | None:
+                    below: bool = False, snap=None, aligned: bool = True) -> Quadratic | None:
     """The raw bytes of what is alive at ``config``'s peak, as a quadratic in ``field``
     (None when the program's tensors change names with the field). A program whose number
     of tensors grows with the field (a loop over chunks) is replayed at each point: its
@@ -105,7 +105,9 @@ def live_polynomial(config: Config, field: str, breakdown=None,
     at ``x/4``, ``x/2`` and ``x`` (for a loop at a large ``x``: replays of 1.5x rows in
     all, instead of 9x at 2x, 3x and 4x, each larger than the one at ``x``). ``snap``: moves
     each point to a value the implementation accepts (the memory-efficient kernel's head
-    dims are multiples of 4 or 8; ``memcalc.impls.accepted``)."""
+    dims are multiples of 4 or 8; ``memcalc.impls.accepted``). ``aligned``: a fit made
+    again at multiples of ``ALIGN`` (``_aligned``) where the first is not exact, and shown
+    if exact there (the search's first guesses skip it: four more lengths to build)."""
     b = breakdown if breakdown is not None else predict(config)
     x0 = getattr(config.shape, field)
     live = b.components
@@ -132,10 +134,10 @@ def live_polynomial(config: Config, field: str, breakdown=None,
 
     xs, check_x = ((x0 // 4, x0 // 2, x0), 3 * x0 // 4) if below else ((x0, 2 * x0, 4 * x0), 3 * x0)
     q = _fitted(raw, xs, check_x, snap)
-    if q is not None and not q[1]:  # a fit (sizes with a ceil): where there is none, if exact
-        aligned = _fitted(raw, _aligned(xs[0]), 3 * _aligned(xs[0])[0], snap)
-        if aligned is not None and aligned[1]:  # exact on multiples of ALIGN, a fit at x0
-            q = (aligned[0], False, aligned[2])
+    if aligned and q is not None and not q[1]:  # a fit (a ceil): again where there is none
+        again = _fitted_in_time(raw, _aligned(xs[0]), snap)
+        if again is not None and again[1]:  # exact on multiples of ALIGN, a fit at x0
+            q = (again[0], False, again[2])
     if q is None:
         return None
     (a, bb, c), exact, points = q
@@ -157,6 +159,15 @@ def _aligned(x: int) -> tuple[int, int, int]:
     step = min(ALIGN, 1 << (max(x, 1).bit_length() - 1))
     x = x // step * step
     return x, 2 * x, 4 * x
+
+
+def _fitted_in_time(raw, xs: tuple[int, int, int], snap):
+    """``_fitted`` at ``xs`` (checked at ``3 * xs[0]``), or None when the time left runs
+    out first: the first fit stands."""
+    try:
+        return _fitted(raw, xs, 3 * xs[0], snap)
+    except TimeUp:
+        return None
 
 
 def _fitted(raw, xs: tuple[int, int, int], check_x: int, snap):
