@@ -49,8 +49,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``memcalc argv``; the exit status (2 and one stderr line on bad input; 130 and
-    one line on Ctrl-C, which long replays invite; ``memcalc`` alone: the commands, and
-    2)."""
+    one line on Ctrl-C, which long replays invite; ``memcalc`` alone: the commands in one
+    line, and 2)."""
     from memcalc.engine.deadline import TimeUp
     from memcalc.errors import FLAGS, error_line
 
@@ -59,9 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         release()  # a Ctrl-C held since start-up (memcalc.errors.hold) is raised here
         args = build_parser(argv[0] if argv and argv[0] in command_names() else None
                             ).parse_args(argv)
-        if args.command is None:  # ``memcalc`` alone: what it can do
-            build_parser().print_help()
-            return 2
+        if args.command is None:  # ``memcalc`` alone: the commands there are
+            raise UsageError(f"give a command: {_listed(command_names(), 'or')} (memcalc "
+                             f"--help says what each does)")
         with limits(args):
             return command(args.command).run(args)
     except KeyboardInterrupt:
@@ -137,9 +137,11 @@ def _option_hint(option: str, known: list[str], command: str | None, parser) -> 
     return f"{option}{hint}" if hint else ""
 
 
-def _listed(words: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return " and ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} and {words[-1]}"
+def _listed(words: list[str], last: str = "and") -> str:
+    """``a``, ``a and b``, ``a, b and c`` (``last``: ``or``)."""
+    if len(words) < 3:
+        return f" {last} ".join(words)
+    return f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:

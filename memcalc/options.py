@@ -300,12 +300,12 @@ def impls_with_trace(args) -> list[str] | None:
 
 
 @contextmanager
-def about_target(spec: str | None) -> Iterator[None]:
+def about_target(spec: str | None, argument: str = "--trace") -> Iterator[None]:
     """A ``TraceError`` inside (the traced target ``spec`` cannot be loaded, called or
-    traced) as the one line every command gives of it, ``target SPEC: why`` (``trace``,
-    ``oom --trace``, ``sweep --trace``, ``validate --trace`` alike): its first line, the
-    tracer's ``--trace SPEC: `` dropped; one naming an option (``--kv-len: ...``) as it is.
-    No target (``spec`` None): nothing is imported, nothing caught."""
+    traced) as the one line every command gives of it, naming the argument that named the
+    target: ``--trace SPEC: why`` (``oom``, ``sweep``, ``validate``), ``target SPEC: why``
+    (``trace``'s positional); its first line, the tracer's own ``--trace SPEC: `` dropped;
+    one naming an option (``--kv-len: ...``) as it is. No target: nothing imported."""
     if spec is None:
         yield
         return
@@ -314,9 +314,10 @@ def about_target(spec: str | None) -> Iterator[None]:
     try:
         yield
     except TraceError as error:
-        text = str(error).removeprefix(f"--trace {spec}: ").removeprefix(f"target {spec}: ")
+        text = str(error).removeprefix(f"--trace {spec}: ")
         line = (text.splitlines() or [""])[0]
-        raise ValueError(line if line.startswith("--") else f"target {spec}: {line}") from None
+        raise ValueError(line if line.startswith("--") else f"{argument} {spec}: {line}"
+                         ) from None
 
 
 def _with_fsdp(args, world: int | None):

@@ -1,8 +1,8 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
 from memcalc.options import (INTERRUPTED, about_target, budget_from, budget_options, check_chunk,
-                             config_options, emit, format_options, impls_with_trace,
-                             input_options, shape_options, whole, work_options)
+                             config_options, emit, format_options, impls_with_trace, input_options,
+                             shape_options, whole, work_options)
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
 
