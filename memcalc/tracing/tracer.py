@@ -21,6 +21,7 @@ import inspect
 import linecache
 import os
 import sys
+import threading
 import weakref
 from contextlib import contextmanager
 from typing import Callable
@@ -577,11 +578,53 @@ def call_within(mode: TorchFunctionMode, func, types, args, kwargs):
     releases lack it: there the inner calls of such functions stay unseen. A builtin's inner
     calls are C++, below every torch-function mode, and it is called as it is (some, such
     as ``torch._C._set_grad_enabled``, do not take the skip)."""
+    kwargs = kwargs or {}
     redispatch = getattr(torch.overrides, "redispatch_function", None)
     if redispatch is None or not inspect.isfunction(func):
-        return func(*args, **(kwargs or {}))
-    with mode:
-        return redispatch(func, types, args, kwargs or {})
+        return func(*args, **kwargs)
+    if _reentered(func, args):
+        return _c_method(func, args, kwargs)
+    running = _redispatched()
+    running.append((func, _first(args)))
+    try:
+        with mode:
+            return redispatch(func, types, args, kwargs)
+    finally:
+        running.pop()
+
+
+_THREAD = threading.local()
+
+
+def _redispatched() -> list[tuple]:
+    """``(function, its first argument)`` of each Python torch function this thread runs
+    under ``call_within``, innermost last."""
+    if not hasattr(_THREAD, "running"):
+        _THREAD.running = []
+    return _THREAD.running
+
+
+def _first(args):
+    return args[0] if args else None
+
+
+def _reentered(func, args) -> bool:
+    """Whether this call is the C++ method under a Python ``Tensor`` method asking the modes
+    again: ``Tensor.unflatten`` (``torch/_tensor.py``) checks for torch functions, then calls
+    ``super().unflatten``, whose C++ check names the Python method again
+    (``torch/csrc/utils/python_arg_parser.cpp`` looks the override up on ``torch.Tensor``);
+    redispatched again it would recurse without end (``nn.MultiheadAttention``'s
+    ``unflatten``)."""
+    running = _redispatched()
+    return bool(running) and running[-1][0] is func and running[-1][1] is _first(args)
+
+
+def _c_method(func, args, kwargs):
+    """The re-entered call run below every torch-function mode: it is the C++ op itself,
+    whose work the dispatch modes (the tracer) still see, and the modes have already
+    handled it once under its Python name."""
+    with torch._C.DisableTorchFunction():
+        return func(*args, **kwargs)
 
 
 class TracerProbe:
