@@ -187,11 +187,9 @@ def _integer(value) -> int | None:
 def _needs_torch(what: str) -> None:
     """An ImportError that says how to get PyTorch, instead of a bare ``No module named
     'torch'`` from deep inside ``what``."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise ImportError(f"{what} needs PyTorch, which is not installed: pip install torch "
-                          f"(the CPU build is enough)", name="torch") from None
+    from memcalc.errors import require
+
+    require("torch", what)
 
 
 def _impl_names() -> list[str]:

@@ -15,8 +15,7 @@ import sys
 from typing import Sequence
 
 from memcalc.options import INTERRUPTED, Parser, UsageError, limits
-
-
+from memcalc.errors import release
 
 
 def command_names() -> list[str]:
@@ -35,8 +34,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``memcalc`` parser with one subparser per module of ``memcalc.commands``; with
     ``only``, that command's alone is built and the others are named, not imported
     (importing and building every command was a fifth of a command's start-up)."""
+    version = sys.modules["memcalc"].__version__  # the package, imported before this module
     parser = Parser(prog="memcalc", description="Byte-exact GPU memory of attention steps.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    parser.add_argument("--version", action="version", version=f"memcalc {version}")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser)
     for name in command_names():
         if only is None or name == only:
             module = command(name)
@@ -48,38 +49,46 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``memcalc argv``; the exit status (2 and one stderr line on bad input; 130 and
-    one line on Ctrl-C, which long replays invite)."""
-    from pydantic import ValidationError
-
-    from memcalc.errors import FLAGS, one_line
-
+    one line on Ctrl-C, which long replays invite; ``memcalc`` alone: the commands in one
+    line, and 2)."""
     from memcalc.engine.deadline import TimeUp
+    from memcalc.errors import FLAGS, error_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        release()  # a Ctrl-C held since start-up (memcalc.errors.hold) is raised here
         args = build_parser(argv[0] if argv and argv[0] in command_names() else None
                             ).parse_args(argv)
+        if args.command is None:  # ``memcalc`` alone: the commands there are
+            raise UsageError(f"give a command: {_listed(command_names(), 'or')} (memcalc "
+                             f"--help says what each does)")
         with limits(args):
             return command(args.command).run(args)
-    except TimeUp:
-        print(f"memcalc: error: --time-limit: {args.command} ran past {args.time_limit:g} s "
-              f"and stopped; raise the limit to let it finish", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("memcalc: interrupted", file=sys.stderr)
         return INTERRUPTED
     except UsageError as error:
         print(f"memcalc: error: {suggest_option(str(error), argv)}", file=sys.stderr)
         return 2
-    except (ValidationError, ValueError, OSError) as error:
-        print(f"memcalc: error: {one_line(error, FLAGS)}", file=sys.stderr)
+    except TimeUp:
+        print(f"memcalc: error: --time-limit: {args.command} ran past {args.time_limit:g} s "
+              f"and stopped; raise the limit to let it finish", file=sys.stderr)
         return 2
-    except ImportError as error:
-        if (error.name or "").split(".")[0] != "torch":
+    except (ValueError, OSError, ImportError) as error:  # pydantic's ValidationError too
+        line = _torch_line(error, argv) or error_line(error, FLAGS)
+        if line is None:
             raise
-        print(f"memcalc: error: {_needing_torch(argv)} needs PyTorch, which is not installed: "
-              f"pip install torch (the CPU build is enough)", file=sys.stderr)
+        print(f"memcalc: error: {line}", file=sys.stderr)
         return 2
+
+
+def _torch_line(error: BaseException, argv: list[str]) -> str | None:
+    """The line for PyTorch missing: what needed it (``_needing_torch``) and how to get it."""
+    from memcalc.errors import install
+
+    if not isinstance(error, ImportError) or (error.name or "").split(".")[0] != "torch":
+        return None
+    return f"{_needing_torch(argv)} needs PyTorch, which is not installed: {install('torch')}"
 
 
 def _needing_torch(argv: list[str]) -> str:
@@ -128,9 +137,11 @@ def _option_hint(option: str, known: list[str], command: str | None, parser) -> 
     return f"{option}{hint}" if hint else ""
 
 
-def _listed(words: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return " and ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} and {words[-1]}"
+def _listed(words: list[str], last: str = "and") -> str:
+    """``a``, ``a and b``, ``a, b and c`` (``last``: ``or``)."""
+    if len(words) < 3:
+        return f" {last} ".join(words)
+    return f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:

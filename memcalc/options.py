@@ -16,16 +16,22 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
+from memcalc.errors import INTERRUPTED  # noqa: F401  (the commands' status on Ctrl-C)
+
 
 class UsageError(Exception):
     """Bad input: reported as one line, exit status 2."""
 
 
 class Parser(argparse.ArgumentParser):
-    """The commands' parser: bad input is one line (``UsageError``), not usage + message."""
+    """The commands' parser: bad input is one line (``UsageError``), not usage + message,
+    in the format of every other error: argparse's ``argument --seq: ...`` (and ``not
+    allowed with argument --json``) read ``--seq: ...``, as the configuration's do."""
 
     def error(self, message: str):
-        raise UsageError(message)
+        import re
+
+        raise UsageError(re.sub(r"(^|with )argument ", r"\1", message))
 
 
 DTYPE_HELP = "fp32, fp16 or bf16; also float32, float16/half, bfloat16 (default fp32)"
@@ -278,14 +284,12 @@ def impls_with_trace(args) -> list[str] | None:
                          f"{multiple_of})")
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.tracing import TraceError, load_function, register_function
+    from memcalc.tracing import load_function, register_function
 
-    fn = load_function(args.trace)
     worlds = fsdp_worlds(args.fsdp) or [None]
-    try:
+    with about_target(args.trace):
+        fn = load_function(args.trace)
         callings = [calling_from(_with_fsdp(args, world), fn) for world in worlds]
-    except TraceError as error:
-        raise ValueError(f"--trace {args.trace}: {error}") from None
     from memcalc.tracing import TraceOptions
 
     options = TraceOptions(**release_of(args))
@@ -293,6 +297,27 @@ def impls_with_trace(args) -> list[str] | None:
     return (impls or []) + [register_function(fn, label(c), c, options, multiple_of or 1,
                                               fsdp_in_title=len(worlds) == 1)
                             for c in callings]
+
+
+@contextmanager
+def about_target(spec: str | None, argument: str = "--trace") -> Iterator[None]:
+    """A ``TraceError`` inside (the traced target ``spec`` cannot be loaded, called or
+    traced) as the one line every command gives of it, naming the argument that named the
+    target: ``--trace SPEC: why`` (``oom``, ``sweep``, ``validate``), ``target SPEC: why``
+    (``trace``'s positional); its first line, the tracer's own ``--trace SPEC: `` dropped;
+    one naming an option (``--kv-len: ...``) as it is. No target: nothing imported."""
+    if spec is None:
+        yield
+        return
+    from memcalc.tracing.errors import TraceError
+
+    try:
+        yield
+    except TraceError as error:
+        text = str(error).removeprefix(f"--trace {spec}: ")
+        line = (text.splitlines() or [""])[0]
+        raise ValueError(line if line.startswith("--") else f"{argument} {spec}: {line}"
+                         ) from None
 
 
 def _with_fsdp(args, world: int | None):
@@ -485,11 +510,14 @@ def check_output(path: str | None, option: str) -> None:
 
 @contextmanager
 def naming(option: str) -> Iterator[None]:
-    """Re-raise an OSError or ValueError from writing or reading ``option``'s file as a
-    one-line ValueError that names the option."""
+    """Re-raise an OSError or ValueError from writing or reading ``option``'s file, or a
+    missing extra (``--plot`` without matplotlib), as a one-line ValueError that names the
+    option."""
+    from memcalc.errors import MissingExtra
+
     try:
         yield
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, MissingExtra) as error:
         from memcalc.errors import one_line
 
         text = one_line(error)
@@ -506,4 +534,3 @@ def plotting(path: str, what: str) -> Iterator[None]:
     written = path if os.path.splitext(path)[1] else f"{path}.png"
     print(f"memcalc: wrote {written}: {what}", file=sys.stderr)
 
-INTERRUPTED = 130  # the shell's status for a process stopped by Ctrl-C (128 + SIGINT)

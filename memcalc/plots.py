@@ -32,10 +32,10 @@ def _figure(width: float = 9, height: float = 5, panels: int = 1):
     made without pyplot: no backend is chosen or switched (a notebook keeps its own, and
     shows the returned figure inline) and no figure stays registered after the caller
     drops it."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ValueError("--plot: needs matplotlib (pip install 'memcalc[plot]')") from None
+    from memcalc.errors import require
+
+    require("matplotlib", "drawing")  # missing: one line, naming the extra
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
     if panels == 1:

@@ -29,21 +29,3 @@ def test_api_errors_name_the_field():
         memcalc.breakdown(gpu=None)  # not the Device model's memory_bytes, which it does not take
 
 
-@pytest.mark.parametrize("argv, orig, command", [
-    (["/venv/bin/memcalc", "breakdown"], ["python", "/venv/bin/memcalc", "breakdown"], True),
-    (["-m", "breakdown"], ["python", "-m", "memcalc.cli", "breakdown"], True),
-    (["notebook.py"], ["python", "notebook.py"], False),
-    (["-m"], ["python", "-m", "pytest"], False),
-])
-def test_a_ctrl_c_while_the_package_loads_is_the_commands_only_there(monkeypatch, argv,
-                                                                      orig, command):
-    """``import memcalc`` takes ~0.1 s (the configuration models, for the signatures): a
-    Ctrl-C there is the command's one line and status 130 when the process is the
-    ``memcalc`` command, and stays a KeyboardInterrupt for any other code."""
-    import sys
-
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.setattr(sys, "orig_argv", orig, raising=False)
-    assert memcalc._the_command() is command
-    with pytest.raises(SystemExit if command else KeyboardInterrupt):
-        memcalc._interrupted()

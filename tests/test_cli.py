@@ -251,3 +251,81 @@ def test_breakdown_takes_one_impl_repeated_or_not(capsys):
     code, out, err = run(capsys, "breakdown", "--impl", "naive", "--impl", "flash2")
     assert_refused(code, out, err, "--impl")
     assert "given twice (naive, then flash2)" in err
+
+
+def test_memcalc_alone_lists_the_commands(capsys):
+    """``memcalc`` alone said ``the following arguments are required: command`` and no
+    more: its one line lists the commands, and where to read what each does."""
+    assert run(capsys) == (2, "", "memcalc: error: give a command: breakdown, compare, gpus, "
+                                  "impls, oom, sweep, trace or validate (memcalc --help says "
+                                  "what each does)\n")
+
+
+def test_version_prints_it(capsys):
+    """``memcalc --version`` said a command was required."""
+    import memcalc
+
+    assert run(capsys, "--version") == (0, f"memcalc {memcalc.__version__}\n", "")
+
+
+@pytest.mark.parametrize("argv, line", [
+    # argparse's own refusals read as the configuration's: "--seq: ...", not "argument --seq:"
+    (["breakdown", "--seq", "abc"], "--seq: 'abc' is not a whole number (1024, 1_000_000 or 1e6)"),
+    (["breakdown", "--seq", "0"], "--seq: Input should be greater than or equal to 1 (got 0)"),
+    (["breakdown", "--block-mask", "x"], "--block-mask: invalid choice: 'x' (choose from "
+                                         "'given', 'dense')"),
+    (["breakdown", "--impl", "naive", "--impl", "flash2"], "--impl: given twice (naive, then "
+                                                           "flash2); it takes one value"),
+])
+def test_every_refusal_names_its_option_in_one_format(capsys, argv, line):
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", f"memcalc: error: {line}\n")
+
+
+RAISES = '''def attn(q, k, v):
+    raise RuntimeError("kaput")
+'''
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["trace", "{target}", "--seq", "64"], "target"),
+    (["oom", "--trace", "{target}", "--gpu-gb", "80"], "--trace"),
+    (["sweep", "--trace", "{target}", "--seq", "64"], "--trace"),
+])
+def test_a_traced_target_that_fails_is_named_by_every_command(capsys, tmp_path, argv, named):
+    """``oom --trace`` and ``sweep --trace`` gave the target's failure with neither the
+    target nor the option: each names the argument that named the target, and the target,
+    as ``trace`` does (``target F:N: ...``; ``--trace F:N: ...``)."""
+    pytest.importorskip("torch")
+    path = tmp_path / "raises.py"
+    path.write_text(RAISES)
+    target = f"{path}:attn"
+    code, out, err = run(capsys, *(a.format(target=target) for a in argv))
+    assert (code, out) == (2, "")
+    assert err == (f"memcalc: error: {named} {target}: line 2 of raises.py (raise "
+                   f"RuntimeError(\"kaput\")) raised RuntimeError: kaput\n")
+
+
+def test_plot_without_matplotlib_names_the_option_and_the_extra(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    code, _, err = run(capsys, "breakdown", "--seq", "1024", "--plot", str(tmp_path / "t.png"))
+    assert (code, err) == (2, "memcalc: error: --plot: drawing needs matplotlib, which is not "
+                              "installed: pip install 'memcalc[plot]'\n")
+
+
+def test_a_target_importing_a_missing_extra_says_how_to_install_it(capsys, monkeypatch,
+                                                                   tmp_path):
+    """The DeepSpeed examples without DeepSpeed ended in ``No module named 'deepspeed'``
+    and nothing on how to get it."""
+    pytest.importorskip("torch")
+    path = tmp_path / "uses_deepspeed.py"
+    path.write_text("from deepspeed.sequence.layer import DistributedAttention\n\n\n"
+                    "def attn(q, k, v):\n    return q\n")
+    for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # not installed
+    code, _, err = run(capsys, "trace", f"{path}:attn", "--seq", "64")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"memcalc: error: target {path}:attn: importing {path} failed: "
+                          f"ModuleNotFoundError: ")
+    assert err.endswith("; pip install 'memcalc[deepspeed]'\n")

@@ -49,17 +49,55 @@ def test_text_leaves_out_zero_terms_exact_or_rounded():
 
 def test_json_coefficients_are_integers_over_one_denominator():
     """Exact closed forms sum sizes that are products of the dimensions: integer
-    coefficients, denominator 1. A fit (sdpa-efficient pads rows, a ceil) has fractions
-    -41/1,875, 790,568/125 and -128,128/3: over lcm(1,875, 125, 3) = 1,875 (3 x 5^4) they
-    are -41, 790,568 x 15 = 11,858,520 and -128,128 x 625 = -80,080,000, exact."""
+    coefficients, denominator 1. A fit's are fractions: -41/1,875, 790,568/125 and
+    -128,128/3 over lcm(1,875, 125, 3) = 1,875 (3 x 5^4) are -41, 790,568 x 15 =
+    11,858,520 and -128,128 x 625 = -80,080,000, exact."""
+    from memcalc.analysis.closed_form import Quadratic
+
     naive = live_polynomial(Config(impl="naive", shape={"seq_len": 4096}), "seq_len")
     assert {k: naive.to_dict()[k] for k in ("a", "b", "c", "denominator", "exact")} == {
         "a": 192, "b": 3168, "c": 67_108_864, "denominator": 1, "exact": True}
-    fit = live_polynomial(Config(impl="sdpa-efficient", shape={"seq_len": 1000}), "seq_len")
+    fit = Quadratic(symbol="N", a=Fraction(-41, 1875), b=Fraction(790_568, 125),
+                    c=Fraction(-128_128, 3), exact=False, at=1000, points=(1000, 2000, 4000),
+                    components=())
     assert fit.text() == "-41/1,875*N^2 + 790,568/125*N - 128,128/3 (fit)"
     assert fit.coefficients() == {"a": -41, "b": 11_858_520, "c": -80_080_000,
                                   "denominator": 1875}
     assert (-41 * 3000**2 + 11_858_520 * 3000 - 80_080_000) / Fraction(1875) == fit(3000)
+
+
+def test_a_padded_kernel_is_fitted_where_its_padding_is_none():
+    """sdpa-efficient at 1,000 rows (B=8, H=1, d=16, fp32) pads its logsumexp to 32 rows and
+    its dQ tiles to 64: the quadratic through 1,000, 2,000 and 4,000 rows was
+    -41/1,875*N^2 + 790,568/125*N - 128,128/3, a negative N^2 on a kernel with no N^2
+    memory. Refitted at multiples of 512 (512, 1,024, 2,048; exact there and at 1,536) it
+    is the kernel's bytes per row: q, k, v, grad_out, out, dq, dk, dv 8 x (8 x 16 x 4) =
+    4,096, lse and the delta rowsum 2 x 8 x 4 = 64, the dQ tiles' workspace
+    8 x 4 x (4 + 64 x 64) / 64 = 2,050: 6,210*N, marked a fit (at 1,000 rows the padding
+    adds 6,259,968 - 6,210,000 = 49,968 B: workspace 2,099,200 (16 tiles) + 8 x 512,000
+    + lse 32,768 (1,024 rows) + rowsum 32,000)."""
+    fit = live_polynomial(Config(impl="sdpa-efficient", shape={"seq_len": 1000}), "seq_len")
+    assert (fit.a, fit.b, fit.c, fit.exact, fit.points) == (0, 6210, 0, False, (512, 1024, 2048))
+    assert fit.text() == "6,210*N (fit)"
+    at_1000 = predict(Config(impl="sdpa-efficient", shape={"seq_len": 1000}))
+    assert sum(c.bytes for c in at_1000.components) - fit(1000) == 49_968
+
+
+def test_a_negative_square_term_is_never_fitted():
+    """Sizes are never negative, so no sum of them has a negative N^2 term: a size padded to
+    128 rows (4 B a row) through 1,100, 2,200 and 4,400 rows (1,152, 2,304 and 4,480 rows:
+    4,608, 9,216 and 17,920 B) bends down, (17,920 - 9,216) / 2,200 < (9,216 - 4,608) /
+    1,100; the fit is the line through the outermost points instead: (17,920 - 4,608) /
+    3,300 = 3,328/825 B a row, and 4,608 - 3,328/825 x 1,100 = (13,824 - 13,312)/3 = 512/3 B,
+    a fit (it misses 2,200)."""
+    from math import ceil
+
+    from memcalc.analysis.closed_form import _fitted
+
+    (a, b, c), exact, points = _fitted(lambda x: 4 * ceil(x / 128) * 128,
+                                       (1100, 2200, 4400), 3300, None)
+    assert (a, b, c, exact, points) == (0, Fraction(3328, 825), Fraction(512, 3), False,
+                                        (1100, 2200, 4400))
 
 
 def test_a_name_declared_twice_counts_the_declaration_alive_at_the_peak():

@@ -198,7 +198,7 @@ def refusals(tmp_path) -> dict[str, tuple[list[str], str]]:
         "no implementation takes the options": (  # the first implementation's reason
             [*PAIR, "--heads", "4", "--kv-heads", "2"],
             "--kv-heads: implementation naive needs kv_heads == heads (2 != 4)"),
-        "two formats": (["--json", "--csv"], "argument --csv: not allowed with argument --json"),
+        "two formats": (["--json", "--csv"], "--csv: not allowed with --json"),
     }
 
 

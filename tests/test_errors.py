@@ -1,6 +1,11 @@
 """memcalc.errors: bad input as one line, the field named by the CLI option that sets it."""
 
 import inspect
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 from typing import Annotated
 
 import pytest
@@ -8,6 +13,7 @@ from pydantic import AfterValidator, BaseModel, TypeAdapter, ValidationError
 
 from memcalc.cli import build_parser
 from memcalc.config import Config, make_config
+from memcalc import errors
 from memcalc.errors import FLAGS, one_line
 
 GE_1 = "Input should be greater than or equal to 1"
@@ -165,3 +171,156 @@ def test_a_refusal_drops_the_name_the_line_already_shows():
     assert refusal(ValueError("--dtype: sdpa-flash: fp16 only"), "sdpa-flash") == \
         "--dtype: fp16 only"
     assert refusal(KeyError("x"), "naive") == "the model raised KeyError: 'x'"
+
+
+def test_a_missing_extra_is_named_with_how_to_install_it(monkeypatch):
+    """``require``: the package, or one line naming what needs it and memcalc's extra."""
+    from memcalc.errors import MissingExtra, require
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    with pytest.raises(MissingExtra, match=r"^drawing needs matplotlib, which is not "
+                                           r"installed: pip install 'memcalc\[plot\]'$"):
+        require("matplotlib", "drawing")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ImportError, match=r"^memcalc.trace needs PyTorch, which is not "
+                                          r"installed: pip install torch \(the CPU build"):
+        require("torch", "memcalc.trace")
+    assert require("json", "reading").dumps(1) == "1"
+
+
+def test_error_line_says_what_a_user_can_act_on_and_nothing_else():
+    """Bad input and a missing extra are one line; a bug (a RuntimeError, an ImportError of
+    nothing an extra installs) is None: its traceback stands."""
+    from memcalc.errors import error_line
+
+    assert error_line(ValueError("--seq: too long\nmore")) == "--seq: too long"
+    assert error_line(ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed")) \
+        == "No module named 'deepspeed'; pip install 'memcalc[deepspeed]'"
+    assert error_line(ModuleNotFoundError("No module named 'transformers.x'",
+                                          name="transformers.x")).endswith("'memcalc[hf]'")
+    assert error_line(ModuleNotFoundError("No module named 'nosuch'", name="nosuch")) is None
+    assert error_line(RuntimeError("a bug")) is None
+
+
+@pytest.mark.parametrize("raised, code, err", [
+    (ValueError("--x: bad"), 2, "prog.py: error: --x: bad\n"),
+    (KeyboardInterrupt(), 130, "prog.py: interrupted\n"),
+    (None, 0, ""),
+])
+def test_run_main_ends_a_script_as_the_command_ends(capsys, raised, code, err):
+    """A script's bad input: one line and status 2; Ctrl-C: one line and 130; else 0."""
+    from memcalc.errors import run_main
+
+    def main():
+        if raised is not None:
+            raise raised
+
+    with pytest.raises(SystemExit) as done:
+        run_main(main, prog="prog.py")
+    assert (done.value.code, capsys.readouterr().err) == (code, err)
+
+
+def test_run_main_leaves_a_bugs_traceback():
+    from memcalc.errors import run_main
+
+    def main():
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_main(main, prog="prog.py")
+
+
+# --- Ctrl-C while the command starts ----------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("argv, orig, command", [
+    (["/venv/bin/memcalc", "breakdown"], ["python", "/venv/bin/memcalc", "breakdown"], True),
+    (["-m", "breakdown"], ["python", "-m", "memcalc.cli", "breakdown"], True),
+    (["notebook.py"], ["python", "notebook.py"], False),
+    (["-m"], ["python", "-m", "pytest"], False),
+])
+def test_a_ctrl_c_while_the_package_loads_is_the_commands_only_there(monkeypatch, argv,
+                                                                      orig, command):
+    """``import memcalc`` takes ~0.1 s (the configuration models, for the signatures): a
+    Ctrl-C there is the command's one line and status 130 when the process is the
+    ``memcalc`` command, and stays a KeyboardInterrupt for any other code."""
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig, raising=False)
+    assert errors.the_command() is command
+    with pytest.raises(SystemExit if command else KeyboardInterrupt):
+        errors.interrupted()
+
+
+def _run(code: str, *argv: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (this worktree's memcalc first on the path)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *argv], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+needs_sigmask = pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"),
+                                   reason="SIGINT is held only where it can be blocked")
+
+
+@needs_sigmask
+def test_a_held_ctrl_c_is_raised_when_released():
+    """Held, a SIGINT raises nothing; released, it is a KeyboardInterrupt there. (In a
+    fresh interpreter: threads started before the hold, pytest's own, would take it.)"""
+    done = _run("""
+        import os, signal, time
+        from memcalc import errors
+        errors.hold()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        print("held")
+        try:
+            errors.release()
+        except KeyboardInterrupt:
+            print("raised at release")
+    """)
+    assert done.stdout == "held\nraised at release\n", done.stderr
+
+
+@needs_sigmask
+@pytest.mark.parametrize("module", ["datetime", "pydantic", "argparse"])
+def test_a_ctrl_c_at_any_import_of_the_command_is_its_one_line(module):
+    """The command, SIGINT sent to itself the moment start-up imports ``module``: while
+    pydantic_core (Rust, PyO3) imports the datetime C API that was ``pyo3_runtime.
+    PanicException: failed to import datetime C API`` and a traceback; while the entry
+    point imports ``memcalc.cli`` (argparse), a bare KeyboardInterrupt. Now both are
+    ``memcalc: interrupted`` and status 130."""
+    done = _run(f"""
+        import os, signal, sys
+        sys.argv[0] = "memcalc"
+
+        class Interrupt:  # Ctrl-C as the import of {module!r} begins
+            def find_spec(self, name, path=None, target=None):
+                if name == {module!r}:
+                    sys.meta_path.remove(self)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, Interrupt())
+        from memcalc.cli import main
+        sys.exit(main(["gpus"]))
+    """)
+    assert (done.returncode, done.stderr) == (130, "memcalc: interrupted\n")
+    assert done.stdout == ""
+
+
+def test_the_package_imported_by_other_code_leaves_ctrl_c_as_it_was():
+    """``import memcalc`` from other code: SIGINT is not left blocked (a Ctrl-C after it is
+    the usual KeyboardInterrupt, at once)."""
+    done = _run("""
+        import os, signal, time
+        import memcalc
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+            print("not interrupted")
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    assert done.stdout == "interrupted\n", done.stderr

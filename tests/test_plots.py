@@ -127,8 +127,28 @@ def test_example_scripts(tmp_path, monkeypatch, capsys, name):
     script = Path(__file__).resolve().parents[1] / "examples" / "plots" / f"{name}.py"
     out = tmp_path / f"{name}.png"
     monkeypatch.setattr(sys, "argv", [str(script), str(out)])
-    runpy.run_path(str(script), run_name="__main__")
-    assert is_png(out)
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(script), run_name="__main__")
+    assert done.value.code == 0 and is_png(out)
+
+
+@pytest.mark.parametrize("name", ["timeline", "components", "peaks"])
+def test_an_example_script_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys,
+                                                               name):
+    """``python examples/plots/peaks.py`` without matplotlib ended in a traceback and
+    ``ValueError: --plot: needs matplotlib``, an option the script has not: one line
+    naming the extra, exit status 2."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "plots" / f"{name}.py"
+    monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path / f"{name}.png")])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(script), run_name="__main__")
+    assert done.value.code == 2
+    assert capsys.readouterr().err == (f"{name}.py: error: drawing needs matplotlib, which is "
+                                       f"not installed: pip install 'memcalc[plot]'\n")
 
 
 def test_peaks_draws_the_figure_that_decides_fitting(tmp_path):

@@ -221,14 +221,23 @@ def test_closed_form_of_a_loop_at_the_answer_is_fitted_below_it(monkeypatch):
     assert (below.a, below.b, below.c) == (up.a, up.b, up.c)
 
 
-def test_a_closed_form_is_fitted_through_values_the_kernel_accepts():
+def test_a_closed_form_is_fitted_through_values_the_kernel_accepts(monkeypatch):
     """sdpa-efficient in fp32 takes head dims in multiples of 4: at 17,880 the points below
     it, 4,470 and 13,410 (3/4), are not; each is moved down to one (4,468, 13,408), where
-    the fit had given up (the kernel refused 4,470). The report names the points."""
+    the fit had given up (the kernel refused 4,470). That fit is not exact (the kernel pads
+    head dims to its tiles), so it is made again at multiples of 1,024 (4,096, 8,192,
+    16,384 and 12,288, which the kernel takes), where no tile is padded. The report names
+    the points."""
+    replayed = []
     probe = Probe(Config(impl="sdpa-efficient"), "head_dim", GIB80)
+    sizes = closed_form.tensor_sizes
+    monkeypatch.setattr(closed_form, "tensor_sizes",
+                        lambda c, rank: replayed.append(c.shape.head_dim) or sizes(c, rank))
     q = _closed_form(probe, 17_880, "head_dim")  # 17,880 x 4 > 65,536: fitted below it
-    assert q is not None and q.points == (4_468, 8_940, 17_880)  # 4,470 -> 4,468
-    assert not q.exact  # rows padded by the kernel: a fit, not the sizes' own polynomial
+    # the live set at 17,880, then 4,470 -> 4,468, 8,940 and 13,410 -> 13,408, then aligned
+    assert replayed == [17_880, 4_468, 8_940, 13_408, 4_096, 8_192, 16_384, 12_288]
+    assert q is not None and q.points == (4_096, 8_192, 16_384)
+    assert not q.exact  # a fit, not the sizes' own polynomial at 17,880
 
 
 def test_closed_form_is_left_out_when_no_time_is_left():

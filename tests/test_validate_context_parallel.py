@@ -166,3 +166,26 @@ def test_without_deepspeed_validate_says_the_ulysses_checks_did_not_run(monkeypa
     assert out.splitlines()[-1].startswith("emulated: 2 configurations, 10 figures, 0 mismatches")
     assert err == ("note: DeepSpeed is not installed: its Ulysses configurations were not "
                    "checked (pip install 'memcalc[deepspeed]')\n")
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules")  # run as python -m runs it
+def test_a_ulysses_report_without_deepspeed_is_one_line_naming_the_extra(monkeypatch, capsys):
+    """``python -m memcalc.validation.context_parallel cp-ulysses-...json`` without
+    DeepSpeed ended in a traceback and ``TraceError ... No module named 'deepspeed'``: one
+    line naming the extra, exit status 2, before any rank is traced."""
+    import runpy
+    import sys
+
+    import memcalc.tracing.context_parallel as tracing_cp
+
+    report = sorted(REPORT.parent.glob("cp-ulysses-one-gpu-*.json"))[0]
+    monkeypatch.setattr(tracing_cp, "deepspeed_installed", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["context_parallel.py", str(report)])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("memcalc.validation.context_parallel", run_name="__main__",
+                         alter_sys=True)
+    assert done.value.code == 2
+    assert capsys.readouterr() == ("", (
+        f"memcalc.validation.context_parallel: error: {report}: DeepSpeed-Ulysses' steps are "
+        f"checked against DeepSpeed's own code, which is not installed: pip install "
+        f"'memcalc[deepspeed]'\n"))

@@ -9,6 +9,7 @@ Same picture as ``memcalc sweep --impl naive,naive-softmax,... --gpu-gb 80 --plo
 import sys
 
 import memcalc
+from memcalc.errors import run_main
 from memcalc.plots import plot_peaks
 
 IMPLS = ["naive", "naive-softmax", "sdpa-math", "flash2", "linear", "linear-causal"]
@@ -21,5 +22,5 @@ def main(out: str) -> None:
     print(f"wrote {out}")
 
 
-if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "peaks.png")
+if __name__ == "__main__":  # a missing extra, bad input: one line, exit status 2
+    run_main(main, sys.argv[1] if len(sys.argv) > 1 else "peaks.png")

@@ -8,6 +8,7 @@ Same picture as ``memcalc breakdown --seq 16384 --plot OUT.png``.
 import sys
 
 import memcalc
+from memcalc.errors import run_main
 from memcalc.plots import plot_timeline
 
 
@@ -17,5 +18,5 @@ def main(out: str) -> None:
     print(f"wrote {out}")
 
 
-if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "timeline.png")
+if __name__ == "__main__":  # a missing extra, bad input: one line, exit status 2
+    run_main(main, sys.argv[1] if len(sys.argv) > 1 else "timeline.png")

@@ -97,7 +97,7 @@ class Quadratic(BaseModel):
 
 
 def live_polynomial(config: Config, field: str, breakdown=None,
-                    below: bool = False, snap=None) -> Quadratic | None:
+                    below: bool = False, snap=None, aligned: bool = True) -> Quadratic | None:
     """The raw bytes of what is alive at ``config``'s peak, as a quadratic in ``field``
     (None when the program's tensors change names with the field). A program whose number
     of tensors grows with the field (a loop over chunks) is replayed at each point: its
@@ -105,7 +105,9 @@ def live_polynomial(config: Config, field: str, breakdown=None,
     at ``x/4``, ``x/2`` and ``x`` (for a loop at a large ``x``: replays of 1.5x rows in
     all, instead of 9x at 2x, 3x and 4x, each larger than the one at ``x``). ``snap``: moves
     each point to a value the implementation accepts (the memory-efficient kernel's head
-    dims are multiples of 4 or 8; ``memcalc.impls.accepted``)."""
+    dims are multiples of 4 or 8; ``memcalc.impls.accepted``). ``aligned``: a fit made
+    again at multiples of ``ALIGN`` (``_aligned``) where the first is not exact, and shown
+    if exact there (the search's first guesses skip it: four more lengths to build)."""
     b = breakdown if breakdown is not None else predict(config)
     x0 = getattr(config.shape, field)
     live = b.components
@@ -131,6 +133,50 @@ def live_polynomial(config: Config, field: str, breakdown=None,
         return total
 
     xs, check_x = ((x0 // 4, x0 // 2, x0), 3 * x0 // 4) if below else ((x0, 2 * x0, 4 * x0), 3 * x0)
+    q = _fitted(raw, xs, check_x, snap)
+    if aligned and q is not None and not q[1]:  # a fit (a ceil): again where there is none
+        again = _fitted_in_time(raw, _aligned(xs[0]), snap)
+        if again is not None and again[1]:  # exact on multiples of ALIGN, a fit at x0
+            q = (again[0], False, again[2])
+    if q is None:
+        return None
+    (a, bb, c), exact, points = q
+    return Quadratic(symbol=SYMBOL.get(field, field), a=a, b=bb, c=c, exact=exact, at=x0,
+                     points=points, components=tuple(comp.name for comp in live))
+
+
+ALIGN = 1024
+"""The multiple of rows a fit is moved to: kernels pad rows to multiples of a power of two
+no larger (flash's ``softmax_d`` and FlexAttention's blocks to 128, the memory-efficient
+kernel's logsumexp to 32), so that on multiples of it their sizes have no ceil: a linear
+kernel's fit is linear, not a quadratic through the padding's noise (``344/2,752,281*N^2``
+for SDPA's flash kernel at 106,176 rows)."""
+
+
+def _aligned(x: int) -> tuple[int, int, int]:
+    """``x``, ``2x``, ``4x`` moved down to multiples of ``ALIGN`` (of the largest power of
+    two up to ``x`` when it is smaller): every point still within 2x of the original."""
+    step = min(ALIGN, 1 << (max(x, 1).bit_length() - 1))
+    x = x // step * step
+    return x, 2 * x, 4 * x
+
+
+def _fitted_in_time(raw, xs: tuple[int, int, int], snap):
+    """``_fitted`` at ``xs`` (checked at ``3 * xs[0]``), or None when the time left runs
+    out first: the first fit stands."""
+    try:
+        return _fitted(raw, xs, 3 * xs[0], snap)
+    except TimeUp:
+        return None
+
+
+def _fitted(raw, xs: tuple[int, int, int], check_x: int, snap):
+    """The coefficients of the quadratic through ``raw`` at ``xs``, whether it holds at
+    ``check_x`` as well (exact), and the points (moved by ``snap``); None without one (too
+    few distinct points, a size the builder rejects, a tensor missing). Memory's N^2 term
+    is a sum of sizes, none negative: a negative one is the noise of padded sizes, and the
+    fit is the line through the outermost points instead (never ``-512/751,472,569*N^2``
+    on a linear kernel)."""
     if snap is not None:
         xs, check_x = tuple(snap(x) for x in xs), snap(check_x)
     if len({*xs, check_x}) < 4 or xs[0] < 1:
@@ -148,8 +194,10 @@ def live_polynomial(config: Config, field: str, breakdown=None,
     # Newton's divided differences, exact
     d1, d2 = Fraction(y2 - y1, x2 - x1), Fraction(y3 - y2, x3 - x2)
     a = (d2 - d1) / (x3 - x1)
+    if a < 0:
+        a, d1 = Fraction(0), Fraction(y3 - y1, x3 - x1)
     bb = d1 - a * (x1 + x2)
     c = y1 - a * x1 * x1 - bb * x1
-    q = Quadratic(symbol=SYMBOL.get(field, field), a=a, b=bb, c=c, exact=False, at=x0,
-                  points=xs, components=tuple(comp.name for comp in live))
-    return q.model_copy(update={"exact": check is not None and q(check_x) == check})
+    exact = check is not None and a * check_x ** 2 + bb * check_x + c == check \
+        and all(a * x * x + bb * x + c == y for x, y in points)
+    return (a, bb, c), exact, xs

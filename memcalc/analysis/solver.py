@@ -177,7 +177,7 @@ def _search(probe: Probe, x: int, field: str) -> Solved:
     probe.say(f"closed form from {field}={x:,}")
     with probe._limited(9 * x, timed=False):  # a loop's closed form replays 2x, 3x and 4x
         q = probe.model = live_polynomial(config.replace(**{field: x}), field,
-                                          probe.breakdowns[x])
+                                          probe.breakdowns[x], aligned=False)
     previous, step = x, max(1, x // 64)  # no model: 1/64 of the start
     for _ in range(3):  # Newton-like steps on rho Q(x) = budget
         _approach(probe, x)  # a step replays at x

@@ -156,18 +156,21 @@ def _skipped_lines(skipped) -> list[str]:
 
 
 def _formula(r) -> str:
-    """The closed form, readable: integer coefficients as they are (exact, or marked a fit);
+    """The closed form, readable: integer coefficients as they are (a fit names its points);
     fractional ones as decimals, labelled approximate (the exact fractions are in --json)."""
     q = r.approximation
     if q is None:
         return ("no closed form: the tensors alive at the peak are not the same ones at 2x, "
                 "3x and 4x this length (a loop's, one a length), or the time limit left no "
                 "time to replay them there")
-    if all(c.denominator == 1 for c in (q.a, q.b, q.c)):
+    whole = all(c.denominator == 1 for c in (q.a, q.b, q.c))
+    if whole and q.exact:
         return q.text()
     x = q.symbol
     through = ", ".join(f"{p:,}" for p in q.points)
     kind = "exact" if q.exact else f"fitted through {x}={through}"
+    if whole:  # a fit with integer coefficients (where padding is none): nothing rounded
+        return f"{q.text(places=0)} ({kind})"
     return (f"about {q.text(places=2)} ({kind}; coefficients rounded to 0.01, exact in --json "
             f"and --csv)")
 

@@ -1,8 +1,8 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
-from memcalc.options import (INTERRUPTED, budget_from, budget_options, check_chunk,
-                             config_options, emit, format_options, impls_with_trace,
-                             input_options, shape_options, whole, work_options)
+from memcalc.options import (INTERRUPTED, about_target, budget_from, budget_options, check_chunk,
+                             config_options, emit, format_options, impls_with_trace, input_options,
+                             shape_options, whole, work_options)
 from memcalc.engine.deadline import DEFAULT_WORK_LIMIT
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
@@ -57,9 +57,9 @@ def run(args) -> int:
     field = solve_field(args.solve)
     impls = impls_with_trace(args)
     check_chunk(args, impls)
-    base = first_accepted(impls, **config_options(args))
     try:
-        with status(f"solving {field}"):  # a chunked loop's search replays for a minute
+        with about_target(args.trace), status(f"solving {field}"):  # a loop: a minute
+            base = first_accepted(impls, **config_options(args))
             report = solve(base, budget_from(args), field, impls, args.time_limit,
                            work_limit=args.work_limit)
     except PartialReport as stop:  # Ctrl-C: what is known so far is the whole answer

@@ -76,7 +76,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from memcalc.options import budget_from, check_chunk, config_options, emit, impls_with_trace
+    from memcalc.options import (about_target, budget_from, check_chunk, config_options, emit,
+                                 impls_with_trace)
     from memcalc.config import make_config
     from memcalc.output.progress import progress, status
     from memcalc.analysis.scaling import FIGURE_KEY, sweep
@@ -98,18 +99,19 @@ def run(args) -> int:
         raise unknown("--pivot", args.pivot, list(FIGURE_KEY), "figure")
     dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
     options = {**config_options(args), "dtype": dtypes[0], "cp": cps[0]}
-    base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
-                                  "seq_len": seq})
-    check_output(args.plot, "--plot")
-    with status(f"sweeping {rows:,} configurations"):  # a million rows: seconds
-        result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
-                       pivot=args.pivot, unit="bytes" if args.bytes else "MiB",
-                       progress=progress, cps=cps)
-    if args.plot:  # before printing, so that a failure to write it prints nothing else
-        from memcalc.plots import plot_peaks
+    with about_target(args.trace):  # a traced target failing at a length: one line
+        base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
+                                      "seq_len": seq})
+        check_output(args.plot, "--plot")
+        with status(f"sweeping {rows:,} configurations"):  # a million rows: seconds
+            result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
+                           pivot=args.pivot, unit="bytes" if args.bytes else "MiB",
+                           progress=progress, cps=cps)
+        if args.plot:  # before printing, so that a failure to write it prints nothing else
+            from memcalc.plots import plot_peaks
 
-        with plotting(args.plot, "the reserved peak against seq_len"):
-            plot_peaks(result, path=args.plot)
+            with plotting(args.plot, "the reserved peak against seq_len"):
+                plot_peaks(result, path=args.plot)
     emit(result, args.format)
     return 0
 

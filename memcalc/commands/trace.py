@@ -4,9 +4,9 @@ the configured GPU would run it, with its fit in the device's budget."""
 import contextlib
 import sys
 
-from memcalc.options import (budget_from, budget_options, calling_from, check_output,
-                             release_of, config_from, emit, format_options, input_options,
-                             plotting, shape_options, work_options)
+from memcalc.options import (about_target, budget_from, budget_options, calling_from,
+                             check_output, release_of, config_from, emit, format_options,
+                             input_options, plotting, shape_options, work_options)
 
 HELP = ("breakdown of your own attention function or nn.Module, traced on the meta device "
         "along the GPU's code paths (imports and runs the named file or module as Python code)")
@@ -37,7 +37,7 @@ def run(args) -> int:
     line naming it as given."""
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.tracing import (TraceError, TraceOptions, check_causal, load_function,
+    from memcalc.tracing import (TraceOptions, check_causal, load_function,
                                  register_function, traced)
 
     check_output(args.plot, "--plot")
@@ -50,7 +50,7 @@ def run(args) -> int:
 
         if deepspeed_installed():
             quiet_deepspeed()  # before the target's file imports it
-    try:
+    with about_target(args.target, "target"):
         # the target's import-time output (DeepSpeed's logger writes to stdout) goes to
         # stderr: stdout is memcalc's, piped as JSON or CSV
         with contextlib.redirect_stdout(sys.stderr):
@@ -59,9 +59,6 @@ def run(args) -> int:
         config = config_from(args, impl=register_function(fn, args.target, calling))
         check_causal(fn, config)
         result = traced(fn, config, options, budget, history, calling)
-    except TraceError as error:
-        text = str(error).removeprefix(f"--trace {args.target}: ")
-        raise ValueError(f"target {args.target}: {text.splitlines()[0]}") from None
     if args.plot:
         from memcalc.plots import plot_timeline
 

@@ -168,18 +168,15 @@ def _run_target(args) -> int:
             raise ValueError(f"{option}: checks the shipped cases; --trace checks its target")
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.options import calling_from, config_from
-    from memcalc.tracing import TraceError, check_causal, load_function, register_function
+    from memcalc.options import about_target, calling_from, config_from
+    from memcalc.tracing import check_causal, load_function, register_function
     from memcalc.validation import validate_target
 
-    try:
+    with about_target(args.trace):
         fn = load_function(args.trace)
         calling = calling_from(args, fn)
         config = config_from(args, impl=register_function(fn, args.trace, calling))
         check_causal(fn, config)
-    except TraceError as error:
-        text = str(error).removeprefix(f"--trace {args.trace}: ")
-        raise ValueError(f"target {args.trace}: {text.splitlines()[0]}") from None
     report = validate_target(fn, config, calling, backend=args.backend)
     if args.out:
         from memcalc.validation import write_report

@@ -44,8 +44,7 @@ class Result(Record):
         """``records()`` as a pandas DataFrame; pandas is optional (``memcalc[pandas]``).
         Built from Python objects, then typed (``convert_dtypes``): a byte column with an
         absent value is pandas' nullable ``Int64``, exact, not float64 with NaN."""
-        try:
-            import pandas
-        except ImportError:
-            raise ValueError("to_dataframe needs pandas (pip install 'memcalc[pandas]')") from None
+        from memcalc.errors import require
+
+        pandas = require("pandas", "to_dataframe")
         return pandas.DataFrame(self.records(), dtype=object).convert_dtypes()

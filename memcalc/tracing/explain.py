@@ -12,7 +12,7 @@ from typing import Callable
 
 from memcalc.config import Config
 from memcalc.engine.inputs import Input
-from memcalc.errors import one_line as _first_line
+from memcalc.errors import install_hint, one_line as _first_line
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu, TraceError
 from memcalc.tracing.interrupt import held
 from memcalc.tracing.target import stand_ins
@@ -34,7 +34,7 @@ def guarded(run: Callable, fn: Callable, called_with: str = ""):
     except (TraceError, OutOfMemory):  # a capped trace's OOM is an answer, not a failure
         raise
     except Exception as error:  # noqa: BLE001 - anything the user's code raises on meta
-        raise TraceError(_explain(error, fn, called_with)) from None
+        raise TraceError(_explain(error, fn, called_with) + install_hint(error)) from None
 
 
 def _explain(error: Exception, fn: Callable, called_with: str = "") -> str:

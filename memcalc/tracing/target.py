@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from memcalc.errors import one_line as _first_line
+from memcalc.errors import install_hint, one_line as _first_line
 from memcalc.engine.inputs import QKV, Input, letters_help
 
 EXAMPLE_DIMS = "('B', 'N', 768)"
@@ -138,7 +138,8 @@ def _imported(target: str, spec: str):
         raise
     except BaseException as error:  # the user's module may raise anything, SystemExit too
         raise TraceError(f"--trace {spec}: importing {target} failed: "
-                         f"{type(error).__name__}: {_first_line(error)}") from None
+                         f"{type(error).__name__}: {_first_line(error)}"
+                         f"{install_hint(error)}") from None
 
 
 # --- the signature ------------------------------------------------------------------------

@@ -105,4 +105,7 @@ def _other_table(folder: Path, live: set[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(page(Path(sys.argv[1] if len(sys.argv) > 1 else "validation/results")))
+    from memcalc.errors import run_main
+
+    run_main(lambda folder: sys.stdout.write(page(Path(folder))) and 0,
+             sys.argv[1] if len(sys.argv) > 1 else "validation/results")

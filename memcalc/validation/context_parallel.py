@@ -163,12 +163,22 @@ def recheck(report: dict, every: int = 1) -> list[str]:
     return differences
 
 
-def main(path: str) -> int:
+def main(argv: list[str]) -> int:
     """``python -m memcalc.validation.context_parallel REPORT.json``: exit 0 when memcalc
-    gives back every recorded rank step."""
+    gives back every recorded rank step. A report of DeepSpeed-Ulysses' steps is checked
+    against DeepSpeed's own code: without DeepSpeed, one line naming the extra, not a trace
+    failing on its import."""
     import json
 
-    report = json.loads(open(path).read())
+    from memcalc.errors import install
+
+    if len(argv) != 1:
+        raise ValueError("give one report: python -m memcalc.validation.context_parallel "
+                         "REPORT.json")
+    report = json.loads(open(argv[0]).read())
+    if any(row.get("method") == "ulysses" for row in report["rows"]) and not ulysses_checked():
+        raise ValueError(f"{argv[0]}: DeepSpeed-Ulysses' steps are checked against "
+                         f"DeepSpeed's own code, which is not installed: {install('deepspeed')}")
     differences = recheck(report)
     for line in differences:
         print(line)
@@ -180,4 +190,6 @@ def main(path: str) -> int:
 if __name__ == "__main__":
     import sys
 
-    sys.exit(main(sys.argv[1]))
+    from memcalc.errors import run_main
+
+    run_main(main, sys.argv[1:])

@@ -77,8 +77,7 @@ def _traced_figures(case, env: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m memcalc.validation.recorded REPORT.json", file=sys.stderr)
-        return 2
+        raise ValueError("give one report: python -m memcalc.validation.recorded REPORT.json")
     report = json.loads(Path(argv[0]).read_text())
     found = recheck(report)
     for kind, impl, differences in found:
@@ -90,4 +89,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from memcalc.errors import run_main
+
+    run_main(main, sys.argv[1:])
