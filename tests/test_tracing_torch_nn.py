@@ -120,10 +120,12 @@ def op_cases(variant: str):
                    lambda made, fn=fn: fn(*made[0], **made[1]))
 
 
+@pytest.mark.slow  # minutes: every op_db / module_db entry, three times
 def test_every_torch_function_runs_in_a_trace_as_on_meta():
     assert differences(op_cases("op")) == {}
 
 
+@pytest.mark.slow  # minutes: every op_db / module_db entry, three times
 def test_every_tensor_method_runs_in_a_trace_as_on_meta():
     """``Tensor.unflatten`` (``torch/_tensor.py``) checks for torch functions, then calls the
     C++ method, which names the Python method again: a trace redispatched it without end
@@ -189,6 +191,7 @@ def module_cases():
                    *module_step(info, index))
 
 
+@pytest.mark.slow  # minutes: every op_db / module_db entry, three times
 def test_every_nn_module_trains_in_a_trace_as_on_meta():
     names = {info.name for info in module_db}
     assert set(ATTENTION) <= names  # the attention modules are among those run
