@@ -139,9 +139,12 @@ def test_the_trace_shows_the_busiest_rank_as_the_model_does():
     assert figures_of(step) == figures_of(model)
 
 
+@pytest.mark.slow
 def test_validate_cases_cp_checks_every_rank_against_torch(capsys):
     """memcalc validate --cases cp: each (configuration, rank) of the grid, the model's five
-    figures against the trace of torch's ring attention; 0 mismatches."""
+    figures against the trace of torch's ring attention; 0 mismatches. Minutes: a slow test
+    (``-m slow``), as the command shown in docs/guides/several-gpus.md; the ranks of one
+    configuration against torch's are the tests above."""
     from memcalc.validation import validate
     from memcalc.validation.context_parallel import grid, ulysses_checked, ulysses_grid
 

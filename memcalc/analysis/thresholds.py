@@ -358,6 +358,9 @@ def solve(base: Config, budget: Budget, field: SolveField = "seq_len",
     return report()
 
 
+MOST_WORK = 10**18  # events: centuries of replay; the plans compare it as a float
+
+
 def _check_limits(time_limit, work_limit) -> None:
     """One line naming the limit that is neither None nor a positive number of its unit."""
     if time_limit is not None and not (isinstance(time_limit, (int, float))
@@ -366,9 +369,10 @@ def _check_limits(time_limit, work_limit) -> None:
         raise ValueError(f"time_limit: a positive number of seconds, or None (got "
                          f"{time_limit!r})")
     if work_limit is not None and not (isinstance(work_limit, int)
-                                       and not isinstance(work_limit, bool) and work_limit > 0):
-        raise ValueError(f"work_limit: a positive whole number of events, or None (got "
-                         f"{work_limit!r})")
+                                       and not isinstance(work_limit, bool)
+                                       and 0 < work_limit <= MOST_WORK):
+        raise ValueError(f"work_limit: a positive whole number of events up to 10^18, or "
+                         f"None (got {work_limit!r})")
 
 
 def _raise_it(stop: Unsolved) -> str:
