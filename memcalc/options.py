@@ -157,8 +157,9 @@ def input_options(p: argparse.ArgumentParser) -> None:
                    help="the module's floating parameters and buffers in this dtype, as "
                         "model.to(dtype) makes them for pure bf16 training (default: as built)")
     p.add_argument("--torch", metavar="X.Y", default=None,
-                   help="the torch release whose SDPA backend rules apply, 2.4 to 2.14 "
-                        "(default: the installed torch)")
+                   help="the torch release whose SDPA backend rules apply (default: the "
+                        "installed torch; a release without written rules is refused, naming "
+                        "those known)")
     p.add_argument("--optimizer", default=None, metavar="NAME[:IMPL]",
                    help="train the target's parameters: the step adds optimizer.step() and "
                         "zero_grad(set_to_none=True), a training loop's: adamw, adam or sgd "
