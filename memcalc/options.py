@@ -188,7 +188,8 @@ def input_options(p: argparse.ArgumentParser) -> None:
                         "applies the model's plan (parallelize_module) over mesh['tp']")
     p.add_argument("--fsdp-reduce-dtype", default=None, metavar="DTYPE",
                    help="FSDP's MixedPrecisionPolicy reduce_dtype: the gradients' "
-                        "reduce-scatter dtype (fp32; default: param dtype)")
+                        "reduce-scatter dtype (fp32; default: torch's, the param dtype up to "
+                        "2.14, each parameter's own dtype from 2.15)")
 
 
 def release_of(args) -> dict:
