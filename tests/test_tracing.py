@@ -278,13 +278,13 @@ def test_trace_names_the_release_whose_sdpa_rules_it_applies(capsys):
     the release; an unknown one is one line."""
     example = str(Path(__file__).parent.parent / "examples/attention/sdpa.py") + ":attn"
     shape = ["--seq", "256", "--heads", "2", "--head-dim", "64", "--dtype", "bf16"]
-    for version, backend in (("2.4", "flash"), ("2.14", "cudnn")):
+    for version, backend in (("2.4", "flash"), ("2.14", "cudnn"), ("2.15", "cudnn")):
         assert main(["trace", example, *shape, "--torch", version]) == 0
         out = capsys.readouterr().out.replace("\n", " ")
         assert f"torch {version}'s rules: {backend} (priority" in out
     assert main(["trace", example, *shape, "--torch", "1.13"]) == 2
     assert capsys.readouterr().err == (
-        "memcalc: error: --torch: no SDPA rules for 1.13 (known: 2.4 to 2.14)\n")
+        "memcalc: error: --torch: no SDPA rules for 1.13 (known: 2.4 to 2.15)\n")
 
 
 def test_oom_trace_samples_under_the_release_asked_for(monkeypatch, capsys):

@@ -52,8 +52,9 @@ METHODS = ("allgather", "alltoall")  # torch's rotaters (_RotateMethod)
 # ``saved_rest = rest`` when still None (torch 2.14.1 and 2.15.0,
 # torch/distributed/tensor/experimental/_context_parallel/_attention.py lines 423, 482-483,
 # 488: ``return *sdpa_merger.results(), *saved_rest``); 2.13 returned the last step's
-# (``*rest``, line 485). From step 2 on, the first step's then live beside the previous
-# step's and the new one's: two 512 B blocks more with flash or cuDNN (seed and offset).
+# (``*rest``, line 485). The first step's then live beside the previous step's (from step 2
+# on) and the last step's (at the output's conversion): two 512 B blocks more with flash or
+# cuDNN (seed and offset).
 FIRST_STEP_REST = (2, 14)
 # the kernels the ring calls (``_sdpa_handler``'s three), each modelled here
 KERNELS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
