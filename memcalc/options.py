@@ -163,8 +163,9 @@ def input_options(p: argparse.ArgumentParser) -> None:
                    help="the module's floating parameters and buffers in this dtype, as "
                         "model.to(dtype) makes them for pure bf16 training (default: as built)")
     p.add_argument("--torch", metavar="X.Y", default=None,
-                   help="the torch release whose SDPA backend rules apply, 2.4 to 2.14 "
-                        "(default: the installed torch)")
+                   help="the torch release whose SDPA backend rules apply (default: the "
+                        "installed torch; a release without written rules is refused, naming "
+                        "those known)")
     p.add_argument("--optimizer", default=None, metavar="NAME[:IMPL]",
                    help="train the target's parameters: the step adds optimizer.step() and "
                         "zero_grad(set_to_none=True), a training loop's: adamw, adam or sgd "
@@ -193,7 +194,8 @@ def input_options(p: argparse.ArgumentParser) -> None:
                         "applies the model's plan (parallelize_module) over mesh['tp']")
     p.add_argument("--fsdp-reduce-dtype", default=None, metavar="DTYPE",
                    help="FSDP's MixedPrecisionPolicy reduce_dtype: the gradients' "
-                        "reduce-scatter dtype (fp32; default: param dtype)")
+                        "reduce-scatter dtype (fp32; default: torch's, the param dtype up to "
+                        "2.14, each parameter's own dtype from 2.15)")
 
 
 def release_of(args) -> dict:

@@ -44,6 +44,29 @@ def test_alltoall_receives_one_ranks_kv_at_a_time():
     assert live["K/V from rank 0"] == 512 * MiB
 
 
+def test_from_torch_2_14_the_ring_returns_the_first_steps_philox_tensors():
+    """``FIRST_STEP_REST``: torch 2.14's ``_templated_ring_attention`` keeps step 0's
+    ``rest`` (``saved_rest``) and returns it; 2.13 returned the last step's. Autograd saves
+    as many bytes either way, but from step 2 on step 0's rng_state and philox_offset (16 B
+    and 8 B, a 512 B block each) live beside the previous step's: every rank's forward peak
+    is 2 x 512 = 1,024 B higher at 4 ranks, nothing else changes."""
+    from memcalc.analysis.predict import rank_breakdown
+    from memcalc.impls import ring
+    from memcalc.validation.compare import figures_of
+
+    c = config(cp=4)
+    for rank in range(4):
+        d = c.dims.replace(cp_rank=rank)
+        old, new = (ring.forward(ring.Ring(d, 4, rank, torch=t))[-1].names
+                    for t in ((2, 13), (2, 14)))
+        assert old[1:] == ("step 3: rng_state", "step 3: philox_offset")
+        assert new[1:] == ("step 0: rng_state", "step 0: philox_offset") and old[0] == new[0]
+        before, after = (figures_of(rank_breakdown(c, rank, program=ring.program(d, torch=t)))
+                         for t in ((2, 13), (2, 15)))
+        assert {k: after[k] - before[k] for k in before if after[k] != before[k]} == {
+            "forward_peak_bytes": 2 * 512}
+
+
 def test_tensor_parallelism_is_one_gpu_with_its_share_of_the_heads():
     """--tp 4 over 32 heads (8 key/value heads): each rank is a step of 8 heads over 2."""
     for impl in ("sdpa-flash", "naive"):

@@ -201,6 +201,7 @@ def test_a_release_brings_its_wheels_cudnn_and_cuda():
     assert Release.of("2.4") == Release(90100, 12, False, (2, 4))
     assert Release.of("2.14").frontend_d256 and Release.of("2.5.0").torch == (2, 5, 0)
     assert Release.of("2.5.1").torch == (2, 5)
+    assert Release.of("2.15.0+cu132") == Release(92600, 13, True, (2, 15))  # cuDNN 9.26.0
     for bad, why in (("3.0", "no SDPA rules for 3.0"), ("two", "not a release")):
         with pytest.raises(ValueError, match=f"--torch: .*{why}"):
             Release.of(bad)
@@ -219,6 +220,17 @@ def test_a_release_brings_its_wheels_cudnn_and_cuda():
 ])
 def test_each_release_orders_the_backends_its_way(version, cc, order):
     assert priority(cc, Release.of(version), NO_ENV) == order
+
+
+def test_flash_takes_at_most_65535_batches_or_heads_from_2_15():
+    """``check_flash_attention_grid_size`` (2.15), as cuDNN's ``check_cudnn_tensor_shapes``
+    from 2.13: 65,536 heads of (B, H, N, d) = (1, 65536, 16, 64) run flash on 2.14, the
+    memory-efficient kernel on 2.15 (cuDNN refuses them too)."""
+    wide = Call((1, 65536, 16, 64), (1, 65536, 16, 64), (1, 65536, 16, 64), "float16")
+    assert select(wide, A100, release=Release.of("2.14"), env=NO_ENV).backend == FLASH
+    choice = select(wide, A100, release=Release.of("2.15"), env=NO_ENV)
+    assert choice.backend == EFFICIENT
+    assert dict(choice.rejected)[FLASH] == "batch or heads > 65535"
 
 
 def test_torch_2_4_never_trains_on_cudnn():

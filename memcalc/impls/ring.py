@@ -1,7 +1,7 @@
 """Context parallelism: what one rank allocates in PyTorch's ring attention.
 
-``torch/distributed/tensor/experimental/_context_parallel/_attention.py`` (torch 2.13),
-``_templated_ring_attention`` and ``_templated_ring_attention_backward``, as
+``torch/distributed/tensor/experimental/_context_parallel/_attention.py`` (torch 2.13 to
+2.15), ``_templated_ring_attention`` and ``_templated_ring_attention_backward``, as
 ``context_parallel`` runs a fused SDPA kernel on each of ``P`` ranks. The sequence is
 sharded with causal load balancing: each rank holds two chunks of ``N / 2P`` rows (``n =
 N / P`` in all), so N is a multiple of 2P. Step ``i`` of ``P`` attends the rank's q to the
@@ -21,6 +21,10 @@ Per step, written here in the order torch's code runs it:
   ``sigmoid``/``logsigmoid`` temporaries, a partial step's result ``torch.cat`` into the
   full rows (``_partial_update``).
 
+The forward returns (and autograd saves) the philox tensors of one step: the last one's up
+to torch 2.13, the first one's from torch 2.14 (``FIRST_STEP_REST``), which then stay alive
+through the loop beside each later step's.
+
 The backward keeps float32 grad_q/grad_k/grad_v accumulators, runs the kernel's backward
 per step, and sends the running dK/dV on (always ``all_to_all``: ``_AllToAllRotater``).
 
@@ -39,24 +43,46 @@ from memcalc.engine.program import Dims, Release, Role, free, release
 from memcalc.impls.accepted import context_parallel
 from memcalc.impls.frame import Frame, prefixed, roled
 from memcalc.impls.device import gpu_of
+from memcalc.impls.sdpa_select import NEWEST
 
 F32 = "float32"
 T, S, O, G = Role.temporary, Role.saved, Role.output, Role.gradient
 METHODS = ("allgather", "alltoall")  # torch's rotaters (_RotateMethod)
+# torch 2.14 keeps the first step's ``*rest`` (the philox tensors) and returns it:
+# ``saved_rest = rest`` when still None (torch 2.14.1 and 2.15.0,
+# torch/distributed/tensor/experimental/_context_parallel/_attention.py lines 423, 482-483,
+# 488: ``return *sdpa_merger.results(), *saved_rest``); 2.13 returned the last step's
+# (``*rest``, line 485). The first step's then live beside the previous step's (from step 2
+# on) and the last step's (at the output's conversion): two 512 B blocks more with flash or
+# cuDNN (seed and offset).
+FIRST_STEP_REST = (2, 14)
 # the kernels the ring calls (``_sdpa_handler``'s three), each modelled here
 KERNELS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+
+
+def same_ring(torch: tuple[int, int]) -> bool:
+    """Whether the installed torch runs release ``torch``'s ring code as modelled here (the
+    same side of ``FIRST_STEP_REST``): a trace now then gives back what it measured."""
+    from memcalc.impls.sdpa import installed_release
+
+    installed = installed_release().torch[:2]
+    return (installed >= FIRST_STEP_REST) == (tuple(torch) >= FIRST_STEP_REST)
 
 
 @dataclass(frozen=True)
 class Ring:
     """One rank's step: ``d`` the rank's own sizes (``N`` its ``n`` rows), ``P`` ranks, this
-    one ``rank``, K/V exchanged by ``method``, each step run on ``kernel`` (``KERNELS``)."""
+    one ``rank``, K/V exchanged by ``method``, each step run on ``kernel`` (``KERNELS``),
+    as torch release ``torch`` runs it; ``stash``: the collectives' inputs kept until their
+    wait, as NCCL does (False: as a fake process group does, keeping nothing)."""
 
     d: Dims
     P: int
     rank: int
     method: str = "allgather"
     kernel: str = "sdpa-flash"
+    torch: tuple[int, int] = NEWEST
+    stash: bool = True
 
     @property
     def kv(self) -> int:
@@ -87,13 +113,19 @@ def exchange(f: Frame, ring: Ring, i: int, cat: str) -> None:
             f.new("gathered K/V", (ring.P * ring.kv,), d.dtype, "all_gather_into_tensor")
             f.hold("rotater._aggregated_buffer", "gathered K/V")
             f.drop("gathered K/V")
-            f.hold("stash 0", cat)
+            stashed(f, ring, "stash 0", cat)
         return
     name = f"K/V from rank {(ring.rank - i - 1) % ring.P}"
     f.new(name, (ring.kv,), d.dtype, "all_to_all_single")
     f.hold("rotater._buffer", name)
     f.drop(name)
-    f.hold(f"stash {i}", cat)
+    stashed(f, ring, f"stash {i}", cat)
+
+
+def stashed(f: Frame, ring: Ring, stash: str, sent: str) -> None:
+    """ProcessGroupNCCL keeps a collective's input until its wait; a fake group does not."""
+    if ring.stash:
+        f.hold(stash, sent)
 
 
 def next_buffer(f: Frame, ring: Ring, i: int) -> str:
@@ -129,7 +161,8 @@ def rotate_forward(f: Frame, ring: Ring, i: int) -> None:
 
 def kernel_forward(f: Frame, ring: Ring, i: int) -> None:
     """``out, logsumexp, *rest = op(q, k, v)``: the kernel's model; what it returns
-    replaces the previous step's."""
+    replaces the previous step's, but the first step's ``rest``, kept from torch 2.14
+    (``saved_rest``: ``FIRST_STEP_REST``)."""
     d = ring.step_dims(i)
     step_kv(f, i)
     events, rest = kernel_forward_events(ring.kernel, d)
@@ -138,6 +171,8 @@ def kernel_forward(f: Frame, ring: Ring, i: int) -> None:
     f.hold("out", out)
     f.hold("logsumexp", lse)
     f.hold("rest", *rest)
+    if i == 0 and ring.torch >= FIRST_STEP_REST:
+        f.hold("saved_rest", *rest)
     f.drop(out, lse, *rest)
 
 
@@ -215,7 +250,8 @@ def merge(f: Frame, ring: Ring, i: int) -> None:
 
 def forward(ring: Ring) -> list:
     """``_templated_ring_attention`` then ``_SDPAMerger.results``: the output in q's dtype
-    and the merged logsumexp, which the node saves with the last step's philox tensors."""
+    and the merged logsumexp, which the node saves with one step's philox tensors (the last
+    step's; the first step's from torch 2.14)."""
     d, f = ring.d, Frame()
     for i in range(ring.P):
         rotate_forward(f, ring, i)
@@ -224,7 +260,8 @@ def forward(ring: Ring) -> list:
     out = f.bound["merger._out"][0]  # merger._out.to(q's dtype): itself when float32
     if d.dtype != F32:
         out = f.new("out", (d.B, d.H, d.N, d.D), d.dtype, "_to_copy")
-    saved = (f.bound["merger._lse"][0], *f.bound["rest"])
+    rest = "saved_rest" if ring.torch >= FIRST_STEP_REST else "rest"
+    saved = (f.bound["merger._lse"][0], *f.bound[rest])
     f.hold("saved", *saved)
     f.hold("output", out)
     f.drop(*[v for v in list(f.bound) if v not in ("saved", "output")])
@@ -303,7 +340,7 @@ def accumulate(f: Frame, ring: Ring, i: int) -> None:
     f.new(sent, (ring.kv,), F32, "all_to_all_single")
     f.hold("dkv_rotater._buffer", sent)
     f.drop(sent)
-    f.hold(f"dkv stash {i}", cat)
+    stashed(f, ring, f"dkv stash {i}", cat)
     if partial:
         f.hold("grad_query", f.new(f"step {i}: grad_query", (d.B, d.H, d.N, d.D), F32, "cat"))
         f.drop(f"step {i}: grad_query")
@@ -390,13 +427,17 @@ def _shape_refusal(shape, padded: bool) -> str:
     return ""
 
 
-def program(d: Dims, kernel: str = "sdpa-flash"):
+def program(d: Dims, kernel: str = "sdpa-flash", torch: tuple[int, int] | None = None,
+            stash: bool = True):
     """Rank ``d.cp_rank``'s step of ``d.cp`` under context parallelism over ``kernel``;
-    ``d`` holds the rank's own rows."""
+    ``d`` holds the rank's own rows. ``torch``: the release whose ring code runs (default:
+    the installed one, as for the SDPA rules); ``stash``: ``Ring``'s."""
     from memcalc.engine.program import Program
     from memcalc.impls.common import with_loss
+    from memcalc.impls.sdpa import installed_release
 
-    ring = Ring(d, d.cp, d.cp_rank, d.cp_method, kernel)
+    torch = torch or installed_release().torch[:2]
+    ring = Ring(d, d.cp, d.cp_rank, d.cp_method, kernel, torch, stash)
     events = forward(ring)  # ends with the free of what the node saves
     return Program(tuple(events), tuple(with_loss(d, backward(ring, events[-1].names))))
 

@@ -4,7 +4,7 @@ the backends in priority order, each taken when all its filters pass.
 
 The rules changed across releases; ``Release.torch`` picks a release's (``--torch 2.4``), each
 filter and each branch of the priority order naming the release it appeared in (read from
-the PyPI wheels of 2.4 to 2.14: the header ``sdp_utils_cpp.h`` at each tag, and the filter
+the PyPI wheels of 2.4 to 2.15: the header ``sdp_utils_cpp.h`` at each tag, and the filter
 lists, template instantiations and constants of ``libtorch_cuda.so``; ``X.Y`` is the newest
 patch, but for 2.5.0, which preferred cuDNN on sm90 and was withdrawn in 2.5.1).
 
@@ -57,7 +57,7 @@ class Flags:
     deterministic: bool = False  # use_deterministic_algorithms(True), not warn_only
 
 
-NEWEST = (2, 14)  # the newest release whose rules are written here
+NEWEST = (2, 15)  # the newest release whose rules are written here
 OLDEST = (2, 4)
 
 
@@ -99,7 +99,7 @@ class Release:
 # the CUDA major version and runtime cuDNN of each release's default PyPI wheel
 PINS = {(2, 4): (12, 90100), (2, 5): (12, 90100), (2, 6): (12, 90100), (2, 7): (12, 90501),
         (2, 8): (12, 91002), (2, 9): (12, 91002), (2, 10): (12, 91002), (2, 11): (13, 91900),
-        (2, 12): (13, 92000), (2, 13): (13, 92000), (2, 14): (13, 92400)}
+        (2, 12): (13, 92000), (2, 13): (13, 92000), (2, 14): (13, 92400), (2, 15): (13, 92600)}
 
 
 @dataclass(frozen=True)
@@ -233,6 +233,13 @@ def _flash_causal(c: Call, cc, r) -> str | None:
     return None if not c.is_causal or c.q[2] == c.k[2] else "is_causal with kv_len != seq_len"
 
 
+def _grid_size(c: Call, cc, r) -> str | None:
+    """The kernel's launch grid takes batch and heads as its y and z dimensions, at most
+    65535 each: ``check_cudnn_tensor_shapes`` (2.13), ``check_flash_attention_grid_size``
+    (2.15: "Flash attention does not support batch size or num_heads greater than")."""
+    return "batch or heads > 65535" if c.q[0] > 65535 or c.q[1] > 65535 else None
+
+
 def _alignment(c: Call, cc) -> int:
     """``minimum_gemm_alignment``: elements a head dim must be a multiple of."""
     return minimum_gemm_alignment(c.dtype in ("float16", "bfloat16"), tuple(cc))
@@ -287,8 +294,8 @@ def _cudnn_dropout(c: Call, cc, r) -> str | None:
 def _cudnn_shapes(c: Call, cc, r: Release) -> str | None:
     """``check_cudnn_tensor_shapes`` (cuDNN >= 9): sizes (2.13), head-dim limit and
     alignment, lengths of 1 (2.6)."""
-    if r.torch[:2] >= (2, 13) and (c.q[0] > 65535 or c.q[1] > 65535):
-        return "batch or heads > 65535"
+    if r.torch[:2] >= (2, 13) and (grid := _grid_size(c, cc, r)):
+        return grid
     d_qk, d_v = c.q[3], c.v[3]
     limit = head_dim_limit(d_qk, d_v, cc, r.torch, r.cudnn_version, r.frontend_d256)
     if d_qk > limit or d_v > limit:
@@ -346,7 +353,8 @@ FILTERS: dict[str, tuple[Rule, ...]] = {
             Rule(_heads((2, 8), False), since=(2, 8)), Rule(_cudnn_shapes, since=(2, 5)),
             Rule(_cudnn_d256_bprop, since=(2, 14))),
     FLASH: (Rule(_shapes), Rule(_no_mask), Rule(_flash_head_dim), Rule(_hardware((8, 0), "flash")),
-            Rule(_flash_sm86), Rule(_flash_causal), Rule(_half), Rule(_heads((2, 5))),
+            Rule(_flash_sm86), Rule(_flash_causal), Rule(_grid_size, since=(2, 15)), Rule(_half),
+            Rule(_heads((2, 5))),
             Rule(_nonzero), Rule(_last_stride)),
     EFFICIENT: (Rule(_hardware((5, 0), "efficient")), Rule(_shapes), Rule(_efficient_head_dim),
                 Rule(_efficient_ptr, since=(2, 13)), Rule(_nonzero), Rule(_last_stride),

@@ -13,7 +13,8 @@ step's kernel call (``aten._scaled_dot_product_flash_attention`` and the others)
 model of that kernel (``kernels.Kernel``), as in a one-GPU trace.
 
 Autograd sees one node, the kernel's (``ScaledDotProductFlashAttentionBackward0``): it saves
-the rank's q, k, v, the merged output and logsumexp, and the last step's philox tensors
+the rank's q, k, v, the merged output and logsumexp, and one step's philox tensors, the
+last step's (the first step's from torch 2.14: ``memcalc.impls.ring.FIRST_STEP_REST``)
 (``tools/autograd/derivatives.yaml``).
 """
 
@@ -49,7 +50,7 @@ class Ranks:
 
 
 def _attention():
-    """Torch's ring attention module: ``_context_parallel/_attention.py`` (torch 2.13; a
+    """Torch's ring attention module: ``_context_parallel/_attention.py`` (torch 2.13 on; a
     module of its own, ``experimental/_attention.py``, in earlier releases)."""
     try:
         from torch.distributed.tensor.experimental._context_parallel import _attention

@@ -63,7 +63,9 @@ def _explain(error: Exception, fn: Callable, called_with: str = "") -> str:
         return (f"{where} raised {raised}: the output needs no gradient (detached, or made "
                 f"under no_grad), so there is no backward to trace; --forward-only traces "
                 f"inference")
-    if any(word in str(error).lower() for word in ("cuda", "device")):
+    # torch's CUDA build on a machine without a GPU: "Found no NVIDIA driver on your system"
+    # (torch/cuda/__init__.py, _lazy_init); its CPU build: "Torch not compiled with CUDA"
+    if any(word in str(error).lower() for word in ("cuda", "device", "nvidia driver")):
         return f"{where} raised {raised}. If it runs on a GPU: {META_HINT}"
     return f"{where} raised {raised}" + (f" (called with {called_with})" if called_with else "")
 

@@ -127,10 +127,16 @@ def sharding_of(world: int | None, reshard: str = "default", param_dtype: str | 
 class MetaStream:
     """A CUDA stream as FSDP uses one, numbered for the tracer; events are no-ops (the
     allocator is told nothing by them: FSDP2 frees a buffer once its event is waited on,
-    which its code does by dropping the reference)."""
+    which its code does by dropping the reference). ``stream_id``, ``device_index`` and
+    ``device_type`` are what torch 2.15's ``record_grad_output_stream`` passes to its op, a
+    no-op on CUDA (``_fully_shard/_fsdp_collectives.py``)."""
+
+    device_index = 0
+    device_type = 1  # c10::DeviceType::CUDA
 
     def __init__(self, number: int):
         self.number = number
+        self.stream_id = number
 
     def wait_stream(self, stream) -> None:
         pass
@@ -140,6 +146,17 @@ class MetaStream:
 
     def record_event(self, event=None):
         return event or MetaEvent()
+
+
+def _uncast(scope: dict, dtype) -> bool:
+    """Whether ``foreach_reduce`` (its local ``scope``) keeps its ``dtype`` output as the
+    sharded grads: ``orig_dtype`` None or that dtype up to torch 2.14; from 2.15 each
+    parameter's ``sharded_grad_dtype`` (``_cast_and_view_sharded_grads``,
+    ``_fully_shard/_fsdp_collectives.py``)."""
+    if "orig_dtype" in scope:
+        return scope["orig_dtype"] in (None, dtype)
+    return all(getattr(p, "sharded_grad_dtype", None) in (None, dtype)
+               for p in scope.get("fsdp_params", ()))
 
 
 class MetaEvent:
@@ -292,8 +309,7 @@ class Names:
         group = _group(frame.f_locals.get("fsdp_params", ()))
         what = {"foreach_all_gather": "all-gather buffer"}.get(frame.f_code.co_name) or (
             "reduce-scatter input" if self.tracer.stream == 0 else "reduce-scatter output")
-        grads = what == "reduce-scatter output" and frame.f_locals.get("orig_dtype") in (
-            None, kwargs.get("dtype"))
+        grads = what == "reduce-scatter output" and _uncast(frame.f_locals, kwargs.get("dtype"))
         with self.tracer.naming(f"{what} ({group}){': sharded grads' * grads}",
                                 Role.gradient if grads else Role.collective, what):
             return allocate(comm, *args, **kwargs)

@@ -150,17 +150,43 @@ def recorded_config(row: dict, environment: dict[str, str]) -> Config:
 
 def recheck(report: dict, every: int = 1) -> list[str]:
     """A recorded one-GPU run of the ring (``validation/cp_one_gpu.py``) against memcalc now:
-    of every ``every``-th rank step, the live figures against the fake-group trace, and
-    the model against the trace as recorded. One line per difference; [] when none."""
+    of every ``every``-th rank step, the model as the recording's torch ran the ring against
+    the trace recorded with it and, as a fake group runs the ring, against the live figures;
+    and the fake-group trace now against the live figures where the installed torch's ring
+    is the recording's (``memcalc.impls.ring.same_ring``). One line per difference; [] when
+    none."""
+    from memcalc.impls.ring import same_ring
+    from memcalc.impls.sdpa_select import Release
+    from memcalc.tracing import TraceOptions
+
+    recorded = Release.of(report["environment"]["torch"]).torch[:2]
+    traced = same_ring(recorded)
     differences = []
     for row in report["rows"][::every]:
-        now = columns(recorded_config(row, report["environment"]), row["rank"])
-        for ours, theirs in (("trace_fake", "live"), ("model", "trace")):
-            if now[ours] != row.get(theirs):
-                differences.append(f"{row['impl']} {row['dtype']} P={row['P']} N={row['N']} "
-                                   f"{row['method']} rank {row['rank']}: {ours} {now[ours]} "
-                                   f"!= recorded {theirs} {row.get(theirs)}")
+        config, rank = recorded_config(row, report["environment"]), row["rank"]
+        now = {"model": figures_of(recorded_model(config, rank, recorded)),
+               "model_fake": figures_of(recorded_model(config, rank, recorded, stash=False))}
+        if traced:
+            now["trace_fake"] = figures_of(traced_rank(config, rank, TraceOptions(group="fake")))
+        pairs = [("model", "trace"), ("model_fake", "live")] + [("trace_fake", "live")] * traced
+        differences += [f"{row['impl']} {row['dtype']} P={row['P']} N={row['N']} "
+                        f"{row['method']} rank {rank}: {ours} {now[ours]} != recorded "
+                        f"{theirs} {row.get(theirs)}"
+                        for ours, theirs in pairs if now[ours] != row.get(theirs)]
     return differences
+
+
+def recorded_model(config: Config, rank: int, torch: tuple[int, int], stash: bool = True):
+    """``rank``'s step as the model has it under torch release ``torch``'s ring code, the
+    collectives as NCCL runs them or (``stash=False``) as a fake group does; DeepSpeed's
+    Ulysses (synchronous all-to-alls, no stash) as ``rank_breakdown`` has it."""
+    from memcalc.analysis.predict import rank_breakdown
+    from memcalc.impls import ring
+
+    if config.cp_method == "ulysses":
+        return rank_breakdown(config, rank)
+    d = config.dims.replace(cp_rank=rank)
+    return rank_breakdown(config, rank, program=ring.program(d, config.impl, torch, stash))
 
 
 def main(argv: list[str]) -> int:
