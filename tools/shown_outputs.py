@@ -6,6 +6,10 @@ block and compare (``tests/test_shown_outputs.py``).
     python tools/shown_outputs.py                  # rewrite the pages in place
     python tools/shown_outputs.py docs/guides/x.md # only these pages
     python tools/shown_outputs.py --check          # exit 1 if any block differs, naming it
+
+The outputs are those of one torch release, ``TORCH``: a kernel's choice and a backward's
+temporaries follow the installed release's rules, so the pages are rewritten, and checked,
+only under it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TORCH = "2.15"
+"""The torch release the pages' outputs were printed with (the release ``.ci/run`` pins)."""
 BLOCK = re.compile(r"```\n\$ (?P<cmd>[^\n]+)\n(?P<out>.*?)```", re.S)
 
 
@@ -33,14 +39,30 @@ def blocks(page: Path) -> list[tuple[str, str]]:
 def output(command: str) -> str:
     """What ``command`` prints (stdout and stderr), ``memcalc`` being this checkout's."""
     shell = command.replace("memcalc ", f"{sys.executable} -m memcalc.cli ")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # ``python`` too is this interpreter (``python -m memcalc.validation...`` blocks)
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])}
     env.pop("COLUMNS", None)  # as the command says, or the piped width
     done = subprocess.run(shell, shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
     text = done.stdout + done.stderr
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
 
 
+def installed_torch() -> str | None:
+    """The installed torch's ``major.minor`` (``2.15.0+cu132``: ``2.15``), None without it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return ".".join(version("torch").split("+")[0].split(".")[:2])
+    except PackageNotFoundError:
+        return None
+
+
 def main() -> int:
+    if installed_torch() != TORCH:
+        print(f"shown_outputs.py: the pages show torch {TORCH}'s outputs; torch "
+              f"{installed_torch()} is installed (pip install torch=={TORCH}.*)", file=sys.stderr)
+        return 2
     differ = 0
     named = {(ROOT / a).resolve() for a in sys.argv[1:] if not a.startswith("--")}
     for page in [p for p in pages() if not named or p.resolve() in named]:

@@ -44,6 +44,8 @@ class StandIn(types.ModuleType):
         self._names, self._real = tuple(names), None
 
     def __getattr__(self, attr: str):  # only for names the stand-in lacks
+        if attr == "__path__" and _importing_a_submodule():
+            return self.become_real().__path__
         if attr.startswith("__") or attr in ("_real", "_names"):
             raise AttributeError(attr)
         return getattr(self.become_real(), attr)
@@ -65,6 +67,16 @@ class StandIn(types.ModuleType):
             self._real = importlib.import_module(self.__name__)
             self.__dict__.update(self._real.__dict__)
         return self._real
+
+
+def _importing_a_submodule() -> bool:
+    """Whether the stand-in's ``__path__`` is read by an import of one of its submodules
+    (``torch._dynamo._trace_wrapped_higher_order_op``, which ``create_block_mask`` imports
+    when called): Python reads the parent's path before any finder runs
+    (``importlib._bootstrap._find_and_load_unlocked``), and a module without one "is not a
+    package". ``from module import name`` asks for it too (``hasattr``), and is answered
+    as a plain module: no path."""
+    return sys._getframe(2).f_code.co_name == "_find_and_load_unlocked"
 
 
 def _real(module: str, name: str):

@@ -13,7 +13,10 @@ dense mask, which the trace follows).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import importlib.abc
+import importlib.util
+import sys
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -107,33 +110,103 @@ def _compiled_block_mask(*args, **kwargs):
                       "eagerly in the traced code to see what that costs")
 
 
+FLEX = "torch.nn.attention.flex_attention"
+
+
 @contextmanager
 def stand_in():
     """Inside, ``torch.nn.attention.flex_attention.flex_attention`` is the stand-in, and
     ``torch.compile`` gives it back as it is (whatever else it compiles as ever);
-    ``create_block_mask`` compiled is refused in one line."""
-    import torch.nn.attention.flex_attention as module
-
-    real, real_mask, real_compile = module.flex_attention, module.create_block_mask, torch.compile
-
-    def create_block_mask(*args, _compile=False, **kwargs):
-        if _compile:
-            _compiled_block_mask()
-        return real_mask(*args, **kwargs)
+    ``create_block_mask`` compiled is refused in one line. The module is patched when the
+    user's code imports it, not before: from torch 2.15 it imports
+    ``torch.fx.experimental.symbolic_shapes`` (and sympy) at its top, a second of start-up
+    a trace of code without FlexAttention would pay (``torch/nn/attention/flex_attention.py``,
+    line 23)."""
+    real_compile = torch.compile
 
     def compile(model=None, **options):
         if model is None:  # @torch.compile(...) as a decorator factory
             return lambda fn: compile(fn, **options)
         if model is flex_attention:
             return model
-        if model in (real_mask, create_block_mask):
+        if getattr(model, "__name__", "") == "create_block_mask" and \
+                getattr(model, "__module__", "") in (FLEX, __name__):
             return _compiled_block_mask
         return real_compile(model, **options)
 
-    module.flex_attention, module.create_block_mask = flex_attention, create_block_mask
     torch.compile = compile
+    try:
+        with ExitStack() as patches:
+            with _on_import(FLEX, lambda module: patches.enter_context(_patched(module))):
+                yield
+    finally:
+        torch.compile = real_compile
+
+
+@contextmanager
+def _patched(module):
+    """``module``'s ``flex_attention`` the stand-in and its ``create_block_mask`` refusing to
+    be compiled, put back after."""
+    real, real_mask = module.flex_attention, module.create_block_mask
+
+    def create_block_mask(*args, _compile=False, **kwargs):
+        if _compile:
+            _compiled_block_mask()
+        return real_mask(*args, **kwargs)
+
+    module.flex_attention, module.create_block_mask = flex_attention, create_block_mask
     try:
         yield
     finally:
         module.flex_attention, module.create_block_mask = real, real_mask
-        torch.compile = real_compile
+
+
+@contextmanager
+def _on_import(name: str, patch):
+    """``patch(module)`` for module ``name`` now if it is imported, else as soon as an
+    import has run its code (a finder ahead of the others wraps its loader)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        yield
+        return
+    finder = _PatchingFinder(name, patch)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+
+
+class _PatchingFinder(importlib.abc.MetaPathFinder):
+    """Finds module ``name`` as the other finders do, and patches it once it has run."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # the real spec, from the finders after this one
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is not None and spec.loader is not None:
+            run, patch = spec.loader.exec_module, self.patch
+
+            def exec_module(module):
+                run(module)
+                patch(module)
+
+            spec.loader = _Loader(spec.loader, exec_module)
+        return spec
+
+
+class _Loader(importlib.abc.Loader):
+    """``loader`` with its ``exec_module`` replaced."""
+
+    def __init__(self, loader, exec_module):
+        self.loader, self.exec_module = loader, exec_module
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
