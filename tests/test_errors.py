@@ -254,10 +254,19 @@ def test_a_ctrl_c_while_the_package_loads_is_the_commands_only_there(monkeypatch
 
 
 def _run(code: str, *argv: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter (this worktree's memcalc first on the path)."""
+    """``code`` in a fresh interpreter (this worktree's memcalc first on the path), started
+    as a shell starts a command: SIGINT unblocked and at its default (a child inherits
+    both from this process, whatever the tests before left in it)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *argv], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=_as_a_shell_starts_it)
+
+
+def _as_a_shell_starts_it() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 needs_sigmask = pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"),
