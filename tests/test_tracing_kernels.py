@@ -86,7 +86,7 @@ def test_forward_only_call_allocates_no_statistics_and_keeps_nothing_but_the_out
     paths = paths_on("h100-80gb")
     q, k, v = qkv(16, "bfloat16", grad=False)
     with paths.tracer:
-        out = run(paths, CUDNN, q, k, v, call_of(q, k, v, dropout=0.125))
+        out = run(CUDNN, q, k, v, call_of(q, k, v, dropout=0.125))
     # seed, offset: one int64 each, first; out: 1 x 2 x 8 x 16 x 2 B = 512 B; the forward
     # workspace, 256 B (as an H200 measured), freed in the call
     assert log(paths.tracer) == ["+cudnn seed 8", "+cudnn offset 8", "+cudnn out 512",
@@ -102,7 +102,7 @@ def test_saved_tensors_live_until_the_backward_and_the_workspace_only_inside_it(
     paths = paths_on("h100-80gb")
     q, k, v = qkv(16, "bfloat16")
     with paths.tracer:
-        out = run(paths, CUDNN, q, k, v, call_of(q, k, v, dropout=0.125))
+        out = run(CUDNN, q, k, v, call_of(q, k, v, dropout=0.125))
         live = sorted(c.component.name.split(" (")[0] for c in paths.tracer.ledger.live.values())
         assert live == ["cudnn lse", "cudnn offset", "cudnn out", "cudnn seed"]
         start = len(paths.tracer.events)
@@ -139,37 +139,43 @@ def test_cudnn_copies_grad_out_only_when_its_innermost_stride_is_not_one():
     assert copies == [[], [], ["+cudnn dout_t 512", "-cudnn dout_t"]]
 
 
-def test_padded_flash_saves_only_the_padded_output_and_releases_before_unpadding():
-    """attention.cpp pad_last_dim<8>: d=20 runs as 24. The node saves the padded output
-    (not the user's q, k, v); SliceBackward0 hands the node a (B, H, N, 24)-contiguous grad,
+def test_padded_flash_saves_the_padded_copies_and_releases_them_before_unpadding():
+    """attention.cpp pad_last_dim<8>: d=20 runs as 24, padded by visible constant_pad_nd
+    ops before the flash op (which saves the padded q, k, v and output, not the user's),
+    the output sliced back; SliceBackward0 hands the node a (B, H, N, 24)-contiguous grad,
     so the kernel copies it whatever the layout of the grad given (here (B, N, H, d)); the
     flash node's saved tensors are released before ConstantPadNdBackward0 makes the leaves'
     grads."""
     paths = paths_on("a100-40gb")
     q, k, v = qkv(20, "float16")
     with paths.tracer:
-        out = run(paths, FLASH, q, k, v, call_of(q, k, v))
+        out = run(FLASH, q, k, v, call_of(q, k, v))
         # a slice of the (1, 2, 8, 24)-contiguous output: (2*8*24, 8*24, 24, 1)
         assert (tuple(out.shape), out.stride()) == ((1, 2, 8, 20), (384, 192, 24, 1))
         assert out.untyped_storage().nbytes() == 768  # 1 x 2 x 8 x 24 x 2 B
-        saved = out.grad_fn.saved_tensors  # the output: a view of the padded storage
-        assert [(tuple(t.shape), t.untyped_storage().nbytes()) for t in saved] == [
-            ((1, 2, 8, 20), 768)]
+        flash = out.grad_fn.next_functions[0][0]
+        assert (out.grad_fn.name(), flash.name()) == (
+            "SliceBackward0", "ScaledDotProductFlashAttentionBackward0")
+        saved = {name: tuple(flash.__getattribute__(f"_saved_{name}").shape)
+                 for name in ("query", "key", "value", "output")}
+        assert saved == dict.fromkeys(saved, (1, 2, 8, 24))
         grad_out = torch.empty(1, 8, 2, 20, dtype=torch.float16, device="meta").transpose(1, 2)
         start = len(paths.tracer.events)
         out.backward(grad_out)
     padded = 768  # (1, 2, 8, 24) x 2 B: dout_pad, dout_t, out_t, dq, dk, dv alike
     assert log(paths.tracer, start) == [
-        f"+flash dout_pad {padded}", f"+flash dout_t {padded}", f"+flash out_t {padded}",
+        f"+slice_backward {padded}", f"+flash dout_t {padded}", f"+flash out_t {padded}",
         f"+flash dq {padded}", f"+flash dk {padded}", f"+flash dv {padded}",
         "+flash softmax_d 1024",  # (1, 2, round128(8) = 128) x 4 B
         "+flash dq_accum 32768",  # (1, 128, 2, round32(24) = 32) x 4 B
-        # mha_bwd returns (frees are taken in allocation order), then the release
+        # mha_bwd returns (frees are taken in allocation order), then the release of the
+        # padded q, k, v, logsumexp and philox tensors, then of the node's input grad
         "-flash dout_t", "-flash out_t", "-flash softmax_d", "-flash dq_accum",
-        "-flash q_pad", "-flash k_pad", "-flash v_pad", "-flash lse", "-flash rng_state",
-        "-flash philox_offset", "-flash dout_pad",
-        "+flash v.grad 640", "-flash dv",  # (1, 2, 8, 20) x 2 B = 640 B
-        "+flash k.grad 640", "-flash dk", "+flash q.grad 640", "-flash dq"]
+        "-constant_pad_nd", "-constant_pad_nd", "-constant_pad_nd", "-flash lse",
+        "-flash rng_state", "-flash philox_offset", "-slice_backward",
+        # ConstantPadNdBackward0, latest first: (1, 2, 8, 20) x 2 B = 640 B each
+        "+constant_pad_nd 640", "-flash dv", "+constant_pad_nd 640", "-flash dk",
+        "+constant_pad_nd 640", "-flash dq"]
 
 
 def test_run_notes_the_cudnn_workspace_it_assumes_or_was_given():
@@ -178,7 +184,7 @@ def test_run_notes_the_cudnn_workspace_it_assumes_or_was_given():
         paths = paths_on("h100-80gb", workspace)
         q, k, v = qkv(16, "bfloat16", grad=False)
         with paths.tracer:
-            run(paths, CUDNN, q, k, v, call_of(q, k, v))
+            run(CUDNN, q, k, v, call_of(q, k, v))
         notes += list(paths.notes)
     assert notes == [DEFAULT_NOTE, "cuDNN workspace: 0 B forward, 4096 B backward (as given)",
                      "cuDNN workspace: 1024 B forward, 4096 B backward (as given)"]
@@ -188,13 +194,13 @@ def test_efficient_refuses_grouped_heads_and_notes_its_dropout_workspace():
     paths = paths_on("a100-40gb")
     q, k, v = qkv(16, "float32", heads_kv=1)
     with paths.tracer, pytest.raises(ValueError) as error:
-        run(paths, EFFICIENT, q, k, v, call_of(q, k, v, enable_gqa=True))
+        run(EFFICIENT, q, k, v, call_of(q, k, v, enable_gqa=True))
     assert str(error.value) == (
         "scaled_dot_product_attention: the efficient backend with grouped key/value heads "
         "is not modelled (memcalc's sdpa-efficient)")
     q, k, v = qkv(16, "float32", grad=False)
     with paths.tracer:
-        run(paths, EFFICIENT, q, k, v, call_of(q, k, v, dropout=0.5))
+        run(EFFICIENT, q, k, v, call_of(q, k, v, dropout=0.5))
     assert list(paths.notes) == [
         "efficient backend with dropout: its backward kernel's workspace is modelled for the "
         "no-dropout kernels (kernels/cutlassB.h)"]
@@ -207,7 +213,75 @@ def test_a_value_head_dim_unlike_the_querys_is_refused_in_one_line():
     q, k, _ = qkv(16, "float32")
     v = torch.empty(B, H, N, 8, dtype=torch.float32, device="meta", requires_grad=True)
     with paths.tracer, pytest.raises(ValueError) as error:
-        run(paths, EFFICIENT, q, k, v, call_of(q, k, v))
+        run(EFFICIENT, q, k, v, call_of(q, k, v))
     assert str(error.value) == (
         "scaled_dot_product_attention: a value head dim (8) unlike the query's (16) is not "
         "modelled for the efficient backend")
+
+
+# --- what checkpointing sees --------------------------------------------------------------
+# (B, H, N, d) = (1, 2, 1024, 64) in half precision; the op's outputs, each its own block:
+OUT = 1 * 2 * 1024 * 64 * 2  # 262,144 B, out (and the relu after it: the step's output)
+LSE = 1 * 2 * 1024 * 4  # 8,192 B: (B, H, N) float32 logsumexp ((B, H, N, 1) for cuDNN; the
+#   efficient kernel's (B, H, ceil32(N)) is as long at N = 1024)
+PHILOX = 2 * 512  # flash's rng_state (2,) uint64 and unused (), cuDNN's seed and offset ():
+#   one 512-B block each; the efficient kernel makes its philox scalars on the CPU
+SAVED_BY_THE_OP = {CUDNN: OUT + LSE + PHILOX, FLASH: OUT + LSE + PHILOX, EFFICIENT: OUT + LSE}
+OP_OF = {CUDNN: torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+         FLASH: torch.ops.aten._scaled_dot_product_flash_attention.default,
+         EFFICIENT: torch.ops.aten._scaled_dot_product_efficient_attention.default}
+SDP_BACKEND = {CUDNN: "CUDNN_ATTENTION", FLASH: "FLASH_ATTENTION",
+               EFFICIENT: "EFFICIENT_ATTENTION"}
+
+
+def checkpointed(backend: str, policy=None):
+    """``sdpa(q, k, v).relu()`` on ``backend`` under non-reentrant checkpointing: selective
+    with ``policy`` (torch.utils.checkpoint's ``create_selective_checkpoint_contexts``), or
+    full without one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    def attn(q, k, v):
+        with sdpa_kernel([getattr(SDPBackend, SDP_BACKEND[backend])]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).relu()
+
+    def step(q, k, v):
+        if policy is None:
+            return checkpoint(attn, q, k, v, use_reentrant=False)
+        return checkpoint(attn, q, k, v, use_reentrant=False,
+                          context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    return step
+
+
+def traced_saved(fn, backend: str) -> int:
+    import memcalc
+
+    return memcalc.trace(fn, seq_len=1024, batch=1, heads=2, head_dim=64,
+                         dtype="fp16" if backend != CUDNN else "bf16",
+                         gpu=GPU_OF[backend] if backend != CUDNN else "h100-80gb").saved_bytes
+
+
+@pytest.mark.parametrize("backend", [CUDNN, FLASH, EFFICIENT])
+def test_a_selective_checkpoint_policy_is_asked_about_the_op_and_saves_its_outputs(backend):
+    """The policy is asked about the fused op itself (as torchtitan's SelectiveAC names
+    aten._scaled_dot_product_cudnn_attention); not saved, nothing of it outlives the
+    forward; saved, its outputs are what the forward leaves behind."""
+    asked = []
+
+    def policy(ctx, func, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        asked.append(func)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    assert traced_saved(checkpointed(backend, policy), backend) == 0
+    assert OP_OF[backend] in asked
+    saving = checkpointed(backend, [OP_OF[backend]])
+    assert traced_saved(saving, backend) == SAVED_BY_THE_OP[backend]
+
+
+@pytest.mark.parametrize("backend", [CUDNN, FLASH, EFFICIENT])
+def test_full_checkpointing_keeps_nothing_of_the_op(backend):
+    """Non-reentrant checkpointing frees every output of the op, its logsumexp and philox
+    tensors included (autograd saves them, and checkpointing's hooks drop them)."""
+    assert traced_saved(checkpointed(backend), backend) == 0

@@ -7,9 +7,10 @@ block and compare (``tests/test_shown_outputs.py``).
     python tools/shown_outputs.py docs/guides/x.md # only these pages
     python tools/shown_outputs.py --check          # exit 1 if any block differs, naming it
 
-The outputs are those of one torch release, ``TORCH``: a kernel's choice and a backward's
-temporaries follow the installed release's rules, so the pages are rewritten, and checked,
-only under it.
+The outputs are those of one torch release, ``TORCH``, and one transformers release,
+``TRANSFORMERS``: a kernel's choice and a backward's temporaries follow the installed torch's
+rules, and a traced Hugging Face model is named by the lines of transformers' own files, so
+the pages are rewritten, and checked, only under both (the releases ``.ci/run`` pins).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "2.15"
 """The torch release the pages' outputs were printed with (the release ``.ci/run`` pins)."""
+TRANSFORMERS = "5.25.0"
+"""The transformers release they were printed with (``.ci/run`` pins it too)."""
 BLOCK = re.compile(r"```\n\$ (?P<cmd>[^\n]+)\n(?P<out>.*?)```", re.S)
 
 
@@ -48,20 +51,39 @@ def output(command: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
 
 
-def installed_torch() -> str | None:
-    """The installed torch's ``major.minor`` (``2.15.0+cu132``: ``2.15``), None without it."""
+def installed(package: str) -> str | None:
+    """The installed release of ``package`` (``2.15.0+cu132``), None without it."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return ".".join(version("torch").split("+")[0].split(".")[:2])
+        return version(package)
     except PackageNotFoundError:
         return None
 
 
-def main() -> int:
+def installed_torch() -> str | None:
+    """The installed torch's ``major.minor`` (``2.15.0+cu132``: ``2.15``), None without it."""
+    release = installed("torch")
+    return ".".join(release.split("+")[0].split(".")[:2]) if release else None
+
+
+def unlike_the_pages() -> str | None:
+    """Why this environment cannot print the pages' outputs (another torch or transformers
+    than theirs), or None."""
     if installed_torch() != TORCH:
-        print(f"shown_outputs.py: the pages show torch {TORCH}'s outputs; torch "
-              f"{installed_torch()} is installed (pip install torch=={TORCH}.*)", file=sys.stderr)
+        return (f"the pages show torch {TORCH}'s outputs; torch {installed_torch()} is "
+                f"installed (pip install torch=={TORCH}.*)")
+    if installed("transformers") != TRANSFORMERS:
+        return (f"the pages show transformers {TRANSFORMERS}'s outputs; transformers "
+                f"{installed('transformers')} is installed (pip install "
+                f"transformers=={TRANSFORMERS})")
+    return None
+
+
+def main() -> int:
+    why = unlike_the_pages()
+    if why is not None:
+        print(f"shown_outputs.py: {why}", file=sys.stderr)
         return 2
     differ = 0
     named = {(ROOT / a).resolve() for a in sys.argv[1:] if not a.startswith("--")}

@@ -30,6 +30,7 @@ from memcalc.gpus import GPU
 from memcalc.impls import sdpa_cudnn as cudnn
 from memcalc.impls.sdpa_efficient import MEM_EFF_ALIGNMENT
 from memcalc.impls import sdpa_select
+from memcalc.tracing import kernels
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu
 from memcalc.impls.sdpa_select import EFFICIENT, MATH, Call, Flags, Release
 
@@ -98,6 +99,12 @@ class CudaPaths:
         from memcalc.tracing.context_parallel import fake_group
 
         return fake_group(self.cp)
+
+    def kernel(self, func):
+        """What runs in place of ``func``'s meta kernel, which allocates only its outputs: a
+        fused attention op's model (``kernels.OPS``: every tensor its CUDA kernel makes, the
+        outputs returned), else None."""
+        return kernels.OPS.get(func)
 
     def observe(self, func, args=(), kwargs=None) -> None:
         """What the trace cannot see inside ``func`` (``observe``), and the checks a GPU
@@ -172,7 +179,6 @@ def flags() -> Flags:
       funcs=(F.scaled_dot_product_attention,))
 def sdpa(paths: CudaPaths, func, args, kwargs):
     """Select the backend as ``sdp_utils.cpp`` does, note it, run it."""
-    from memcalc.tracing import kernels
     from memcalc.tracing.tracer import _where
 
     q, k, v = args[:3]
@@ -200,12 +206,12 @@ def sdpa(paths: CudaPaths, func, args, kwargs):
         return func(*args, **kwargs)
     if mask is not None:
         mask = fused_mask(mask, q, k, choice.backend)
-    paths.kernels[choice.backend] = None
     if ring:
         from memcalc.tracing import context_parallel
 
+        paths.kernels[choice.backend] = None
         return context_parallel.run(paths, choice.backend, q, k, v, call)
-    return kernels.run(paths, choice.backend, q, k, v, call, mask)
+    return kernels.run(choice.backend, q, k, v, call, mask, kwargs.get("scale"))
 
 
 def fused_mask(mask, q, k, backend: str):

@@ -1,14 +1,21 @@
-"""A fused SDPA kernel, traced as memcalc's own model of it.
+"""A fused SDPA kernel, traced as the aten op a GPU runs, whose work is memcalc's model of it.
 
-The kernel's forward and backward are an ``autograd.Function`` whose bodies replay the
-model's events (``memcalc/impls/sdpa_flash.py``, ``sdpa_efficient.py``,
-``memcalc/impls/sdpa_cudnn.py``), built from the call's ``Dims``: every declared tensor becomes
-a meta tensor handed to the tracer with the model's name, shape and role, and dies where the
-model frees or releases it. The output and the gradients the node returns are real tensors
-with the strides the CUDA kernel gives them (so what autograd does next, an
-``AccumulateGrad`` copy or none, is traced as it runs); layout copies inside the kernel are
-decided from the strides of the tensors actually passed. One source of truth: no size is
-written here.
+``scaled_dot_product_attention`` on a GPU calls one aten op per fused backend
+(``attention.cpp``): ``_scaled_dot_product_flash_attention`` (after padding a head dim
+that is not a multiple of 8, and slicing the output back), ``_efficient_attention`` or
+``_cudnn_attention``. A trace calls that op through the dispatcher as well, so everything
+that watches ops sees it as on a GPU: autograd makes the op's own node
+(``ScaledDotProductFlashAttentionBackward0``) and saves what ``derivatives.yaml`` says, a
+selective-checkpoint policy (``create_selective_checkpoint_contexts``) or any other
+``TorchDispatchMode`` is asked about it and may keep its outputs, full checkpointing frees
+them. Below them the tracer hands the op (and its backward op) to ``OPS`` here, which replay
+the model's events (``memcalc/impls/sdpa_flash.py``, ``sdpa_efficient.py``,
+``sdpa_cudnn.py``) built from the call's ``Dims``: every declared tensor becomes a meta
+tensor handed to the tracer with the model's name, shape and role, and dies where the model
+frees it; the op's outputs are returned, with the strides the CUDA kernel gives them (so
+what autograd does next, an ``AccumulateGrad`` copy or none, is traced as it runs); layout
+copies inside the kernel are decided from the strides of the tensors actually passed. One
+source of truth: no size is written here.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class Kernel:
     padded: bool = False
     out_copy: bool = False
     inputs: int = 3  # the tensors the call takes and returns grads for: q, k, v (or packed)
+    op: bool = False  # an aten op's implementation: every output made is returned, not kept
 
     @property
     def tracer(self):
@@ -113,7 +121,7 @@ class Kernel:
         else:
             make = lambda: matching_layout(self.q)  # noqa: E731
             events = cudnn.forward(d, grad, self.paths.workspace)
-        self.replay(events, {"out": make}, grad)
+        self.replay(events, {"out": make}, grad or self.op)
         out = self.live.pop("out")
         self.out_copy = not out.transpose(1, 2).is_contiguous()
         if self.padded:
@@ -157,13 +165,12 @@ class Kernel:
 
 
 class Node(torch.autograd.Function):
-    """A modelled kernel as autograd sees it: saves q, k, v and the output (as
-    ``derivatives.yaml`` has the flash / efficient / cuDNN nodes do, and the packages'
-    Functions), only the output when the kernel padded them (its copies are in
-    ``kernel.kept`` with the model's other saved tensors), and what else the call keeps
-    (an attn_mask, a BlockMask's tensors). One named subclass per kernel, so that the
-    backward's tensors are named after the node torch names
-    (``ScaledDotProductFlashAttentionBackward``), not this class."""
+    """A modelled kernel that is a Python ``autograd.Function`` on a GPU too (the flash-attn
+    packages' ``FlashAttnFunc``, compiled FlexAttention): saves q, k, v and the output, only
+    the output when the kernel padded them (its copies are in ``kernel.kept`` with the
+    model's other saved tensors), and what else the call keeps (a BlockMask's tensors). One
+    named subclass per Function, so that the backward's tensors are named after the node
+    torch names (``FlashAttnFuncBackward``), not this class."""
 
     @staticmethod
     def forward(ctx, kernel: Kernel, *tensors):
@@ -185,13 +192,8 @@ class Node(torch.autograd.Function):
 
 
 def node(name: str) -> type:
-    """The node of one kernel, named as torch names it (less the 0)."""
+    """The node of one Function, named as torch names it (``FlashAttnFuncBackward``)."""
     return type(name, (Node,), {})
-
-
-NODES = {backend: node(name) for backend, name in (
-    (FLASH, "ScaledDotProductFlashAttention"), (EFFICIENT, "ScaledDotProductEfficientAttention"),
-    (CUDNN, "ScaledDotProductCudnnAttention"))}
 
 
 def meta_copies(tracer, tensors) -> list:
@@ -213,18 +215,41 @@ def launch(kernel: Kernel, node_type: type, grad: bool, *tensors) -> torch.Tenso
     return node_type.apply(kernel, *tensors)
 
 
-def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
-    """Run the fused ``backend`` on ``(q, k, v)`` as memcalc models it; ``mask``: the
-    attn_mask as the kernel gets it (``cuda_paths.fused_mask``), which the node saves."""
+# --- the aten ops ----------------------------------------------------------------------------
+
+aten = torch.ops.aten
+# the op each fused backend is on a GPU, and its backward (``native_functions.yaml``; the
+# same schemas from torch 2.4 to 2.15)
+FORWARD = {FLASH: aten._scaled_dot_product_flash_attention.default,
+           EFFICIENT: aten._scaled_dot_product_efficient_attention.default,
+           CUDNN: aten._scaled_dot_product_cudnn_attention.default}
+BACKWARD = {FLASH: aten._scaled_dot_product_flash_attention_backward.default,
+            EFFICIENT: aten._scaled_dot_product_efficient_attention_backward.default,
+            CUDNN: aten._scaled_dot_product_cudnn_attention_backward.default}
+
+
+def op_kernel(paths, backend: str, q, k, v, causal, grad: bool, mask_grad: bool = False,
+              dropout: float = 0.0) -> Kernel:
+    """The model of one call of ``backend``'s op on ``q, k, v`` as the op gets them
+    (padded, expanded): ``grad``, whether it computes what a backward needs (the
+    logsumexp); every output it makes is returned (``op``), not kept."""
+    call = Call(tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                str(q.dtype).removeprefix("torch."), mask_requires_grad=mask_grad,
+                dropout=float(dropout), is_causal=bool(causal), requires_grad=grad,
+                itemsize=q.element_size())
+    return Kernel(backend, dims_of(call, paths.gpu), call, paths,
+                  *meta_copies(paths.tracer, (q, k, v)), op=True)
+
+
+def checked(paths, backend: str, kernel: Kernel) -> Kernel:
+    """What the GPU's kernel refuses, or memcalc's model does not cover, as one line; the
+    backend noted as modelled (a caveat of the result)."""
+    d, call = kernel.d, kernel.call
     if call.v[-1] != call.q[-1]:  # efficient and cuDNN (192/128) take it: their outputs
         # are v's width, and memcalc's programs have one head dim
         raise NotModelled(f"scaled_dot_product_attention: a value head dim ({call.v[-1]}) "
                           f"unlike the query's ({call.q[-1]}) is not modelled for the "
                           f"{backend} backend")
-    d = dims_of(call, paths.gpu)
-    if call.mask_requires_grad and torch.is_grad_enabled() and not call.requires_grad:
-        raise NotModelled("scaled_dot_product_attention: an attn_mask that requires grad "
-                          "when q, k and v do not is not modelled")
     if backend == EFFICIENT:
         sdpa_efficient.check(d, gpu_of(d))
         if d.Hk != d.H:
@@ -240,9 +265,122 @@ def run(paths, backend: str, q, k, v, call: Call, mask=None) -> torch.Tensor:
         paths.note(cudnn.DEFAULT_NOTE if paths.workspace == cudnn.Workspace() else
                    f"cuDNN workspace: {paths.workspace.forward or 0} B forward, "
                    f"{paths.workspace.backward} B backward (as given)")
-    kernel = Kernel(backend, d, call, paths, *meta_copies(paths.tracer, (q, k, v)))
-    kept = () if mask is None else (mask,)  # attn_bias, saved (derivatives.yaml)
-    return launch(kernel, NODES[backend], call.requires_grad, q, k, v, *kept)
+    paths.kernels[backend] = None
+    return kernel
+
+
+def _empty(like) -> torch.Tensor:
+    """``at::empty({0}, ...)``: the debug mask a call that asks for none returns (0 bytes)."""
+    return torch.empty(0, dtype=like.dtype, device="meta")
+
+
+def _cpu_scalar() -> torch.Tensor:
+    """A philox seed or offset the efficient kernel makes on the CPU without dropout
+    (``_efficient_attention_forward``, attention.cu): not a device allocation."""
+    return torch.empty((), dtype=torch.int64)
+
+
+def flash_forward(paths, query, key, value, dropout_p=0.0, is_causal=False,
+                  return_debug_mask=False, *, scale=None) -> tuple:
+    """``_scaled_dot_product_flash_attention_cuda`` (attention.cu): output, logsumexp,
+    cum_seq_q and cum_seq_k (undefined), max_q, max_k, rng_state, unused, debug mask."""
+    kernel = checked(paths, FLASH, op_kernel(paths, FLASH, query, key, value, is_causal,
+                                             needs_grad(query, key, value), dropout=dropout_p))
+    out = kernel.forward()
+    kept = kernel.kept
+    return (out, kept.pop("lse"), None, None, query.shape[2], key.shape[2],
+            kept.pop("rng_state"), kept.pop("philox_offset"), _empty(query))
+
+
+def efficient_forward(paths, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                      is_causal=False, *, scale=None) -> tuple:
+    """``_scaled_dot_product_efficient_attention_cuda``: output, logsumexp (0 columns when
+    not asked for), philox seed and offset."""
+    kernel = checked(paths, EFFICIENT, op_kernel(paths, EFFICIENT, query, key, value,
+                                                 is_causal, bool(compute_log_sumexp),
+                                                 dropout=dropout_p))
+    out = kernel.forward()
+    lse = kernel.kept.pop("lse", None)
+    if lse is None:
+        lse = torch.empty((query.shape[0], query.shape[1], 0), dtype=torch.float32,
+                          device="meta")
+    return out, lse, _cpu_scalar(), _cpu_scalar()
+
+
+def cudnn_forward(paths, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                  is_causal=False, return_debug_mask=False, *, scale=None) -> tuple:
+    """``_scaled_dot_product_cudnn_attention_cuda``: output, softmax statistics (undefined
+    when not asked for), cum_seq_q, cum_seq_k (undefined), max_q, max_k, philox seed and
+    offset, debug mask."""
+    kernel = checked(paths, CUDNN, op_kernel(paths, CUDNN, query, key, value, is_causal,
+                                             bool(compute_log_sumexp), dropout=dropout_p))
+    out = kernel.forward()
+    kept = kernel.kept
+    return (out, kept.pop("lse", None), None, None, query.shape[2], key.shape[2],
+            kept.pop("seed"), kept.pop("offset"), _empty(query))
+
+
+def flash_backward(paths, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                   max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                   scale=None) -> tuple:
+    """``_scaled_dot_product_flash_attention_backward_cuda``: dq, dk, dv."""
+    kernel = op_kernel(paths, FLASH, query, key, value, is_causal, True, dropout=dropout_p)
+    kernel.out_copy = not out.transpose(1, 2).is_contiguous()
+    return kernel.backward(grad_out)
+
+
+def efficient_backward(paths, grad_out_, query, key, value, attn_bias, out, logsumexp,
+                       philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal=False,
+                       *, scale=None) -> tuple:
+    """``_scaled_dot_product_efficient_attention_backward_cuda``: dq, dk, dv, and the
+    attn_bias's grad when ``grad_input_mask`` asks for it (else undefined)."""
+    kernel = op_kernel(paths, EFFICIENT, query, key, value, is_causal, True,
+                       mask_grad=bool(grad_input_mask[3]), dropout=dropout_p)
+    grads = kernel.backward(grad_out_)
+    return (*grads, None) if len(grads) == 3 else grads
+
+
+def cudnn_backward(paths, grad_out, query, key, value, out, logsumexp, philox_seed,
+                   philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                   is_causal, *, scale=None) -> tuple:
+    """``_scaled_dot_product_cudnn_attention_backward_cuda``: dq, dk, dv."""
+    kernel = op_kernel(paths, CUDNN, query, key, value, is_causal, True, dropout=dropout_p)
+    return kernel.backward(grad_out)
+
+
+# what the tracer runs for each op on the GPU's code paths (``CudaPaths.kernel``), in place
+# of its meta kernel
+OPS = {FORWARD[FLASH]: flash_forward, FORWARD[EFFICIENT]: efficient_forward,
+       FORWARD[CUDNN]: cudnn_forward, BACKWARD[FLASH]: flash_backward,
+       BACKWARD[EFFICIENT]: efficient_backward, BACKWARD[CUDNN]: cudnn_backward}
+
+
+# --- scaled_dot_product_attention's call of the op ---------------------------------------------
+
+def run(backend: str, q, k, v, call: Call, mask=None, scale=None) -> torch.Tensor:
+    """``scaled_dot_product_attention``'s fused case as ``attention.cpp`` writes it: the
+    backend's aten op on ``(q, k, v)`` (``mask``: the attn_mask as the kernel gets it,
+    ``cuda_paths.fused_mask``), through the dispatcher, so that autograd, checkpointing and
+    every dispatch mode see it; for flash, q, k, v padded to a head dim that is a multiple
+    of 8 first and the output sliced back. Returns the output."""
+    if call.mask_requires_grad and torch.is_grad_enabled() and not call.requires_grad:
+        raise NotModelled("scaled_dot_product_attention: an attn_mask that requires grad "
+                          "when q, k and v do not is not modelled")
+    if backend == FLASH:
+        size = q.shape[-1]
+        q, k, v = (pad_last_dim(t) for t in (q, k, v))
+        out = FORWARD[FLASH](q, k, v, call.dropout, call.is_causal, False, scale=scale)[0]
+        return out[..., :size] if out.shape[-1] != size else out  # post_process_flash_output
+    return FORWARD[backend](q, k, v, mask, call.requires_grad, call.dropout, call.is_causal,
+                            scale=scale)[0]
+
+
+def pad_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """``pad_last_dim<8, false>`` (``attention.cpp``): ``t`` as it is when its last dim is a
+    multiple of 8, else ``at::pad`` to the next multiple (a new tensor, which autograd
+    sees: ``ConstantPadNdBackward0``)."""
+    size = t.shape[-1]
+    return t if size % 8 == 0 else torch.constant_pad_nd(t, (0, 8 - size % 8))
 
 
 def matching_layout(t: torch.Tensor) -> torch.Tensor:

@@ -74,10 +74,12 @@ def _lt_addmm(out, bias, mat1, mat2, *rest, beta=1, alpha=1, **kwargs) -> bool:
 CUBLAS_OPS = frozenset(
     {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"}
 )
-_TORCH_DIR = os.path.dirname(torch.__file__)
+# folders end in a separator: torchtitan, torchvision and torch_checkpointing sit beside
+# torch in site-packages, and their files are the user's
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
 _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim", "")
-_MEMCALC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_REFERENCE_DIR = os.path.join(_MEMCALC_DIR, "validation", "reference")
+_MEMCALC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+_REFERENCE_DIR = os.path.join(_MEMCALC_DIR, "validation", "reference", "")
 _HARNESS = os.path.join(_MEMCALC_DIR, "tracing", "protocol.py")
 
 
@@ -342,6 +344,9 @@ class Tracer(TorchDispatchMode):
         if self.mask_adds and is_mask_add(func, args):
             return self.math_mask_add(args[0])
         if self.paths is not None:
+            kernel = self.paths.kernel(func)
+            if kernel is not None:  # a fused attention op: its model, in the op's place
+                return kernel(self.paths, *args, **(kwargs or {}))
             self.paths.observe(func, args, kwargs)
         answer = self.shadows.read(func, args, kwargs or {})
         if answer is not NotImplemented:

@@ -75,9 +75,10 @@ def _hf_llama(implementation: str):
     from transformers.masking_utils import create_causal_mask
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-    # the cache argument is ``past_key_values`` through transformers 5.17, ``cache`` later
-    no_cache = {name: None for name in ("cache", "past_key_values")
-                if name in inspect.signature(create_causal_mask).parameters}
+    # the cache argument is ``past_key_values`` through transformers 5.17, ``cache`` later;
+    # 5.25 keeps ``past_key_values`` as a deprecated keyword and warns when both are given
+    parameters = inspect.signature(create_causal_mask).parameters
+    no_cache = {next(name for name in ("cache", "past_key_values") if name in parameters): None}
 
     class LlamaAttentionStep(nn.Module):
         def __init__(self):
