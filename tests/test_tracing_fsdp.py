@@ -314,3 +314,34 @@ def test_a_ranks_signature_is_the_rows_fully_shard_gives_it():
             shard(model, Sharding(4), device="cpu")
             rows = tuple(p.to_local().shape[0] for p in model.parameters())
         assert rows == expected  # rank 3: 1 row of each (10, 30) weight, 6 of each (30, 10)
+
+
+def shard_columns(model, mesh):
+    """A user's own ``apply_fsdp`` that shards each weight by columns (``Shard(1)``): not
+    the rows ``rank_signature`` predicts."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+
+
+@pytest.mark.parametrize("apply, world, traces", [
+    # Stack over 4 ranks, dim 0 chunked as fully_shard does: (10, 30) weights and (10,)
+    # biases 3, 3, 3, 1 rows; (30, 10) and (30,) 8, 8, 8, 6: ranks 0 to 2 hold alike, rank
+    # 3 otherwise: two kinds, two traces
+    (shard_each_linear, 4, 2),
+    # by columns over 2 ranks (30 / 2 and 10 / 2: FSDP takes no uneven columns), which the
+    # prediction of rows does not hold for: every rank traced
+    (shard_columns, 2, 2),
+    (shard_each_linear, 2, 1),  # 5 and 15 rows on each of 2 ranks: one kind
+])
+def test_ranks_the_users_apply_shards_alike_are_traced_once(monkeypatch, apply, world,
+                                                            traces):
+    from memcalc.tracing import direct
+
+    traced, original = [], direct._rank_traced
+    monkeypatch.setattr(direct, "_rank_traced", lambda *args: traced.append(args[-1])
+                        or original(*args))
+    shown = memcalc.trace(Stack, inputs=INPUTS, seq_len=8, batch=2, optimizer="adamw",
+                          fsdp=world, fsdp_apply=apply)
+    assert len(traced) == traces and len(shown.rank_peaks) == world

@@ -137,3 +137,27 @@ def test_a_flash_attn_imported_inside_the_function_is_the_stand_in_too(tmp_path)
     lazy, eager = (memcalc.trace(load_function(f"{tmp_path}/{name}.py:attn"), **options)
                    for name in ("lazy", "eager"))
     assert lazy.figures() == eager.figures() and lazy.peak_bytes > 0
+
+
+def test_a_file_is_imported_once_for_its_target_and_its_apply(tmp_path):
+    """The target and ``--fsdp-apply`` named in one file share its classes (an
+    ``isinstance`` between them holds, as torchtitan's code checks its model), and its
+    module-level code runs once; edited, the file is imported again."""
+    from memcalc.tracing import load_function
+
+    step = tmp_path / "step.py"
+    step.write_text(
+        "import torch\n"
+        "IMPORTS = []\n"
+        "IMPORTS.append(1)\n"
+        "class Step(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x\n"
+        "def apply(model, mesh):\n"
+        "    assert isinstance(model, Step)\n")
+    target, apply = load_function(f"{step}:Step"), load_function(f"{step}:apply")
+    apply(target, None)
+    assert target.__module__ == apply.__module__
+    assert len(__import__(target.__module__).IMPORTS) == 1
+    step.write_text(step.read_text() + "EDITED = True\n")
+    assert __import__(load_function(f"{step}:Step").__module__).EDITED

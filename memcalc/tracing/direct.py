@@ -109,8 +109,9 @@ def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
 
     world = world_of(call, config)
     made: dict = {}  # each distinct rank's trace, by what its step depends on
+    alike = _chunked_as_predicted(call, config, options)
     ranks = [made.get(key) or made.setdefault(key, _rank_traced(call, config, options, inputs, r))
-             for r, key in ((r, _signature(call, config, r)) for r in range(world))]
+             for r, key in ((r, _signature(call, config, r, alike)) for r in range(world))]
     breakdowns = [b for b, _, _ in ranks]
     rank = busiest(breakdowns)
     result, paths, tracer = ranks[rank]
@@ -119,14 +120,38 @@ def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
     return result, paths, tracer, rank
 
 
-def _signature(call: Bound, config: Config, rank: int):
+def _signature(call: Bound, config: Config, rank: int, alike: bool = True):
     """What rank ``rank``'s step depends on: under FSDP alone, the rows of each parameter
-    it holds (``fsdp.rank_signature``: ranks that hold alike run alike); else the rank."""
-    if call.sharding is None or config.cp > 1 or call.sharding.apply is not None:
-        return rank  # the user's own sharding may not chunk dim 0 of every parameter
+    it holds (``fsdp.rank_signature``: ranks that hold alike run the same ops on the same
+    sizes, collectives included), when the sharding chunks dim 0 of every parameter
+    (``alike``); else the rank."""
+    if call.sharding is None or config.cp > 1 or call.sharding.tp > 1 or not alike:
+        return rank
     from memcalc.tracing.fsdp import rank_signature
 
     return ("fsdp", rank_signature(call.fn, call.sharding.world, rank))
+
+
+def _chunked_as_predicted(call: Bound, config: Config, options: TraceOptions) -> bool:
+    """Whether the sharding holds on each rank the dim-0 chunk of every parameter that
+    ``fsdp.rank_signature`` predicts: FSDP's own wrapping does; the user's ``apply``
+    (``--fsdp-apply``) is checked on its first and last ranks' copies (torchtitan's
+    ``apply_fsdp_to_decoder`` does: its ranks are then traced once per kind, not each);
+    one that shards otherwise (a ``shard_placement_fn``) has every rank traced."""
+    if call.sharding is None or call.sharding.apply is None or config.cp > 1:
+        return True
+    from memcalc.tracing.fsdp import held_rows, rank_signature, sharded
+    from memcalc.tracing.state import kept, on_meta
+    from memcalc.tracing.tracer import Tracer
+
+    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options),
+                     gpu_of(config.dims))
+    with kept(call.fn), on_meta(call.fn, call.param_dtype):
+        for rank in sorted({0, call.sharding.world - 1}):
+            with sharded(call, rank, scratch) as (on_rank, _):
+                if held_rows(on_rank.fn) != rank_signature(call.fn, call.sharding.world, rank):
+                    return False
+    return True
 
 
 def world_of(call: Bound, config: Config) -> int:

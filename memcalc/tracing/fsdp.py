@@ -448,3 +448,12 @@ def rank_signature(module: torch.nn.Module, world: int, rank: int) -> tuple:
         return max(0, min(chunk, n - rank * chunk))
 
     return tuple(rows(p) for p in module.parameters())
+
+
+def held_rows(module: torch.nn.Module) -> tuple:
+    """The rows of each parameter's local shard on this rank's sharded ``module``, as
+    ``rank_signature`` predicts them (a 0-d parameter: its one row on rank 0)."""
+    from memcalc.tracing.tracer import local
+
+    return tuple(local(p).shape[0] if p.dim() else int(local(p).numel())
+                 for p in module.parameters())

@@ -119,20 +119,17 @@ def stand_ins():
         yield
 
 
+# each file imported, by its resolved path: (its size and modification time, the module)
+_FILES: dict[Path, tuple[tuple[int, int], object]] = {}
+
+
 def _imported(target: str, spec: str):
     try:
         if target.endswith(".py"):
             path = Path(target)
             if not path.is_file():
                 raise TraceError(f"--trace {spec}: no file {target}")
-            name = f"memcalc_user_{path.stem}"
-            module_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            # registered, as an import would: inspect finds a class's file through it (an
-            # error in a module's forward names the user's line), dataclasses need it
-            sys.modules[name] = module
-            module_spec.loader.exec_module(module)
-            return module
+            return _file_module(path)
         return importlib.import_module(target)
     except (TraceError, KeyboardInterrupt):
         raise
@@ -140,6 +137,25 @@ def _imported(target: str, spec: str):
         raise TraceError(f"--trace {spec}: importing {target} failed: "
                          f"{type(error).__name__}: {_first_line(error)}"
                          f"{install_hint(error)}") from None
+
+
+def _file_module(path: Path):
+    """The module of a user's file, imported once as Python imports a module (the target
+    and ``--fsdp-apply`` named in one file share its classes: an ``isinstance`` between
+    them holds), again only when the file changed since."""
+    key, stat = path.resolve(), path.stat()
+    state = (stat.st_size, stat.st_mtime_ns)
+    if key in _FILES and _FILES[key][0] == state:
+        return _FILES[key][1]
+    name = f"memcalc_user_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    # registered, as an import would: inspect finds a class's file through it (an error in
+    # a module's forward names the user's line), dataclasses need it
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    _FILES[key] = (state, module)
+    return module
 
 
 # --- the signature ------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""torchtitan's Llama 3.1 8B training step, built and sharded by torchtitan's own code
+(``pip install --no-deps torchtitan==0.3.0`` and ``pip install ".[torchtitan]"``: see the
+training guide). Nothing is downloaded: the model is built on the meta device.
+
+    memcalc trace examples/training/torchtitan_llama3.py:Llama3Step --input tokens=B,N:int64 --input labels=B,N:int64 --seq 8192 --batch 2 --optimizer adamw --fsdp 8 --fsdp-apply examples/training/torchtitan_llama3.py:selective --gpu-gb 96
+
+What is torchtitan's, as written:
+
+* the model: ``model_registry("8B")`` (32 blocks of 4,096, 32 query heads of 128 over 8
+  key/value heads, a fused QKV projection, an MLP of 14,336, a vocabulary of 128,256),
+  with the inner attention its Llama 3 ran through 2025 and its published tables used,
+  ``ScaledDotProductAttention`` (``F.scaled_dot_product_attention`` under
+  ``sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION, MATH], set_priority=True)``); 0.3.0's
+  default is compiled FlexAttention;
+* the loss: ``cross_entropy_loss`` (the logits in float32, summed);
+* the sharding (``selective``, ``full``, ``no_ac``): what ``parallelize_llama`` does for this
+  configuration, activation checkpointing first (``SelectiveAC``: every op of its save list
+  kept, every second matmul recomputed; or ``FullAC``), then ``apply_fsdp_to_decoder``
+  (bfloat16 parameters, float32 reductions, each block resharded after its forward).
+
+``parallelize_llama`` itself is not called: 0.3.0 builds its own CUDA device mesh
+(``ParallelDims``) and shards through its ``spmd_types`` backend. ``LAYERS`` in the
+environment sets the depth (default 32), ``FLAVOR`` the model (default ``8B``;
+``debugmodel`` is torchtitan's small one).
+"""
+
+import os
+
+import torch
+from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import model_registry
+
+FLAVOR = os.environ.get("FLAVOR", "8B")
+LAYERS = int(os.environ.get("LAYERS", 32))
+
+
+def build(flavor: str = FLAVOR, layers: int = LAYERS) -> torch.nn.Module:
+    """torchtitan's Llama 3 of ``flavor``, its first ``layers`` blocks, SDPA inside, on
+    the meta device."""
+    config = model_registry(flavor).model
+    config.layers = config.layers[:layers]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        return config.build()
+
+
+class Llama3Step(torch.nn.Module):
+    """The model and its loss: ``loss = cross_entropy_loss(model(tokens), labels)``, as
+    torchtitan's trainer computes it."""
+
+    def __init__(self, flavor: str = FLAVOR, layers: int = LAYERS):
+        super().__init__()
+        self.model = build(flavor, layers)
+
+    def forward(self, tokens, labels):
+        return cross_entropy_loss(self.model(tokens), labels)
+
+
+def _sharded(step: Llama3Step, mesh, checkpointing) -> None:
+    """``parallelize_llama``'s order: activation checkpointing, then FSDP."""
+    if checkpointing is not None:
+        checkpointing.apply(step.model)
+    apply_fsdp_to_decoder(step.model, mesh, param_dtype=torch.bfloat16,
+                          reduce_dtype=torch.float32, pp_enabled=False)
+
+
+def selective(step: Llama3Step, mesh) -> None:
+    """torchtitan's default: selective activation checkpointing, then FSDP."""
+    _sharded(step, mesh, SelectiveAC(SelectiveAC.Config()))
+
+
+def full(step: Llama3Step, mesh) -> None:
+    """Every block recomputed in the backward, then FSDP."""
+    _sharded(step, mesh, FullAC(FullAC.Config()))
+
+
+def no_ac(step: Llama3Step, mesh) -> None:
+    """FSDP alone."""
+    _sharded(step, mesh, None)
