@@ -161,3 +161,18 @@ def test_a_file_is_imported_once_for_its_target_and_its_apply(tmp_path):
     assert len(__import__(target.__module__).IMPORTS) == 1
     step.write_text(step.read_text() + "EDITED = True\n")
     assert __import__(load_function(f"{step}:Step").__module__).EDITED
+
+
+def test_a_file_is_imported_again_in_another_environment(tmp_path, monkeypatch):
+    """Module-level code that reads the environment (``LAYERS`` of the examples) runs again
+    when it changed."""
+    from memcalc.tracing import load_function
+
+    (tmp_path / "sized.py").write_text(
+        "import os\nimport torch\nWIDTH = int(os.environ.get('WIDTH', 8))\n"
+        "def attn(x):\n    return x * WIDTH\n")
+    monkeypatch.setenv("WIDTH", "8")
+    first = load_function(f"{tmp_path}/sized.py:attn")
+    monkeypatch.setenv("WIDTH", "16")
+    second = load_function(f"{tmp_path}/sized.py:attn")
+    assert (first.__globals__["WIDTH"], second.__globals__["WIDTH"]) == (8, 16)

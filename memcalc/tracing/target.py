@@ -119,8 +119,9 @@ def stand_ins():
         yield
 
 
-# each file imported, by its resolved path: (its size and modification time, the module)
-_FILES: dict[Path, tuple[tuple[int, int], object]] = {}
+# each file imported, by its resolved path: (its size, modification time and the
+# environment it was imported in, the module)
+_FILES: dict[Path, tuple[tuple, object]] = {}
 
 
 def _imported(target: str, spec: str):
@@ -142,9 +143,12 @@ def _imported(target: str, spec: str):
 def _file_module(path: Path):
     """The module of a user's file, imported once as Python imports a module (the target
     and ``--fsdp-apply`` named in one file share its classes: an ``isinstance`` between
-    them holds), again only when the file changed since."""
+    them holds), again only when the file or the environment changed since (module-level
+    code reads environment variables: ``LAYERS`` of the examples)."""
+    import os
+
     key, stat = path.resolve(), path.stat()
-    state = (stat.st_size, stat.st_mtime_ns)
+    state = (stat.st_size, stat.st_mtime_ns, frozenset(os.environ.items()))
     if key in _FILES and _FILES[key][0] == state:
         return _FILES[key][1]
     name = f"memcalc_user_{path.stem}"
