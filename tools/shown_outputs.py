@@ -7,10 +7,11 @@ block and compare (``tests/test_shown_outputs.py``).
     python tools/shown_outputs.py docs/guides/x.md # only these pages
     python tools/shown_outputs.py --check          # exit 1 if any block differs, naming it
 
-The outputs are those of one torch release, ``TORCH``, and one transformers release,
-``TRANSFORMERS``: a kernel's choice and a backward's temporaries follow the installed torch's
-rules, and a traced Hugging Face model is named by the lines of transformers' own files, so
-the pages are rewritten, and checked, only under both (the releases ``.ci/run`` pins).
+The outputs are those of one torch release, ``TORCH``, and one release of each library the
+pages trace, ``PACKAGES``: a kernel's choice and a backward's temporaries follow the
+installed torch's rules, and a traced Hugging Face or torchtitan model is named by the lines
+of the library's own files, so the pages are rewritten, and checked, only under all of them
+(the releases ``.ci/run`` pins).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "2.15"
 """The torch release the pages' outputs were printed with (the release ``.ci/run`` pins)."""
-TRANSFORMERS = "5.25.0"
-"""The transformers release they were printed with (``.ci/run`` pins it too)."""
+PACKAGES = {"transformers": "5.25.0", "torchtitan": "0.3.0"}
+"""The releases of the libraries the pages trace that they were printed with (``.ci/run``
+pins them too)."""
 BLOCK = re.compile(r"```\n\$ (?P<cmd>[^\n]+)\n(?P<out>.*?)```", re.S)
 
 
@@ -73,10 +75,10 @@ def unlike_the_pages() -> str | None:
     if installed_torch() != TORCH:
         return (f"the pages show torch {TORCH}'s outputs; torch {installed_torch()} is "
                 f"installed (pip install torch=={TORCH}.*)")
-    if installed("transformers") != TRANSFORMERS:
-        return (f"the pages show transformers {TRANSFORMERS}'s outputs; transformers "
-                f"{installed('transformers')} is installed (pip install "
-                f"transformers=={TRANSFORMERS})")
+    for package, release in PACKAGES.items():
+        if installed(package) != release:
+            return (f"the pages show {package} {release}'s outputs; {package} "
+                    f"{installed(package)} is installed (pip install {package}=={release})")
     return None
 
 
