@@ -303,7 +303,7 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
 
 
 def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
-          optimizer=None, grad_accum=1, fsdp=None, reshard_after_forward="default",
+          optimizer=None, grad_accum=1, clip_grad_norm=None, fsdp=None, reshard_after_forward="default",
           fsdp_param_dtype=None, fsdp_reduce_dtype=None, fsdp_apply=None, fsdp_tp=1,
           gpu_gb=None, reserve=None, **options):
     """The breakdown of your own function or module's step, traced on the meta device as
@@ -318,7 +318,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     floating parameters and buffers in that dtype (``model.to(torch.bfloat16)``);
     ``optimizer="adamw"`` (``adam``, ``sgd``; ``:fused``, ``:forloop``) adds its
     ``step()`` and ``zero_grad()`` as a training loop runs them, after ``grad_accum``
-    forward and backward passes. ``fsdp=8`` shards the module with PyTorch's FSDP2
+    forward and backward passes, the grads clipped to a total norm of ``clip_grad_norm``
+    first when given (``torch.nn.utils.clip_grad_norm_``, foreach). ``fsdp=8`` shards the module with PyTorch's FSDP2
     (``fully_shard`` on each repeated layer, then the root, as torchtitan applies it;
     ``reshard_after_forward`` its policy ``default``, ``always`` or ``never``;
     ``fsdp_param_dtype``/``fsdp_reduce_dtype`` its ``MixedPrecisionPolicy``; or
@@ -363,7 +364,9 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
         calling = Calling(check_inputs(fn, given, "inputs"),
                           autocast_dtype(autocast, "autocast"),
                           torch_dtype(param_dtype, "param_dtype"),
-                          loop_of(optimizer, grad_accum, ("optimizer", "grad_accum")),
+                          loop_of(optimizer, grad_accum,
+                                  ("optimizer", "grad_accum", "clip_grad_norm"),
+                                  clip_grad_norm),
                           sharding_of(fsdp, reshard_after_forward,
                                       torch_dtype(fsdp_param_dtype, "fsdp_param_dtype"),
                                       torch_dtype(fsdp_reduce_dtype, "fsdp_reduce_dtype"),

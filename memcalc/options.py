@@ -173,6 +173,10 @@ def input_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=whole, default=1, metavar="K",
                    help="forward and backward passes per optimizer step, grads accumulating "
                         "(default 1)")
+    p.add_argument("--clip-grad-norm", default=None, metavar="MAX",
+                   help="clip the grads to a total norm of MAX before the optimizer step, "
+                        "as torch.nn.utils.clip_grad_norm_(params, MAX, foreach=True) "
+                        "(torchtitan's and the Hugging Face Trainer's loops do, with 1.0)")
     p.add_argument("--fsdp", default=None, metavar="P",
                    help="shard the module with PyTorch's FSDP2 over P ranks (fully_shard on "
                         "each repeated layer, then the root, as torchtitan does); the busiest "
@@ -207,8 +211,8 @@ def release_of(args) -> dict:
 
 
 def calling_from(args, fn):
-    """``--input``, ``--no-grad``, ``--autocast``, ``--param-dtype``, ``--optimizer`` and
-    ``--grad-accum`` as the ``memcalc.tracing.Calling`` of ``fn`` (raises its TraceError
+    """``--input``, ``--no-grad``, ``--autocast``, ``--param-dtype``, ``--optimizer``,
+    ``--grad-accum`` and ``--clip-grad-norm`` as the ``memcalc.tracing.Calling`` of ``fn`` (raises its TraceError
     when they do not fit it)."""
     from memcalc.engine.inputs import inputs_of
     from memcalc.names import autocast_dtype, torch_dtype
@@ -221,7 +225,7 @@ def calling_from(args, fn):
         raise ValueError(f"--no-grad {args.no_grad[0]}: give the inputs with --input first "
                          f"(without it the target takes q, k, v, which need grad)")
     inputs = inputs_of(args.input, args.no_grad) if args.input else None
-    loop = loop_of(args.optimizer, args.grad_accum)
+    loop = loop_of(args.optimizer, args.grad_accum, clip_grad_norm=args.clip_grad_norm)
     return Calling(check_inputs(fn, inputs), autocast, param_dtype, loop, sharding_from(args))
 
 
@@ -339,7 +343,7 @@ def traced_options_given(args) -> str | None:
                         ("--no-grad", (args.no_grad or [None])[0]),
                         ("--optimizer", args.optimizer),
                         ("--grad-accum", args.grad_accum if args.grad_accum != 1 else None),
-                        ("--fsdp", args.fsdp)):
+                        ("--clip-grad-norm", args.clip_grad_norm), ("--fsdp", args.fsdp)):
         if value is not None:
             return f"{flag} {value}"
     return None

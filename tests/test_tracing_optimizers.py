@@ -14,8 +14,8 @@ from memcalc.analysis.predict import predict  # noqa: E402
 from memcalc.engine.program import Role  # noqa: E402
 from memcalc.impls.device import gpu_of  # noqa: E402
 from memcalc.tracing import TraceOptions, load_function, paths_for  # noqa: E402
-from memcalc.tracing.optimizers import (OptimizerSpec, build, fused_on_meta,  # noqa: E402
-                                        loop_of, parse_optimizer)
+from memcalc.tracing.optimizers import (OptimizerSpec, build, foreach_on_meta,  # noqa: E402
+                                        fused_on_meta, loop_of, parse_optimizer)
 from memcalc.tracing.tracer import Tracer, component, function_modes  # noqa: E402
 from memcalc.validation import figures_of  # noqa: E402
 
@@ -67,10 +67,11 @@ def test_built_as_cuda_would_pick_it():
     assert "meta" not in optimizer._get_fused_kernels_supported_devices()
 
 
-def literal_loop(model, config, spec: str, accumulate: int = 1) -> dict[str, int]:
+def literal_loop(model, config, spec: str, accumulate: int = 1,
+                 clip: float | None = None) -> dict[str, int]:
     """The training loop as nanoGPT's ``train.py`` writes it (``loss = model(X, Y)``,
-    ``loss.backward()`` per micro-step, then ``optimizer.step()`` and
-    ``optimizer.zero_grad(set_to_none=True)``), twice, the second read as
+    ``loss.backward()`` per micro-step, then ``clip_grad_norm_`` when ``clip`` is given,
+    ``optimizer.step()`` and ``optimizer.zero_grad(set_to_none=True)``), twice, the second read as
     ``torch.cuda`` would be: the peak reset where each phase starts, read where it ends.
     Under memcalc's tracer (its model of the allocator and of CUDA's kernels) but not its
     protocol, which is what it checks."""
@@ -79,7 +80,8 @@ def literal_loop(model, config, spec: str, accumulate: int = 1) -> dict[str, int
     ledger, read = tracer.ledger, {}
     opt_spec = parse_optimizer(spec)
     with tracer, function_modes(tracer), \
-            fused_on_meta() if opt_spec.impl == "fused" else nullcontext():
+            fused_on_meta() if opt_spec.impl == "fused" else nullcontext(), \
+            foreach_on_meta():
         for name, p in model.named_parameters():  # resident from the start
             tracer.adopt(p, component(name, Role.parameter, "resident", tuple(p.shape),
                                       "float32", 0), located=False)
@@ -102,6 +104,8 @@ def literal_loop(model, config, spec: str, accumulate: int = 1) -> dict[str, int
                 phase("forward", measured)
                 loss.backward()
                 phase("backward", measured)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             phase("optimizer", measured)
@@ -111,16 +115,19 @@ def literal_loop(model, config, spec: str, accumulate: int = 1) -> dict[str, int
             "reserved_peak_bytes": read["reserved"]}
 
 
-@pytest.mark.parametrize("spec, accumulate", [("adamw", 1), ("adamw:fused", 1),
-                                              ("adamw:forloop", 1), ("adam", 1), ("sgd", 1),
-                                              ("adamw", 2), ("sgd:fused", 3)])
-def test_the_traced_step_equals_the_training_loop_written_out(spec, accumulate):
+@pytest.mark.parametrize("spec, accumulate, clip", [
+    ("adamw", 1, None), ("adamw:fused", 1, None), ("adamw:forloop", 1, None), ("adam", 1, None),
+    ("sgd", 1, None), ("adamw", 2, None), ("sgd:fused", 3, None), ("adamw", 1, 1.0),
+    ("adamw:fused", 2, 0.5)])
+def test_the_traced_step_equals_the_training_loop_written_out(spec, accumulate, clip):
     """Every phase's peak and the reserved peak equal those of the loop written out, for
-    each optimizer and implementation, with grads accumulated over micro-steps."""
+    each optimizer and implementation, with grads accumulated over micro-steps, and
+    clipped."""
     model = load_function(f"{GPT}:TinyGPT")
     b = memcalc.trace(model, inputs=INPUTS, optimizer=spec, grad_accum=accumulate,
-                      seq_len=257, batch=2)
-    assert {k: getattr(b, k) for k in PHASES} == literal_loop(model, b.config, spec, accumulate)
+                      clip_grad_norm=clip, seq_len=257, batch=2)
+    assert {k: getattr(b, k) for k in PHASES} == literal_loop(model, b.config, spec, accumulate,
+                                                              clip)
 
 
 def _parameter_bytes(model, itemsize: int = 4) -> int:
@@ -217,6 +224,12 @@ def test_a_target_without_parameters_has_nothing_to_optimize(capsys):
                                                "--forward-only traces inference"),
     (("--optimizer", "lion"), "--optimizer: unknown optimizer 'lion'"),
     (("--optimizer", "adamw", "--grad-accum", "-1"), "--grad-accum: forward and backward"),
+    (("--clip-grad-norm", "1.0"), "--clip-grad-norm 1.0: the grads are clipped before an "
+                                  "optimizer step; give --optimizer"),
+    (("--optimizer", "adamw", "--clip-grad-norm", "0"), "--clip-grad-norm: the largest total "
+                                                        "norm of the grads, a positive number"),
+    (("--optimizer", "adamw", "--clip-grad-norm", "one"), "--clip-grad-norm: the largest "
+                                                          "total norm"),
 ])
 def test_bad_loop_options_are_one_line(capsys, argv, message):
     code, out, err = run(capsys, "trace", f"{GPT}:TinyGPT", *CLI_INPUTS, "--seq", "64", *argv)
@@ -275,3 +288,38 @@ def test_the_title_says_how_the_step_ran_not_a_dtype_nothing_took():
     b = memcalc.trace(attention, inputs={"x": ("B", "N", 768)}, autocast="bf16",
                       seq_len=64, batch=1)
     assert b.config.label() == "B=1 N=64 fp32 autocast bf16"
+
+
+class TwoLinear(torch.nn.Module):
+    """``Linear(300, 1000)``, ReLU, ``Linear(1000, 300)``, summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(300, 1000), torch.nn.Linear(1000, 300)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu()).sum()
+
+
+def test_clipping_takes_the_foreach_norms_buffer_of_partial_norms():
+    """``clip_grad_norm_(..., foreach=True)``: ``_foreach_norm`` as CUDA runs it
+    (``memcalc/tracing/foreach.py``), a float32 buffer of 4 grads x ceil(300,000 / 65,536)
+    = 5 chunks = 20 partial norms (80 B), then each grad's 0-d norm, the buffer freed as it
+    returns; then the norms stacked (4 x 4 B) into the total norm."""
+    from memcalc.engine.inputs import inputs_of
+    from memcalc.tracing import Calling, register_function, traced
+
+    history = []
+    calling = Calling(inputs_of(["x=B,N,300"], []), loop=loop_of("adamw", 1,
+                                                                  clip_grad_norm=1.0))
+    config = memcalc.make_config(impl=register_function(TwoLinear(), "TwoLinear", calling),
+                                 seq_len=64, batch=2)
+    traced(TwoLinear(), config, TraceOptions(), history=history, calling=calling)
+    names = [(e.kind, e.component.name.split(" (")[0], e.component.bytes) for e in history
+             if e.component is not None]
+    start = max(i for i, n in enumerate(names) if n[1] == "_foreach_norm partial norms"
+                and n[0] == "alloc")
+    assert names[start:start + 8] == [
+        ("alloc", "_foreach_norm partial norms", 80), *[("alloc", "_foreach_norm", 4)] * 4,
+        ("free", "_foreach_norm partial norms", 80), ("alloc", "stack", 16),
+        ("alloc", "linalg_vector_norm", 4)]

@@ -45,7 +45,7 @@ def add_arguments(parser) -> None:
 
 # the options that describe a --trace target's step: refused without --trace
 TARGET_OPTIONS = ("input", "no_grad", "autocast", "param_dtype", "torch", "optimizer",
-                  "grad_accum", "seq", "batch", "heads", "head_dim", "dtype", "kv_len",
+                  "grad_accum", "clip_grad_norm", "seq", "batch", "heads", "head_dim", "dtype", "kv_len",
                   "kv_heads", "causal", "gpu", "loss", "forward_only", "deterministic",
                   "cp", "cp_method", "tp", "cublas_workspace_config")
 

@@ -30,7 +30,7 @@ from memcalc.gpus import GPU
 from memcalc.impls import sdpa_cudnn as cudnn
 from memcalc.impls.sdpa_efficient import MEM_EFF_ALIGNMENT
 from memcalc.impls import sdpa_select
-from memcalc.tracing import kernels
+from memcalc.tracing import foreach, kernels
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu
 from memcalc.impls.sdpa_select import EFFICIENT, MATH, Call, Flags, Release
 
@@ -101,16 +101,20 @@ class CudaPaths:
         return fake_group(self.cp)
 
     def kernel(self, func):
-        """What runs in place of ``func``'s meta kernel, which allocates only its outputs: a
-        fused attention op's model (``kernels.OPS``: every tensor its CUDA kernel makes, the
-        outputs returned), else None."""
-        return kernels.OPS.get(func)
+        """What runs in place of ``func``'s meta kernel, which allocates only its outputs:
+        a fused attention op's model (``kernels.OPS``: every tensor its CUDA kernel makes,
+        the outputs returned) or a foreach kernel's (``foreach.OPS``), else None."""
+        return KERNELS.get(func)
 
     def observe(self, func, args=(), kwargs=None) -> None:
         """What the trace cannot see inside ``func`` (``observe``), and the checks a GPU
         makes before running it (``check_dtypes``); the tracer calls this before each op."""
         observe(self, func)
         check_dtypes(func, args, kwargs or {})
+
+
+# the ops whose CUDA kernels allocate what their meta kernels do not, and what runs for them
+KERNELS = {**kernels.OPS, **foreach.OPS}
 
 
 class Mode(TorchFunctionMode):

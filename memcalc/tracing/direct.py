@@ -89,7 +89,7 @@ def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
                   inputs=tuple(i.text() for i in inputs if inputs is not QKV),
                   autocast=calling.autocast, param_dtype=calling.param_dtype,
                   optimizer=calling.loop.optimizer.text() if calling.loop.optimizer else None,
-                  grad_accum=calling.loop.accumulate, **checked)
+                  grad_accum=calling.loop.accumulate, clip=calling.loop.clip, **checked)
 
 
 def _returned(call: Bound) -> tuple[str, ...]:

@@ -104,20 +104,44 @@ def fused_on_meta() -> Iterator[None]:
         optimizer._get_fused_kernels_supported_devices = original
 
 
+@contextmanager
+def foreach_on_meta() -> Iterator[None]:
+    """Let ``clip_grad_norm_(..., foreach=True)`` take its foreach path on the meta device,
+    as on CUDA, while the block runs: ``torch/nn/utils/clip_grad.py`` asks
+    ``_device_has_foreach_support``, which names CUDA and not meta ("foreach=True was
+    passed, but can't use the foreach API on meta tensors"); put back after."""
+    from torch.nn.utils import clip_grad
+
+    original = clip_grad._device_has_foreach_support
+    clip_grad._device_has_foreach_support = lambda device: (device.type == "meta"
+                                                            or original(device))
+    try:
+        yield
+    finally:
+        clip_grad._device_has_foreach_support = original
+
+
 @dataclass(frozen=True)
 class Loop:
     """A traced step as a training loop runs it: ``optimizer`` (None: none) stepped after
-    ``accumulate`` forward and backward passes (``--grad-accum``)."""
+    ``accumulate`` forward and backward passes (``--grad-accum``), the grads clipped to a
+    total norm of ``clip`` first (``--clip-grad-norm``; None: not clipped)."""
 
     optimizer: OptimizerSpec | None = None
     accumulate: int = 1
+    clip: float | None = None
 
     def running(self):
-        """What the trace runs under: the fused kernels let onto the meta device."""
-        from contextlib import nullcontext
+        """What the trace runs under: the fused kernels and clipping's foreach path let
+        onto the meta device."""
+        from contextlib import ExitStack
 
-        fused = self.optimizer is not None and self.optimizer.impl == "fused"
-        return fused_on_meta() if fused else nullcontext()
+        stack = ExitStack()
+        if self.optimizer is not None and self.optimizer.impl == "fused":
+            stack.enter_context(fused_on_meta())
+        if self.clip is not None:
+            stack.enter_context(foreach_on_meta())
+        return stack
 
     def training(self, parameters: tuple, tracer=None):
         """The protocol's ``Training``: the optimizer built over ``parameters`` (``(name,
@@ -126,7 +150,7 @@ class Loop:
         from memcalc.tracing.protocol import Training
 
         if self.optimizer is None:
-            return Training(None, self.accumulate)
+            return Training(None, self.accumulate, self.clip)
         if not parameters:
             from memcalc.tracing.errors import TraceError
 
@@ -136,7 +160,7 @@ class Loop:
         optimizer = build(self.optimizer, (t for _, t in parameters))
         if tracer is not None:
             optimizer = NamedState(optimizer, parameters, tracer)
-        return Training(optimizer, self.accumulate)
+        return Training(optimizer, self.accumulate, self.clip)
 
 
 class NamedState:
@@ -166,10 +190,12 @@ class NamedState:
                                         role=Role.optimizer_state)
 
 
-def loop_of(optimizer: str | None, grad_accum: int = 1, fields=("--optimizer", "--grad-accum")
-            ) -> Loop:
-    """The ``Loop`` of ``--optimizer`` and ``--grad-accum`` (``fields`` name them as the
-    caller spells them); a ValueError naming the field for a bad value."""
+def loop_of(optimizer: str | None, grad_accum: int = 1,
+            fields=("--optimizer", "--grad-accum", "--clip-grad-norm"),
+            clip_grad_norm: float | None = None) -> Loop:
+    """The ``Loop`` of ``--optimizer``, ``--grad-accum`` and ``--clip-grad-norm``
+    (``fields`` name them as the caller spells them); a ValueError naming the field for a
+    bad value."""
     spec = parse_optimizer(optimizer, fields[0])
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"{fields[1]}: forward and backward passes per optimizer step, a "
@@ -177,4 +203,21 @@ def loop_of(optimizer: str | None, grad_accum: int = 1, fields=("--optimizer", "
     if grad_accum > 1 and spec is None:
         raise ValueError(f"{fields[1]} {grad_accum}: grads accumulate for an optimizer step; "
                          f"give {fields[0]} (adamw, adam or sgd)")
-    return Loop(spec, grad_accum)
+    return Loop(spec, grad_accum, _max_norm(clip_grad_norm, spec, fields))
+
+
+def _max_norm(value, spec: OptimizerSpec | None, fields) -> float | None:
+    """``--clip-grad-norm``'s max_norm: a positive number, with an optimizer to step."""
+    if value is None:
+        return None
+    try:
+        norm = float(value)
+    except (TypeError, ValueError):
+        norm = float("nan")
+    if isinstance(value, bool) or not norm > 0 or norm == float("inf"):
+        raise ValueError(f"{fields[2]}: the largest total norm of the grads, a positive "
+                         f"number such as 1.0 (got {value!r})")
+    if spec is None:
+        raise ValueError(f"{fields[2]} {value}: the grads are clipped before an optimizer "
+                         f"step; give {fields[0]} (adamw, adam or sgd)")
+    return norm

@@ -44,10 +44,12 @@ class Measured:
 class Training:
     """What makes the step a training loop's: ``optimizer`` (anything with torch's
     ``step()`` and ``zero_grad(set_to_none=...)``; None: none) stepped after
-    ``accumulate`` forward and backward passes whose grads accumulate."""
+    ``accumulate`` forward and backward passes whose grads accumulate, clipped to a total
+    norm of ``clip`` first (None: not clipped)."""
 
     optimizer: object = None
     accumulate: int = 1
+    clip: float | None = None
 
     @property
     def loop(self) -> bool:
@@ -148,6 +150,8 @@ def _loop_step(torch, attn: Callable, inputs: Inputs, probe: Probe | None,
             reserved.append(probe.max_reserved())
     if probe is not None:
         probe.reset_peak("optimizer")
+    if training.clip is not None:  # as torchtitan's and the Hugging Face Trainer's loops do
+        torch.nn.utils.clip_grad_norm_(parameters, training.clip, foreach=True)
     if training.optimizer is not None:
         training.optimizer.step()
         training.optimizer.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ class Traced(Result):
     param_dtype: str | None = None  # the module's floating state as module.to(dtype) makes it
     optimizer: str | None = None  # the training loop's (--optimizer), as the option names it
     grad_accum: int = 1  # forward and backward passes per optimizer step (--grad-accum)
+    clip: float | None = None  # the grads' largest total norm before the step (--clip-grad-norm)
 
     def summary(self) -> str:
         lines = [f"traced as on {self.gpu}: CUDA code paths emulated (memcalc's docs, "
@@ -38,7 +39,7 @@ class Traced(Result):
             lines.append(f"forward under torch.autocast('cuda', dtype=torch.{self.autocast}) "
                          f"(--autocast)")
         if self.optimizer or self.grad_accum > 1:
-            lines.append(loop_line(self.optimizer, self.grad_accum))
+            lines.append(loop_line(self.optimizer, self.grad_accum, self.clip))
         lines += [f"- {n}" for n in self.notes]
         if self.budget is not None:
             lines += [self.budget.describe(), self.fit.describe()]
@@ -71,10 +72,10 @@ class Traced(Result):
                 "notes": list(self.notes), "kernels": list(self.kernels),
                 "inputs": list(self.inputs), "autocast": self.autocast,
                 "param_dtype": self.param_dtype, "optimizer": self.optimizer,
-                "grad_accum": self.grad_accum, **extra}
+                "grad_accum": self.grad_accum, "clip_grad_norm": self.clip, **extra}
 
 
-def loop_line(optimizer: str | None, grad_accum: int) -> str:
+def loop_line(optimizer: str | None, grad_accum: int, clip: float | None = None) -> str:
     """What the training loop around the step ran: ``trained as a loop does: 2 forward and
     backward passes, then torch.optim.AdamW(foreach=True).step() and zero_grad(...)``."""
     from memcalc.tracing.optimizers import parse_optimizer
@@ -82,6 +83,8 @@ def loop_line(optimizer: str | None, grad_accum: int) -> str:
     spec = parse_optimizer(optimizer)
     passes = f"{grad_accum} forward and backward passes, grads accumulating, then " \
         if grad_accum > 1 else "forward, backward, then "
+    if clip is not None:
+        passes += (f"clip_grad_norm_(params, {clip:g}, foreach=True) (--clip-grad-norm), ")
     if spec is None:
         return f"trained as a loop does: {passes}the grads reset"
     step = "on the GPU (a float32 0-d tensor each)" if spec.step_on_device else \
