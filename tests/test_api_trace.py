@@ -63,10 +63,11 @@ def test_help_lists_the_options():
     import inspect
 
     parameters = inspect.signature(memcalc.trace).parameters
-    assert list(parameters)[:15] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
-                                     "optimizer", "grad_accum", "fsdp", "reshard_after_forward",
-                                     "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_apply",
-                                     "fsdp_tp", "gpu_gb", "reserve"]
+    assert list(parameters)[:16] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
+                                     "optimizer", "grad_accum", "clip_grad_norm", "fsdp",
+                                     "reshard_after_forward", "fsdp_param_dtype",
+                                     "fsdp_reduce_dtype", "fsdp_apply", "fsdp_tp", "gpu_gb",
+                                     "reserve"]
     assert "seq_len" in parameters
     assert "impl" not in parameters
 

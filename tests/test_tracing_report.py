@@ -109,7 +109,8 @@ def test_json_without_a_budget_adds_only_the_gpu_its_paths_and_the_notes():
     data = json.loads(result.to_json())
     assert data == {**b.to_dict(), "gpu": H100, "cuda_paths": True,
                     "notes": ["first note", "second note"], "kernels": [], "inputs": [],
-                    "autocast": None, "param_dtype": None, "optimizer": None, "grad_accum": 1}
+                    "autocast": None, "param_dtype": None, "optimizer": None, "grad_accum": 1,
+                    "clip_grad_norm": None}
     assert "budget_bytes" not in data and "fits" not in data
 
 
@@ -121,7 +122,7 @@ def test_json_with_a_budget_adds_its_figures_and_the_fit():
     assert added == {
         "gpu": H100, "cuda_paths": True, "notes": [], "kernels": [], "inputs": [],
         "autocast": None, "param_dtype": None, "optimizer": None, "grad_accum": 1,
-        "budget_bytes": 1_048_576,  # 1 MiB - reserve 0
+        "clip_grad_norm": None, "budget_bytes": 1_048_576,  # 1 MiB - reserve 0
         "fits": False,  # the first 2 MiB segment is over it
         "budget": {"device": "given", "memory_bytes": 1_048_576, "reserve_bytes": 0,
                    "memory_source": "", "memory_kind": "", "reserve_source": "",
