@@ -106,6 +106,9 @@ class Protocol(BaseModel):
     cublas_workspace_config: str | None = Field(
         None, description='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8" (SIZE_KiB:COUNT pairs)'
     )
+    alloc_conf: str | None = Field(
+        None, description="PYTORCH_ALLOC_CONF (formerly PYTORCH_CUDA_ALLOC_CONF), e.g. "
+                          "expandable_segments:True")
 
     @field_validator("cublas_workspace_config")
     @classmethod
@@ -113,6 +116,22 @@ class Protocol(BaseModel):
         if value is not None and not _WORKSPACE_RE.match(value):
             raise ValueError('must look like ":4096:8" or ":4096:2:16:8" (SIZE_KiB:COUNT pairs)')
         return value
+
+    @field_validator("alloc_conf")
+    @classmethod
+    def _check_alloc_conf(cls, value: str | None) -> str | None:
+        """Kept as the model follows it (``expandable_segments:True``), None for the
+        allocator's defaults; what it cannot follow is refused."""
+        from memcalc.engine.allocator import settings_of
+
+        return settings_of(value).text() or None
+
+    @property
+    def allocator(self):
+        """The caching allocator's settings (``memcalc.engine.allocator.Settings``)."""
+        from memcalc.engine.allocator import settings_of
+
+        return settings_of(self.alloc_conf)
 
 
 class Device(BaseModel):
@@ -269,7 +288,8 @@ class Config(BaseModel):
                    f"chunk={self.chunk}" if self.chunk != Config.model_fields["chunk"].default
                    else "",
                    f"CUBLAS_WORKSPACE_CONFIG={p.cublas_workspace_config}"
-                   if p.cublas_workspace_config else ""]
+                   if p.cublas_workspace_config else "",
+                   f"PYTORCH_ALLOC_CONF={p.alloc_conf}" if p.alloc_conf else ""]
         shown = [v for k, v in sizes.items() if k not in left] + options
         return " ".join(part for part in shown if part)
 
@@ -309,7 +329,7 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
                 block_mask: str = "given", gpu: str | None = "h100-80gb", loss: str = "grad",
                 forward_only: bool = False, cublas_workspace_config: str | None = None,
                 deterministic: bool = False, cp: int = 1, cp_method: str = "allgather",
-                tp: int = 1) -> Config:
+                tp: int = 1, alloc_conf: str | None = None) -> Config:
     """A ``Config`` from the flat options the CLI and the Python API share (the CLI's
     ``--seq`` is ``seq_len``); a bad value is a one-line ValueError that starts with the
     field (``kv_heads: 3 must divide heads (4)``), which the CLI names by its option."""
@@ -331,7 +351,7 @@ def make_config(*, impl: str = "naive", seq_len: int = 16384, batch: int = 8, he
             device=Device(gpu=gpu),
             protocol=Protocol(loss=loss, forward_only=forward_only,
                               cublas_workspace_config=cublas_workspace_config,
-                              deterministic=deterministic),
+                              deterministic=deterministic, alloc_conf=alloc_conf),
         )
     except ValidationError as error:
         raise ValueError(one_line(error)) from None

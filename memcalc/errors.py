@@ -32,6 +32,7 @@ FLAGS = {
     "kv_len": "--kv-len", "kv_heads": "--kv-heads", "chunk": "--chunk", "dtype": "--dtype",
     "impl": "--impl", "gpu": "--gpu", "loss": "--loss", "causal": "--causal",
     "cublas_workspace_config": "--cublas-workspace-config", "time_limit": "--time-limit",
+    "alloc_conf": "--alloc-conf",
     "work_limit": "--work-limit", "memory_limit": "--memory-limit",
     "deterministic": "--deterministic",
     "mask": "--mask", "block_mask": "--block-mask", "cp": "--cp", "cp_method": "--cp-method",

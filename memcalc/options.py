@@ -142,6 +142,10 @@ def parallel_options(p: argparse.ArgumentParser, cp: bool = True) -> None:
                    help="tensor-parallel ranks: the heads (and key/value heads) split over T")
     p.add_argument("--cublas-workspace-config", default=None, metavar="CFG",
                    help='CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"')
+    p.add_argument("--alloc-conf", default=None, metavar="CONF",
+                   help="PYTORCH_ALLOC_CONF, the caching allocator's settings, e.g. "
+                        "expandable_segments:True (default: that variable, or "
+                        "PYTORCH_CUDA_ALLOC_CONF, when set; else the allocator's defaults)")
 
 
 def input_options(p: argparse.ArgumentParser) -> None:
@@ -433,13 +437,28 @@ def config_from(args, **overrides):
                           **overrides})
 
 
+def alloc_conf_of(args) -> str | None:
+    """``--alloc-conf``, else the caching allocator's settings in the environment, as a
+    launch script sets them for the run (torchtitan's sets expandable_segments:True):
+    ``PYTORCH_ALLOC_CONF``, or its older name ``PYTORCH_CUDA_ALLOC_CONF``, which torch
+    reads when the first is not set (``c10/core/AllocatorConfig.cpp``)."""
+    import os
+
+    given = getattr(args, "alloc_conf", None)
+    if given is not None:
+        return given
+    return (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            or None)
+
+
 def config_options(args) -> dict:
     """The options' ``make_config`` keywords, but the implementation."""
     flat = dict(seq_len=args.seq, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                 kv_len=args.kv_len, kv_heads=args.kv_heads, dtype=args.dtype,
                 causal=args.causal, gpu=args.gpu, loss=loss_of(args),
                 forward_only=args.forward_only, deterministic=args.deterministic,
-                cublas_workspace_config=args.cublas_workspace_config)
+                cublas_workspace_config=args.cublas_workspace_config,
+                alloc_conf=alloc_conf_of(args))
     if getattr(args, "chunk", None) is not None:
         flat["chunk"] = args.chunk
     if getattr(args, "mask", None) is not None:

@@ -60,7 +60,8 @@ def plot_timeline(config, path: str | None = None, recorded=None):
 
     config = _config_of(config)
     if recorded is None:
-        ledger = Ledger(config.workspace_bytes, record=True)
+        ledger = Ledger(config.workspace_bytes, record=True,
+                        settings=config.protocol.allocator)
         recorded = ledger.history, predict(config, ledger=ledger)
     history, result = recorded
     start = next(i for i, e in enumerate(history) if e.label == "forward")

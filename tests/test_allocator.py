@@ -1,10 +1,12 @@
 """The caching-allocator model against the rules of c10/cuda/CUDACachingAllocator.cpp."""
 
 import random
+import re
 
 import pytest
 
-from memcalc.engine.allocator import (INTEGERS, MiB, CachingAllocator, FreeBlocks, OutOfMemory, round_size, segment_size)
+from memcalc.engine.allocator import (INTEGERS, MiB, CachingAllocator, FreeBlocks, OutOfMemory, Settings,
+                                      round_size, segment_size, settings_of)
 
 
 @pytest.mark.parametrize("request_bytes, block", [
@@ -208,3 +210,94 @@ def test_a_block_serves_its_own_stream_only():
     assert a.malloc(4 * MiB, stream=1).segment is block.segment  # stream 1's, reused
     a.empty_cache()  # releases the wholly free segments of every stream
     assert a.reserved == 20 * MiB  # 40 MiB - stream 0's free 20 MiB segment
+
+
+# --- expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True) ---------------------
+# c10/cuda/CUDACachingAllocator.cpp: find_expandable_block, try_allocate_expandable_block,
+# map_block, unmap_block, release_blocks, should_split; pages of kSmallBuffer (2 MiB) and
+# kLargeBuffer (20 MiB)
+
+def expandable(capacity=None) -> CachingAllocator:
+    return CachingAllocator(capacity, settings=Settings(expandable_segments=True))
+
+
+def test_expandable_segments_map_pages_of_2_and_20_mib():
+    """No segment per request: the pool's one segment maps a 20 MiB page (large pool) or a
+    2 MiB page (small pool) at a time."""
+    a = expandable()
+    a.malloc(3 * MiB)
+    assert a.reserved == 20 * MiB  # one large page (default: a 20 MiB segment too)
+    a.malloc(1000)
+    assert a.reserved == 22 * MiB  # and one small page
+
+
+def test_a_request_maps_only_the_pages_it_lacks_after_the_free_block_before_them():
+    """3 MiB then 30 MiB: the 17 MiB left free at the end of the first page and one more
+    page (ceil((30 - 17) / 20) = 1) hold it: 40 MiB reserved, where the default reserves a
+    20 MiB segment and a 30 MiB one (50 MiB)."""
+    a, default = expandable(), CachingAllocator()
+    for allocator in (a, default):
+        allocator.malloc(3 * MiB)
+        allocator.malloc(30 * MiB)
+    assert (a.reserved, default.reserved) == (40 * MiB, 50 * MiB)
+    assert a.allocated == default.allocated == 33 * MiB
+
+
+def test_a_large_block_is_split_down_to_512_bytes():
+    """should_split: with expandable segments every pool splits a block when 512 B or more
+    remain; by default the large pool keeps a remainder of 1 MiB or less in the block. 11.5
+    MiB from 12 MiB: the default counts 12 MiB allocated, expandable segments 11.5."""
+    request = 11 * MiB + MiB // 2
+    a, default = expandable(), CachingAllocator()
+    a.malloc(request), default.malloc(request)
+    assert (a.allocated, default.allocated) == (request, 12 * MiB)
+
+
+def test_releasing_unmaps_whole_free_pages_and_the_holes_are_mapped_again():
+    """release_blocks unmaps every whole page inside a free block (unmap_block): 25 MiB then
+    2 MiB map two pages; with the 25 MiB freed and the cache released, the first page is
+    unmapped (its block's last 5 MiB, in the second page, stay mapped): 20 MiB reserved. A
+    22 MiB request then maps that hole again, the lowest unmapped range that, with the free
+    5 MiB after it, holds it: 40 MiB reserved."""
+    a = expandable()
+    x = a.malloc(25 * MiB)
+    a.malloc(2 * MiB)
+    assert a.reserved == 40 * MiB
+    a.free(x)
+    a.empty_cache()
+    assert a.reserved == 20 * MiB
+    block = a.malloc(22 * MiB)
+    assert (a.reserved, block.addr) == (40 * MiB, x.addr)
+
+
+def test_out_of_memory_unmaps_the_cache_first():
+    """On a full device the allocator releases (unmaps) its free pages and maps again before
+    it fails: capacity 40 MiB, 25 MiB and 2 MiB mapped (40 MiB); the 25 MiB freed, 30 MiB
+    fits once the first page is unmapped and mapped again (40 MiB); 50 MiB more does not."""
+    a = expandable(capacity=40 * MiB)
+    x = a.malloc(25 * MiB)
+    a.malloc(2 * MiB)
+    a.free(x)
+    a.malloc(30 * MiB)
+    assert a.reserved == 40 * MiB
+    with pytest.raises(OutOfMemory):
+        a.malloc(50 * MiB)
+
+
+@pytest.mark.parametrize("text, expandable_segments", [
+    (None, False), ("", False), ("expandable_segments:True", True),
+    ("expandable_segments:False", False),
+    ("release_lock_on_cudamalloc:True,expandable_segments:True", True),
+])
+def test_the_settings_are_read_as_torch_reads_them(text, expandable_segments):
+    assert settings_of(text) == Settings(expandable_segments)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("expandable_segments:true", "expandable_segments takes True or False"),
+    ("max_split_size_mb:512", "max_split_size_mb is not modelled"),
+    ("expandible_segments:True", "(did you mean 'expandable_segments'?)"),
+])
+def test_settings_the_model_cannot_follow_are_refused(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        settings_of(text)

@@ -329,3 +329,25 @@ def test_a_target_importing_a_missing_extra_says_how_to_install_it(capsys, monke
     assert err.startswith(f"memcalc: error: target {path}:attn: importing {path} failed: "
                           f"ModuleNotFoundError: ")
     assert err.endswith("; pip install 'memcalc[deepspeed]'\n")
+
+
+@pytest.mark.parametrize("variable", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_the_allocators_settings_come_from_the_option_or_the_environment(
+        capsys, monkeypatch, variable):
+    """``--alloc-conf``, else PYTORCH_ALLOC_CONF or its older name, as a launch script sets
+    them; named in the title; a setting the model cannot follow is one line."""
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    code, plain, err = run(capsys, "breakdown", "--seq", "1024", "--json")
+    monkeypatch.setenv(variable, "expandable_segments:True")
+    code, out, err = run(capsys, "breakdown", "--seq", "1024", "--json")
+    assert code == 0, err
+    data, default = json.loads(out), json.loads(plain)
+    assert data["config"]["protocol"]["alloc_conf"] == "expandable_segments:True"
+    assert default["config"]["protocol"]["alloc_conf"] is None
+    assert data["peak_bytes"] == default["peak_bytes"]  # the blocks alike here
+    code, out, err = run(capsys, "breakdown", "--seq", "1024", "--alloc-conf",
+                         "expandable_segments:False")
+    assert code == 0 and "ALLOC_CONF" not in out.splitlines()[0]
+    assert_refused(*run(capsys, "breakdown", "--alloc-conf", "garbage_collection_threshold:0.6"),
+                   "--alloc-conf")

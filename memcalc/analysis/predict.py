@@ -67,9 +67,10 @@ def _replayed(config: Config, capacity: int | None, ledger: Ledger | None,
         ledger.allocator.may_mirror = capacity is None
         return _replayed_in(config, ledger, program)
     try:
-        return _replayed_in(config, Ledger(config.workspace_bytes, capacity), program)
+        ledger = Ledger(config.workspace_bytes, capacity, settings=config.protocol.allocator)
+        return _replayed_in(config, ledger, program)
     except MirrorBroken:  # the capped measured step released segments: every decision made
-        ledger = Ledger(config.workspace_bytes, capacity)
+        ledger = Ledger(config.workspace_bytes, capacity, settings=config.protocol.allocator)
         ledger.allocator.may_mirror = False
         return _replayed_in(config, ledger, program)
 
@@ -108,12 +109,14 @@ def rank_breakdown(config: Config, rank: int, ledger: Ledger | None = None,
     ``ledger`` (a recording one, to read its history); ``program``: another program of the
     step than the configuration's (torch's ring over one rank, which ``--cp 1`` is not)."""
     return _rank_replayed(config, config.dims.replace(cp_rank=rank),
-                          ledger or Ledger(config.workspace_bytes), program)
+                          ledger or Ledger(config.workspace_bytes,
+                                                     settings=config.protocol.allocator), program)
 
 
 def _like(ledger: Ledger, config: Config) -> Ledger:
     """A new ledger of ``ledger``'s capacity and mirroring (another rank's device)."""
-    other = Ledger(config.workspace_bytes, ledger.allocator.capacity)
+    other = Ledger(config.workspace_bytes, ledger.allocator.capacity,
+                   settings=ledger.allocator.settings)
     other.allocator.may_mirror = ledger.allocator.may_mirror
     return other
 

@@ -298,6 +298,10 @@ class Evaluator:
             # not a rank's (Dims.of divides them): each configuration replayed as it is
             self._scalar(leaves, np.arange(n), out, path_ids, fallback, "parallel")
             return Figures(**out, path=path_ids, fallback=fallback)
+        if self.base.protocol.alloc_conf:  # expandable segments are modelled one
+            # configuration at a time (memcalc.engine.allocator): each replayed as it is
+            self._scalar(leaves, np.arange(n), out, path_ids, fallback, "alloc_conf")
+            return Figures(**out, path=path_ids, fallback=fallback)
         for start in range(0, n, CHUNK):
             sl = slice(start, min(n, start + CHUNK))
             chunk = {k: v[sl] for k, v in leaves.items()}

@@ -1,7 +1,9 @@
 """A model of PyTorch's CUDA caching allocator, enough to reproduce its byte counters.
 
 Rules read from ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13, default config: no
-``max_split_size_mb``, no expandable segments, no garbage-collection threshold):
+``max_split_size_mb``, no garbage-collection threshold; expandable segments as
+``PYTORCH_ALLOC_CONF=expandable_segments:True``, formerly ``PYTORCH_CUDA_ALLOC_CONF``,
+sets them, below):
 
 * a request of ``n > 0`` bytes is rounded to a block of ``max(512, ceil(n/512)*512)``
   (``round_size``); 0-byte requests allocate nothing;
@@ -25,6 +27,17 @@ Rules read from ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.13, default confi
   stream. Streams are numbered here, 0 the default one; FSDP's all-gather and
   reduce-scatter buffers are made on streams of their own (``memcalc.tracing.fsdp``).
 
+With expandable segments (``Settings``), no segment is reserved per request: each pool of
+each stream has one segment, a virtual range as large as the device, whose pages are mapped
+as it grows (``ExpandableSegment``): 2 MiB pages for the small pool, 20 MiB for the large
+one (``find_expandable_block``: kSmallBuffer, kLargeBuffer). A request no free block fits
+takes the lowest unmapped range that, with the free block just before it, holds it, and maps
+the pages it lacks, merged with that free block (``try_allocate_expandable_block``,
+``map_block``): reserved grows by those pages alone. Every block is split when at least 512 B
+remain, in both pools (``should_split``). Releasing the cache unmaps every whole page of
+every free block (``release_blocks``, ``unmap_block``), leaving unmapped holes that later
+requests map again. Blocks never merge across mapped and unmapped ranges.
+
 New segments get increasing virtual addresses; real ``cudaMalloc`` addresses are not
 known in advance, so ties between equal free blocks in different segments are broken as
 if segments were handed out in order.
@@ -41,6 +54,7 @@ blocks: a chunked loop's measured step is a million small requests.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from dataclasses import dataclass
 from functools import lru_cache
 
 KiB = 1024
@@ -77,6 +91,59 @@ def segment_size(block: int) -> int:
 def is_small(block: int) -> bool:
     """Whether a rounded request is served by the small pool."""
     return block <= SMALL_SIZE
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``PYTORCH_ALLOC_CONF`` sets that the model follows: ``expandable_segments``
+    (``c10/cuda/CUDAAllocatorConfig.cpp``). The default is the allocator's own."""
+
+    expandable_segments: bool = False
+
+    def text(self) -> str:
+        """The setting as ``PYTORCH_ALLOC_CONF`` spells it, ``""`` for the default."""
+        return "expandable_segments:True" if self.expandable_segments else ""
+
+
+DEFAULT_SETTINGS = Settings()
+# PYTORCH_ALLOC_CONF's keys (c10/cuda/CUDAAllocatorConfig.cpp, torch 2.15) that change
+# nothing the device's counters read in a step: the host's pinned memory, a lock, CUDA graphs
+NO_EFFECT = ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+             "pinned_num_register_threads", "pinned_use_background_threads",
+             "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse")
+NOT_MODELLED = ("max_split_size_mb", "max_non_split_rounding_mb",
+                "garbage_collection_threshold", "roundup_power2_divisions", "backend",
+                "per_process_memory_fraction")
+
+
+def settings_of(text: str | None) -> Settings:
+    """``PYTORCH_ALLOC_CONF`` (``key:value`` pairs, comma-separated) as ``Settings``;
+    a ValueError for a key torch does not take, a value it refuses, or a setting the model
+    does not follow (the caller names the option)."""
+    expandable = False
+    for pair in (text or "").split(","):
+        if not pair.strip():
+            continue
+        key, sep, value = (part.strip() for part in pair.partition(":"))
+        if key == "expandable_segments" and sep and value in ("True", "False"):
+            expandable = value == "True"
+        elif key == "expandable_segments":
+            raise ValueError(f"expandable_segments takes True or False, as torch spells "
+                             f"them, not {value!r}")
+        elif key in NOT_MODELLED:
+            raise ValueError(f"{key} is not modelled: memcalc follows expandable_segments, "
+                             f"and takes {', '.join(NO_EFFECT[:2])}, ... as changing "
+                             f"nothing on the device")
+        elif key not in NO_EFFECT:
+            from memcalc.errors import did_you_mean
+
+            known = ["expandable_segments", *NO_EFFECT, *NOT_MODELLED]
+            raise ValueError(f"{key!r} is not an option of PyTorch's caching allocator"
+                             f"{did_you_mean(key, known)}; give key:value pairs such as "
+                             f"expandable_segments:True")
+    return Settings(expandable)
+PAGE = {True: SMALL_BUFFER, False: LARGE_BUFFER}  # an expandable segment's page, by pool
+VIRTUAL_PAGES = 1 << 30  # an expandable segment's virtual range, in pages: past any device
 
 
 class Sizes:
@@ -153,11 +220,13 @@ class MirrorBroken(Exception):
 class Segment:
     """One ``cudaMalloc`` reservation; its blocks form a linked list from ``head``."""
 
-    __slots__ = ("addr", "size", "small", "head", "stream")
+    __slots__ = ("addr", "size", "small", "head", "stream", "unmapped")
 
     def __init__(self, addr, size, small: bool, stream: int = 0):
         self.addr, self.size, self.small, self.stream = addr, size, small, stream
         self.head = Block(addr, size, self)
+        # an expandable segment's unmapped blocks, by address (None: an ordinary segment)
+        self.unmapped: list[Block] | None = None
 
     @property
     def blocks(self) -> list["Block"]:
@@ -173,14 +242,22 @@ class Segment:
 
 
 class Block:
-    """A contiguous range of one segment, either free or handed out."""
+    """A contiguous range of one segment, either free or handed out; in an expandable
+    segment, a free range may be unmapped (no memory behind it, in no pool)."""
 
-    __slots__ = ("addr", "size", "segment", "free", "prev", "next")
+    __slots__ = ("addr", "size", "segment", "free", "prev", "next", "mapped")
 
-    def __init__(self, addr, size, segment: Segment, free: bool = True):
+    def __init__(self, addr, size, segment: Segment, free: bool = True, mapped: bool = True):
         self.addr, self.size, self.segment, self.free = addr, size, segment, free
+        self.mapped = mapped
         self.prev: Block | None = None
         self.next: Block | None = None
+
+    @property
+    def joinable(self) -> bool:
+        """Free and mapped: a neighbour a freed or newly mapped block merges with
+        (``try_merge_blocks`` refuses an allocated or differently mapped one)."""
+        return self.free and self.mapped
 
 
 class FreeBlocks:
@@ -328,8 +405,12 @@ class CachingAllocator:
     """Replays allocations and frees; tracks allocated and reserved bytes and their peaks
     exactly as ``torch.cuda.memory_stats`` does."""
 
-    def __init__(self, capacity: int | None = None, sizes: Sizes = INTEGERS):
-        self.capacity, self.sizes = capacity, sizes
+    def __init__(self, capacity: int | None = None, sizes: Sizes = INTEGERS,
+                 settings: Settings = DEFAULT_SETTINGS):
+        if settings.expandable_segments and not isinstance(sizes, IntegerSizes):
+            raise ValueError("alloc_conf: expandable_segments is modelled for one "
+                             "configuration at a time, not over a grid of sizes")
+        self.capacity, self.sizes, self.settings = capacity, sizes, settings
         # each pool's free blocks by (small, stream): a block serves its own stream only
         self.pools: dict[tuple[bool, int], FreeBlocks | SmallFreeBlocks] = {}
         self.segments: list[Segment] = []
@@ -362,7 +443,7 @@ class CachingAllocator:
         rest of a split, a multiple of 512 B, is either 0 or kept (``should_split``). The
         chunked implementations' measured step makes a million small requests; this halves
         them."""
-        if (not self.sizes.may_mirror or not self.may_mirror
+        if (not self.sizes.may_mirror or not self.may_mirror or self.settings.expandable_segments
                 or self._marked is None or self._small_layout() != self._marked):
             return False
         self._mirrored = {}
@@ -411,7 +492,9 @@ class CachingAllocator:
             # never serve it, decide as ever
             return self._mirror_block(nbytes, size)
         pool = self.pool(small, stream)
-        block = pool.take_best_fit(size) or self._new_segment(nbytes, size, small, stream)
+        block = pool.take_best_fit(size) or (
+            self._expand(size, small, stream) if self.settings.expandable_segments
+            else self._new_segment(nbytes, size, small, stream))
         self._split(block, size, pool)
         block.free = False
         return block
@@ -425,14 +508,18 @@ class CachingAllocator:
             return
         block.free = True
         pool = self.pool(block.segment.small, block.segment.stream)
+        pool.add(self._merged(block, pool))
+
+    def _merged(self, block: Block, pool) -> Block:
+        """``block`` merged with its free, mapped neighbours, which leave ``pool``."""
         after, before = block.next, block.prev
-        if after is not None and after.free:
+        if after is not None and after.joinable:
             pool.remove(after)
             block = self._merge(block, after)
-        if before is not None and before.free:
+        if before is not None and before.joinable:
             pool.remove(before)
             block = self._merge(block, before)
-        pool.add(block)
+        return block
 
     def _mirror_block(self, nbytes, size) -> Block:
         """The block a mirrored small request of ``nbytes`` counts, ``size`` bytes: one per
@@ -447,7 +534,9 @@ class CachingAllocator:
         if self._mirrored is not None:
             raise MirrorBroken
         self._marked = None  # the warm-up's segments may be gone
-        for segment in [s for s in self.segments if s.is_free()]:
+        for segment in [s for s in self.segments if s.unmapped is not None]:
+            self._unmap_free(segment)
+        for segment in [s for s in self.segments if s.is_free() and s.unmapped is None]:
             self.pool(segment.small, segment.stream).remove(segment.head)
             self.segments.remove(segment)
             self.reserved = self.reserved - segment.size
@@ -485,7 +574,8 @@ class CachingAllocator:
     def _split(self, block: Block, size, pool) -> None:
         """Cut ``size`` off a block taken from ``pool``; the rest goes back to the pool."""
         rest, segment, after = block.size - size, block.segment, block.next
-        if not self.sizes.ge0(rest - MIN_BLOCK if segment.small else rest - SMALL_SIZE - 1):
+        fine = segment.small or segment.unmapped is not None  # should_split's 512-B rule
+        if not self.sizes.ge0(rest - MIN_BLOCK if fine else rest - SMALL_SIZE - 1):
             return
         remainder = Block(block.addr + size, rest, segment)
         remainder.prev, remainder.next = block, after
@@ -493,3 +583,131 @@ class CachingAllocator:
             after.prev = remainder
         block.next, block.size = remainder, size
         pool.add(remainder)
+
+    # --- expandable segments (``Settings.expandable_segments``) ------------------------------
+
+    def _expandable(self, small: bool, stream: int) -> Segment:
+        """The pool's expandable segment on ``stream``, made wholly unmapped at first use
+        (``find_expandable_block``: one per pool and stream, as large as the device)."""
+        for segment in self.segments:
+            if segment.unmapped is not None and segment.small == small \
+                    and segment.stream == stream:
+                return segment
+        size = VIRTUAL_PAGES * PAGE[small]
+        segment = Segment(self._next_addr, size, small, stream)
+        self._next_addr = self._next_addr + size
+        segment.head.mapped = False
+        segment.unmapped = [segment.head]
+        self.segments.append(segment)
+        return segment
+
+    def _expand(self, size: int, small: bool, stream: int) -> Block:
+        """The block ``try_allocate_expandable_block`` makes for ``size`` bytes: the pages
+        it lacks mapped (after releasing the cache and once more, if the device is full),
+        merged into one free block, taken out of its pool."""
+        segment = self._expandable(small, stream)
+        start, plan = self._mapping(segment, size)
+        needed = sum(pages for _, pages in plan)
+        if self.capacity is not None and self.reserved + needed > self.capacity:
+            self.empty_cache()
+            start, plan = self._mapping(segment, size)
+            needed = sum(pages for _, pages in plan)
+            if self.reserved + needed > self.capacity:
+                raise OutOfMemory(needed, self.reserved, self.capacity)
+        pool = self.pool(small, stream)
+        block = start
+        while not block.mapped or block.size < size:
+            target = block if not block.mapped else block.next
+            block = self._map(target, min(size - (block.size if block.mapped else 0),
+                                          target.size), pool)
+        pool.remove(block)
+        return block
+
+    def _mapping(self, segment: Segment, size: int) -> tuple[Block, list]:
+        """Where ``size`` bytes go (``find_expandable_block``): the lowest unmapped block
+        that, from the free mapped block just before it if any, has room for them through
+        the free and unmapped blocks that follow; and the pages each unmapped block on the
+        way maps, as ``(block, bytes)``."""
+        page = PAGE[segment.small]
+        for unmapped in segment.unmapped:
+            start = unmapped.prev if unmapped.prev is not None and unmapped.prev.joinable \
+                else unmapped
+            plan, have, block = [], 0, start
+            while have < size and block is not None and block.free:
+                if block.mapped:
+                    have += block.size
+                else:
+                    pages = min(-(-(size - have) // page) * page, block.size)
+                    plan.append((block, pages))
+                    have += pages
+                block = block.next
+            if have >= size:
+                return start, plan
+        raise AssertionError("an expandable segment's last unmapped block spans the device")
+
+    def _map(self, unmapped: Block, nbytes: int, pool) -> Block:
+        """``map_block``: the pages holding ``nbytes`` at the front of ``unmapped`` mapped
+        (reserved grows by them), merged with free mapped neighbours; the merged block is
+        in ``pool``, returned."""
+        segment, page = unmapped.segment, PAGE[unmapped.segment.small]
+        mapped = -(-nbytes // page) * page
+        index = segment.unmapped.index(unmapped)
+        if mapped < unmapped.size:
+            rest = Block(unmapped.addr + mapped, unmapped.size - mapped, segment, mapped=False)
+            self._link_after(unmapped, rest)
+            segment.unmapped[index] = rest
+        else:
+            del segment.unmapped[index]
+        unmapped.size, unmapped.mapped = mapped, True
+        self.reserved = self.reserved + mapped
+        self.peak_reserved = self.sizes.top(self.peak_reserved, self.reserved)
+        block = self._merged(unmapped, pool)
+        pool.add(block)
+        return block
+
+    def _unmap_free(self, segment: Segment) -> None:
+        """``release_blocks`` for an expandable segment: every whole page of each free
+        mapped block unmapped (``unmap_block``), the block's ends left mapped, the unmapped
+        range merged with unmapped neighbours."""
+        page, pool = PAGE[segment.small], self.pool(segment.small, segment.stream)
+        for block in [b for b in segment.blocks if b.joinable]:
+            offset = block.addr - segment.addr
+            begin = segment.addr + -(-offset // page) * page
+            end = segment.addr + (offset + block.size) // page * page
+            if begin >= end:
+                continue
+            pool.remove(block)
+            if begin > block.addr:  # the head stays mapped
+                head = Block(block.addr, begin - block.addr, segment)
+                self._link_before(block, head)
+                pool.add(head)
+            if end < block.addr + block.size:  # so does the tail
+                tail = Block(end, block.addr + block.size - end, segment)
+                self._link_after(block, tail)
+                pool.add(tail)
+            block.addr, block.size, block.mapped = begin, end - begin, False
+            self.reserved = self.reserved - block.size
+            self._join_unmapped(segment, block)
+
+    def _join_unmapped(self, segment: Segment, block: Block) -> None:
+        """An unmapped ``block`` merged with unmapped neighbours, kept by address."""
+        for neighbour in (block.next, block.prev):
+            if neighbour is not None and neighbour.free and not neighbour.mapped:
+                segment.unmapped.remove(neighbour)
+                block = self._merge(block, neighbour)
+        insort(segment.unmapped, block, key=lambda b: b.addr)
+
+    @staticmethod
+    def _link_after(block: Block, new: Block) -> None:
+        new.prev, new.next = block, block.next
+        if block.next is not None:
+            block.next.prev = new
+        block.next = new
+
+    def _link_before(self, block: Block, new: Block) -> None:
+        new.prev, new.next = block.prev, block
+        if block.prev is not None:
+            block.prev.next = new
+        else:
+            block.segment.head = new
+        block.prev = new

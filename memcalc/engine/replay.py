@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Hashable, NamedTuple
 
-from memcalc.engine.allocator import Block, CachingAllocator
+from memcalc.engine.allocator import DEFAULT_SETTINGS, Block, CachingAllocator, Settings
 from memcalc.engine.component import Component
 from memcalc.engine.deadline import tick
 from memcalc.engine.dims import Dims
@@ -94,8 +94,9 @@ class Ledger:
     """Live allocations, keyed by whatever names them, over one allocator model."""
 
     def __init__(self, workspace_bytes: int, capacity: int | None = None, record: bool = False,
-                 allocator: CachingAllocator | None = None):
-        self.allocator = allocator or CachingAllocator(capacity)
+                 allocator: CachingAllocator | None = None,
+                 settings: Settings = DEFAULT_SETTINGS):
+        self.allocator = allocator or CachingAllocator(capacity, settings=settings)
         self.workspace_bytes = workspace_bytes
         self.live: dict[Hashable, Live] = {}
         self.history: list[Entry] | None = [] if record else None

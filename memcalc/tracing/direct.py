@@ -145,7 +145,7 @@ def _chunked_as_predicted(call: Bound, config: Config, options: TraceOptions) ->
     from memcalc.tracing.tracer import Tracer
 
     scratch = Tracer(config.workspace_bytes, None, paths_for(config, options),
-                     gpu_of(config.dims))
+                     gpu_of(config.dims), config.protocol.allocator)
     with kept(call.fn), on_meta(call.fn, call.param_dtype):
         for rank in sorted({0, call.sharding.world - 1}):
             with sharded(call, rank, scratch) as (on_rank, _):
@@ -166,7 +166,8 @@ def _rank_traced(call: Bound, config: Config, options: TraceOptions,
     from memcalc.tracing.tracer import Tracer
 
     paths = paths_for(config, options, rank)
-    tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims))
+    tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims),
+                    config.protocol.allocator)
     result = _measure(call, config, options, inputs, paths=paths, tracer=tracer, rank=rank)
     if config.cp > 1 and config.cp_method == "ulysses" and not paths.collectives:
         raise TraceError("--cp-method ulysses: the step made no all-to-all; DeepSpeed-Ulysses "
@@ -196,7 +197,8 @@ def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[I
     from memcalc.tracing.tracer import Tracer, measure
 
     paths = paths or paths_for(config, options, rank)
-    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths, gpu_of(config.dims))
+    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths, gpu_of(config.dims),
+                              config.protocol.allocator)
 
     def run():
         with rank_state(call, config, options, inputs, tracer, rank) as (on_rank, state, like):
@@ -252,7 +254,8 @@ def output_like(call: Bound, config: Config, options: TraceOptions,
 
     if config.protocol.forward_only or config.protocol.loss != "grad":
         return None
-    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options), gpu_of(config.dims))
+    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options), gpu_of(config.dims),
+                     config.protocol.allocator)
     with kept(call.fn), _sharded_or_not(call, scratch) as on_rank:
         shape, dtype = output_of(config, on_rank, scratch, inputs)
     d = config.dims

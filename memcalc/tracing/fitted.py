@@ -138,7 +138,7 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
 
     sample, rank = config.replace(seq_len=n), call.rank or 0
     tracer = Tracer(sample.workspace_bytes, paths=paths_for(sample, options, rank),
-                    gpu=gpu_of(sample.dims))
+                    gpu=gpu_of(sample.dims), settings=sample.protocol.allocator)
     probe = TracerProbe(tracer)
 
     def run():

@@ -35,6 +35,7 @@ from memcalc.analysis.breakdown import Breakdown
 from memcalc.engine.component import Component
 from memcalc.config import Config
 from memcalc.engine.program import ITEMSIZE, Role, Tensor
+from memcalc.engine.allocator import DEFAULT_SETTINGS, Settings
 from memcalc.engine.replay import Ledger
 from memcalc.engine.inputs import QKV, Input
 from memcalc.impls.embedding import EmbeddingBackward
@@ -279,12 +280,13 @@ class Tracer(TorchDispatchMode):
     """Dispatch mode that replays a meta-device run through the allocator model."""
 
     def __init__(self, workspace_bytes: int, capacity: int | None = None, paths=None,
-                 gpu: Gpu | None = None):
+                 gpu: Gpu | None = None, settings: Settings = DEFAULT_SETTINGS):
         super().__init__()
         # what CUDA kernels read of the device (SM count, compute capability): the split of
         # a reduction across blocks depends on it (``memcalc.impls.reductions``)
         self.gpu = gpu or gpu_of(None)
-        self.ledger = Ledger(workspace_bytes, capacity, record=True)
+        # ``settings``: the caching allocator's (PYTORCH_CUDA_ALLOC_CONF)
+        self.ledger = Ledger(workspace_bytes, capacity, record=True, settings=settings)
         # each tracked storage (by its StorageImpl's address): a weak reference to its
         # Python object, which torch keeps while anything holds the storage (a view, a
         # tensor autograd saved) and frees with it; the reference's callback notes the
@@ -818,7 +820,8 @@ def measure(config: Config, fn: Callable, capacity: int | None = None,
     ``paths`` (``memcalc.tracing.cuda_paths.CudaPaths``): follow a GPU's code paths;
     ``state``, ``out_like``, ``inputs``, ``loop``: see ``run_traced``; ``tracer``: a
     tracer to run under (to read its history afterwards)."""
-    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths, gpu_of(config.dims))
+    tracer = tracer or Tracer(config.workspace_bytes, capacity, paths, gpu_of(config.dims),
+                              config.protocol.allocator)
     probe = TracerProbe(tracer)
     measured = run_traced(config, fn, tracer, probe, state, out_like, inputs, loop)
     relabel = _roles(probe)
