@@ -8,7 +8,9 @@ from memcalc.impls import IMPLS, impl_names, register
 
 # Output is checked as a pipe without COLUMNS gets it (the piped width) unless a test sets
 # it: pytest-xdist's workers set COLUMNS=80 and LINES=24, a shell may set others.
-for _name in ("COLUMNS", "LINES"):
+# The caching allocator's settings, which memcalc reads from the environment, are the
+# allocator's defaults unless a test sets them.
+for _name in ("COLUMNS", "LINES", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
     os.environ.pop(_name, None)
 
 

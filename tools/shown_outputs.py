@@ -48,6 +48,8 @@ def output(command: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT),
            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])}
     env.pop("COLUMNS", None)  # as the command says, or the piped width
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # as the command says
+        env.pop(name, None)
     done = subprocess.run(shell, shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
     text = done.stdout + done.stderr
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"

@@ -285,7 +285,7 @@ class Tracer(TorchDispatchMode):
         # what CUDA kernels read of the device (SM count, compute capability): the split of
         # a reduction across blocks depends on it (``memcalc.impls.reductions``)
         self.gpu = gpu or gpu_of(None)
-        # ``settings``: the caching allocator's (PYTORCH_CUDA_ALLOC_CONF)
+        # ``settings``: the caching allocator's (PYTORCH_ALLOC_CONF)
         self.ledger = Ledger(workspace_bytes, capacity, record=True, settings=settings)
         # each tracked storage (by its StorageImpl's address): a weak reference to its
         # Python object, which torch keeps while anything holds the storage (a view, a

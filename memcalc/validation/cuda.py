@@ -91,6 +91,7 @@ def environment(torch=None, cuda=None) -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "PYTORCH_ALLOC_CONF": os.environ.get("PYTORCH_ALLOC_CONF", ""),
         # model code's parameter grads are reset before the measured step (``measure``);
         # a report without this key kept them (memcalc.validation.recorded)
         "parameter_grads": "reset",
@@ -98,13 +99,17 @@ def environment(torch=None, cuda=None) -> dict[str, str]:
 
 
 def live_config(config: Config, env: dict[str, str]) -> Config:
-    """``config`` on the device that runs it, with the environment's workspace config."""
+    """``config`` on the device that runs it, with the environment's workspace config and
+    caching allocator settings (``PYTORCH_ALLOC_CONF``, read before its older name, as
+    torch reads them)."""
     major, minor = (int(x) for x in env["compute_capability"].split("."))
     sms = int(env["sm_count"]) if env.get("sm_count") else None
     device = Device(gpu=None, memory_bytes=int(env["total_memory"]),
                     compute_capability=(major, minor), sm_count=sms)
-    protocol = config.protocol.model_copy(
-        update={"cublas_workspace_config": env["CUBLAS_WORKSPACE_CONFIG"] or None})
+    alloc_conf = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or None
+    protocol = config.protocol.model_validate({
+        **config.protocol.model_dump(), "alloc_conf": alloc_conf,
+        "cublas_workspace_config": env["CUBLAS_WORKSPACE_CONFIG"] or None})
     return config.replace(device=device, protocol=protocol)
 
 
