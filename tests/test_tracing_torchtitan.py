@@ -24,12 +24,12 @@ def example():
     return module
 
 
-def traced(sharding: str):
+def traced(sharding: str, step: str = "Llama3Step"):
     """torchtitan's ``debugmodel`` (256 wide, 16 heads of 16), its first 2 blocks, batch 2
     of 256 tokens, over 2 FSDP ranks, with AdamW, on an H100 (SDPA takes cuDNN first, as
     torchtitan's ``ScaledDotProductAttention`` asks)."""
     titan = example()
-    return memcalc.trace(titan.Llama3Step("debugmodel", 2), inputs=TOKENS, seq_len=256,
+    return memcalc.trace(getattr(titan, step)("debugmodel", 2), inputs=TOKENS, seq_len=256,
                          batch=2, optimizer="adamw", fsdp=2,
                          fsdp_apply=getattr(titan, sharding), gpu="h100-80gb")
 
@@ -57,3 +57,13 @@ def test_selective_checkpointing_keeps_each_blocks_attention_as_torchtitan_asks(
 def test_checkpointing_saves_less_the_more_it_recomputes():
     saved = [traced(s).saved_bytes for s in ("full", "selective", "no_ac")]
     assert saved == sorted(saved) and len(set(saved)) == 3
+
+
+def test_the_chunked_loss_is_traced_as_torchtitan_runs_it():
+    """0.3.0's trainer default, ChunkedLossWrapper: each chunk's head, loss and backward
+    inside the loss, then the decoder's backward through a Function of its own. The whole
+    sequence's logits (2 x 256 x 2,048) never exist at once: its peak is below the plain
+    loss's."""
+    chunked, plain = traced("selective", "ChunkedLlama3Step"), traced("selective")
+    assert chunked.peak_bytes < plain.peak_bytes
+    assert chunked.forward_peak_bytes > 0 and chunked.backward_peak_bytes > 0

@@ -12,7 +12,10 @@ What is torchtitan's, as written:
   ``ScaledDotProductAttention`` (``F.scaled_dot_product_attention`` under
   ``sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION, MATH], set_priority=True)``); 0.3.0's
   default is compiled FlexAttention;
-* the loss: ``cross_entropy_loss`` (the logits in float32, summed);
+* the loss: ``cross_entropy_loss`` (the logits in float32, summed), as the published
+  tables' trainer computed it (``Llama3Step``); or 0.3.0's trainer default,
+  ``ChunkedLossWrapper`` (``ChunkedLlama3Step``): the head and the loss over 8 chunks of
+  the sequence, each chunk's backward run inside the loss, then the decoder's backward;
 * the sharding (``selective``, ``full``, ``no_ac``): what ``parallelize_llama`` does for this
   configuration, activation checkpointing first (``SelectiveAC``: every op of its save list
   kept, every second matmul recomputed; or ``FullAC``), then ``apply_fsdp_to_decoder``
@@ -27,7 +30,7 @@ environment sets the depth (default 32), ``FLAVOR`` the model (default ``8B``;
 import os
 
 import torch
-from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.components.loss import ChunkedLossWrapper, cross_entropy_loss
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -58,6 +61,21 @@ class Llama3Step(torch.nn.Module):
 
     def forward(self, tokens, labels):
         return cross_entropy_loss(self.model(tokens), labels)
+
+
+class ChunkedLlama3Step(Llama3Step):
+    """The model and torchtitan 0.3.0's default loss, ``ChunkedLossWrapper``, set up as its
+    trainer sets it up: the loss holds the head (``set_lm_head``), the model skips it."""
+
+    def __init__(self, flavor: str = FLAVOR, layers: int = LAYERS):
+        super().__init__(flavor, layers)
+        self.loss = ChunkedLossWrapper(ChunkedLossWrapper.Config())
+
+    def forward(self, tokens, labels):
+        self.loss.set_lm_head(self.model.lm_head)
+        self.model._skip_lm_head = True
+        loss, _ = self.loss(self.model(tokens), labels)
+        return loss
 
 
 def _sharded(step: Llama3Step, mesh, checkpointing) -> None:
