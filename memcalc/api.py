@@ -303,7 +303,7 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
 
 
 def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
-          optimizer=None, grad_accum=1, clip_grad_norm=None, fsdp=None, reshard_after_forward="default",
+          optimizer=None, grad_accum=1, clip_grad_norm=None, mesh=None, fsdp=None, reshard_after_forward="default",
           fsdp_param_dtype=None, fsdp_reduce_dtype=None, fsdp_apply=None, fsdp_tp=1,
           gpu_gb=None, reserve=None, **options):
     """The breakdown of your own function or module's step, traced on the meta device as
@@ -325,7 +325,9 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     ``fsdp_param_dtype``/``fsdp_reduce_dtype`` its ``MixedPrecisionPolicy``; or
     ``fsdp_apply``, your own ``apply(model, mesh)`` calling ``fully_shard``, over a 2-D mesh
     ``("dp_shard", "tp")`` with ``fsdp_tp`` tensor-parallel ranks) and shows the busiest
-    rank's step. ``causal=True`` is passed as its
+    rank's step. ``mesh=memcalc.Mesh(dp_shard=4, cp=2)`` (or ``"dp_shard=4,cp=2"``) lays the
+    ranks out on torchtitan's axes instead: FSDP over dp_shard x cp (HSDP with
+    dp_replicate), the ring of context parallelism over cp, ``fsdp_apply`` given that mesh. ``causal=True`` is passed as its
     ``causal`` or ``is_causal`` argument (refused when it takes neither); ``gpu_gb``,
     ``reserve``: the budget ``fits`` judges, as for ``breakdown``.
 
@@ -345,6 +347,7 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     from memcalc.tracing.optimizers import loop_of
 
     options = _options("trace", options, ("gpu_gb", "reserve"))
+    mesh = _mesh(mesh, options)
     if not callable(fn):
         raise TypeError(f"trace(): fn is a function or an nn.Module, not {type(fn).__name__}")
     if "impl" in options:
@@ -371,13 +374,32 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
                                       torch_dtype(fsdp_param_dtype, "fsdp_param_dtype"),
                                       torch_dtype(fsdp_reduce_dtype, "fsdp_reduce_dtype"),
                                       "fsdp", fsdp_apply, getattr(fsdp_apply, "__qualname__",
-                                                                  "fsdp_apply"), fsdp_tp))
+                                                                  "fsdp_apply"), fsdp_tp, mesh))
     except TraceError as error:
         raise ValueError(str(error).removeprefix("--trace ")) from None
     config = make_config(**{**options, "impl": register_function(fn, label_of(fn), calling)})
     check_causal(fn, config)
     b = run(fn, config, calling=calling)
     return b.with_budget(_budget(config, gpu_gb, reserve))
+
+
+def _mesh(mesh, options: dict):
+    """``mesh=`` as a ``Mesh`` (a string as ``--mesh`` takes it), its cp set on the options
+    (refused beside ``cp=``); None without it."""
+    from memcalc.config import Mesh
+
+    if mesh is None:
+        return None
+    if isinstance(mesh, str):
+        mesh = Mesh.parse(mesh, "mesh")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh: a memcalc.Mesh or a string such as 'dp_shard=4,cp=2', not "
+                         f"{type(mesh).__name__}")
+    if "cp" in options:
+        raise ValueError("mesh: it gives the context parallelism (its cp axis); drop cp=")
+    if mesh.cp > 1:
+        options["cp"] = mesh.cp
+    return mesh
 
 
 def validate(backend: str = "emulated", impls: list[str] | None = None, grid=None):

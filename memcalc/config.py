@@ -380,3 +380,80 @@ def first_taken(candidates, make, refused: type[Exception] = ValueError):
         except refused as error:
             first = first or error
     raise first
+
+
+MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")  # torchtitan's ParallelDims, its order
+
+
+class Mesh(BaseModel):
+    """The ranks a traced training step runs on, named as torchtitan's ``ParallelDims``
+    names them: ``dp_replicate`` (HSDP's replicas), ``dp_shard`` (FSDP's shards), ``cp``
+    (context parallelism: each rank holds a slice of the sequence) and ``tp`` (tensor
+    parallelism: the model's own plan). An axis not given is 1; the ranks are their
+    product, laid out in that order (the last axis varies fastest). FSDP shards the
+    parameters over ``dp_shard`` x ``cp`` ranks (torchtitan's ``dp_shard_cp``) and
+    replicates them over ``dp_replicate``; context parallelism's ring runs over ``cp``.
+
+        >>> memcalc.Mesh(dp_shard=4, cp=2).ranks
+        8
+    """
+
+    model_config = _FROZEN
+    dp_replicate: int = Field(1, ge=1, description="HSDP's replicas")
+    dp_shard: int = Field(1, ge=1, description="FSDP's shards")
+    cp: int = Field(1, ge=1, description="context-parallel ranks (the sequence split)")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks (the model's own plan)")
+
+    @classmethod
+    def parse(cls, text: str, field: str = "--mesh") -> "Mesh":
+        """``dp_shard=4,cp=2`` as a ``Mesh``; a ValueError naming ``field`` otherwise."""
+        from memcalc.errors import did_you_mean
+
+        sizes = {}
+        for part in str(text).split(","):
+            name, sep, value = (s.strip() for s in part.partition("="))
+            if name not in MESH_AXES:
+                raise ValueError(f"{field}: unknown axis {name!r}{did_you_mean(name, MESH_AXES)}"
+                                 f"; give AXIS=SIZE pairs of {', '.join(MESH_AXES)}, e.g. "
+                                 f"dp_shard=4,cp=2")
+            if name in sizes:
+                raise ValueError(f"{field}: {name} given twice (got {text!r})")
+            if not sep or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{field}: {name} takes a whole number of ranks, at least 1, "
+                                 f"as {name}=4 (got {part.strip()!r})")
+            sizes[name] = int(value)
+        return cls(**sizes)
+
+    @property
+    def ranks(self) -> int:
+        """Every rank of the mesh."""
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def shards(self) -> int:
+        """The ranks FSDP shards each parameter over: ``dp_shard`` x ``cp``."""
+        return self.dp_shard * self.cp
+
+    def axes(self) -> tuple[tuple[str, int], ...]:
+        """``(name, size)`` of the axes given and of ``dp_shard`` (what FSDP shards over),
+        in torchtitan's order: the device mesh's dimensions (the others are 1 and left
+        out)."""
+        given = self.model_fields_set | {"dp_shard"}
+        return tuple((n, getattr(self, n)) for n in MESH_AXES if n in given)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s index along each axis (row-major over ``MESH_AXES``)."""
+        out = {}
+        for name in reversed(MESH_AXES):
+            size = getattr(self, name)
+            out[name], rank = rank % size, rank // size
+        return out
+
+    def shard_index(self, rank: int) -> int:
+        """Rank ``rank``'s place among the ``shards`` ranks FSDP shards over."""
+        c = self.coordinates(rank)
+        return c["dp_shard"] * self.cp + c["cp"]
+
+    def text(self) -> str:
+        """``dp_shard=4,cp=2``: the axes, as ``--mesh`` takes them."""
+        return ",".join(f"{n}={s}" for n, s in self.axes())

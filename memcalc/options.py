@@ -186,6 +186,13 @@ def input_options(p: argparse.ArgumentParser) -> None:
                         "each repeated layer, then the root, as torchtitan does); the busiest "
                         "rank is shown, every rank in --json. With --cp: the same P ranks. "
                         "oom and sweep take a list (1,2,4,8): a row or series each")
+    p.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
+                   help="the ranks by torchtitan's axes: dp_replicate (HSDP replicas), "
+                        "dp_shard (FSDP shards), cp (context parallelism: the sequence "
+                        "split), tp (tensor parallelism), e.g. dp_shard=4,cp=2; FSDP over "
+                        "dp_shard x cp, the ring over cp; --fsdp-apply's function gets the "
+                        "mesh of these axes (with dp_shard_cp flattened). In place of --fsdp, "
+                        "--cp and --fsdp-tp")
     p.add_argument("--reshard-after-forward", default="default", metavar="POLICY",
                    help="FSDP's reshard_after_forward, as torchtitan's policy: default "
                         "(every layer but the last), always or never")
@@ -239,11 +246,16 @@ def sharding_from(args):
     from memcalc.names import torch_dtype
     from memcalc.tracing.fsdp import sharding_of
 
+    mesh = mesh_of(args)
     worlds = fsdp_worlds(args.fsdp)
+    if mesh is not None and (worlds is not None or args.fsdp_tp is not None
+                             or getattr(args, "cp", None) is not None):
+        raise ValueError(f"--mesh {args.mesh}: it lays out every rank; drop --fsdp, --cp and "
+                         f"--fsdp-tp (dp_shard=, cp=, tp= are its axes)")
     if worlds is not None and len(worlds) > 1:
         raise ValueError(f"--fsdp {args.fsdp}: one number of ranks here (memcalc oom takes a "
                          f"list, a row each)")
-    if worlds is None:
+    if worlds is None and mesh is None:
         for flag, value in (("--reshard-after-forward", None if args.reshard_after_forward
                              == "default" else args.reshard_after_forward),
                             ("--fsdp-param-dtype", args.fsdp_param_dtype),
@@ -253,7 +265,7 @@ def sharding_from(args):
             if value is not None:
                 raise ValueError(f"{flag} {value}: an FSDP option; give --fsdp P")
     apply = None
-    if args.fsdp_apply is not None and worlds:
+    if args.fsdp_apply is not None and (worlds or mesh):
         from memcalc.tracing import load_function
 
         apply = load_function(args.fsdp_apply)
@@ -261,7 +273,16 @@ def sharding_from(args):
                        torch_dtype(args.fsdp_param_dtype, "--fsdp-param-dtype"),
                        torch_dtype(args.fsdp_reduce_dtype, "--fsdp-reduce-dtype"),
                        apply=apply, apply_name=args.fsdp_apply or "",
-                       tp=args.fsdp_tp if args.fsdp_tp is not None else 1)
+                       tp=args.fsdp_tp if args.fsdp_tp is not None else 1, mesh=mesh)
+
+
+def mesh_of(args):
+    """``--mesh`` as a ``memcalc.config.Mesh``, or None."""
+    if getattr(args, "mesh", None) is None:
+        return None
+    from memcalc.config import Mesh
+
+    return Mesh.parse(args.mesh)
 
 
 def fsdp_worlds(text) -> list[int] | None:
@@ -468,6 +489,9 @@ def config_options(args) -> dict:
     for option in ("cp", "cp_method", "tp"):
         if getattr(args, option, None) is not None:
             flat[option] = getattr(args, option)
+    mesh = mesh_of(args)
+    if mesh is not None and mesh.cp > 1:  # the sequence over its cp axis
+        flat["cp"] = mesh.cp
     return flat
 
 

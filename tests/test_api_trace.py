@@ -63,8 +63,8 @@ def test_help_lists_the_options():
     import inspect
 
     parameters = inspect.signature(memcalc.trace).parameters
-    assert list(parameters)[:16] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
-                                     "optimizer", "grad_accum", "clip_grad_norm", "fsdp",
+    assert list(parameters)[:17] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
+                                     "optimizer", "grad_accum", "clip_grad_norm", "mesh", "fsdp",
                                      "reshard_after_forward", "fsdp_param_dtype",
                                      "fsdp_reduce_dtype", "fsdp_apply", "fsdp_tp", "gpu_gb",
                                      "reserve"]

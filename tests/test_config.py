@@ -80,3 +80,29 @@ def test_rejects_bad_values(kwargs):
 def test_frozen():
     with pytest.raises(ValidationError):
         Config().causal = True
+
+
+def test_a_mesh_lays_its_ranks_out_as_torchtitan_does():
+    """Row-major over (dp_replicate, dp_shard, cp, tp): cp varies faster than dp_shard, so
+    FSDP's dp_shard x cp index of a rank is dp_shard * cp + its cp index."""
+    from memcalc.config import Mesh
+
+    mesh = Mesh.parse("dp_replicate=2,dp_shard=2,cp=2")
+    assert (mesh.ranks, mesh.shards) == (8, 4)  # 2 x 2 x 2; 2 x 2
+    assert mesh.coordinates(5) == {"dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 0}
+    assert [mesh.shard_index(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert mesh.axes() == (("dp_replicate", 2), ("dp_shard", 2), ("cp", 2))
+    assert Mesh(cp=4).axes() == (("dp_shard", 1), ("cp", 4))  # FSDP's axis is always there
+    assert mesh.text() == "dp_replicate=2,dp_shard=2,cp=2"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("dp_shard=2,dp_shard=4", "--mesh: dp_shard given twice"),
+    ("pp=2", "--mesh: unknown axis 'pp'"),
+    ("cp", "--mesh: cp takes a whole number of ranks"),
+])
+def test_a_mesh_badly_written_is_refused_naming_the_option(text, message):
+    from memcalc.config import Mesh
+
+    with pytest.raises(ValueError, match=message):
+        Mesh.parse(text)

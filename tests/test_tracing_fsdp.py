@@ -1,6 +1,8 @@
 """FSDP2 in a trace (``memcalc/tracing/fsdp.py``): torch's own ``fully_shard`` code run as
 each rank on a fake process group on the meta device, its buffers on streams of their own."""
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -345,3 +347,88 @@ def test_ranks_the_users_apply_shards_alike_are_traced_once(monkeypatch, apply, 
     shown = memcalc.trace(Stack, inputs=INPUTS, seq_len=8, batch=2, optimizer="adamw",
                           fsdp=world, fsdp_apply=apply)
     assert len(traced) == traces and len(shown.rank_peaks) == world
+
+
+# --- --mesh: torchtitan's axes -------------------------------------------------------------
+GPT_INPUTS = {"idx": ("B", "N", "int64"), "targets": ("B", "N", "int64")}
+FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes",
+           "reserved_peak_bytes")
+
+
+def _gpt(**layout):
+    """nanoGPT's TinyGPT (2 layers of 256, causal SDPA) over 512 positions with AdamW."""
+    from pathlib import Path
+
+    from memcalc.tracing import load_function
+
+    model = load_function(f"{Path(__file__).parents[1]}/examples/training/gpt.py:TinyGPT")
+    return memcalc.trace(model, inputs=GPT_INPUTS, seq_len=512, batch=1, optimizer="adamw",
+                         **layout)
+
+
+def _figures(b) -> dict[str, int]:
+    return {k: getattr(b, k) for k in FIGURES}
+
+
+def _parameter_bytes(b) -> int:
+    return sum(c.bytes for c in b.forward_live if c.role is Role.parameter)
+
+
+def test_a_mesh_of_cp_alone_is_fsdp_and_cp_over_the_same_ranks():
+    """torchtitan's dp_shard_cp: with dp_shard 1, FSDP shards over the 4 cp ranks, which
+    is what --fsdp 4 --cp 4 has always traced: every figure alike."""
+    assert _figures(_gpt(mesh=memcalc.Mesh(cp=4))) == _figures(_gpt(fsdp=4, cp=4))
+
+
+def test_fsdp_and_cp_on_axes_of_their_own():
+    """dp_shard=2,cp=2: FSDP shards every parameter over the 2 x 2 ranks (each holds what
+    --fsdp 4 gives it), while the ring runs over 2 ranks of 256 positions each (the
+    sequence split as --cp 2 splits it); the 4 ranks all traced or matched."""
+    mesh = _gpt(mesh="dp_shard=2,cp=2")
+    assert _parameter_bytes(mesh) == _parameter_bytes(_gpt(fsdp=4, cp=4))
+    assert _parameter_bytes(mesh) * 2 == _parameter_bytes(_gpt(fsdp=2, cp=2))
+    assert len(mesh.rank_peaks) == 4
+    inputs = {c.name: c.shape for c in mesh.forward_live if c.role is Role.input}
+    assert inputs["idx"] == (1, 256)  # 512 positions over cp = 2
+
+
+def test_hsdp_replicates_the_shards():
+    """dp_replicate=2,dp_shard=2: each replica shards over its 2 ranks, so a rank holds
+    what --fsdp 2 gives it, and the 4 ranks are 2 kinds of 2 alike."""
+    hsdp = memcalc.trace(Stack, inputs=INPUTS, seq_len=8, batch=2, optimizer="adamw",
+                         mesh=memcalc.Mesh(dp_replicate=2, dp_shard=2))
+    two = memcalc.trace(Stack, inputs=INPUTS, seq_len=8, batch=2, optimizer="adamw", fsdp=2)
+    assert _bytes(hsdp, Role.parameter) == _bytes(two, Role.parameter)
+    assert len(hsdp.rank_peaks) == 4
+
+
+def shard_over_dp_shard_cp(model, mesh):
+    """A user's apply over --mesh's axes, as torchtitan's parallelize_llama takes its FSDP
+    mesh: dp_shard x cp flattened."""
+    from torch.distributed.fsdp import fully_shard
+
+    assert mesh.mesh_dim_names == ("dp_shard", "cp")
+    fully_shard(model, mesh=mesh["dp_shard_cp"])
+
+
+def test_the_users_apply_gets_the_mesh_of_the_axes_given(capsys):
+    code, out, err = run(capsys, "trace", f"{__file__}:Stack", "--input", "x=B,N,30", "--seq",
+                         "8", "--batch", "2", "--optimizer", "adamw", "--mesh",
+                         "dp_shard=2,cp=2", "--fsdp-apply", f"{__file__}:shard_over_dp_shard_cp",
+                         "--json")
+    assert code == 0 and not err, err
+    notes = json.loads(out)["notes"]
+    assert any("on a mesh of 2 x 2 ranks ('dp_shard', 'cp')" in n for n in notes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--mesh", "dp_shard=2,cp=2", "--fsdp", "2"), "--mesh dp_shard=2,cp=2: it lays out every "
+                                                   "rank; drop --fsdp, --cp and --fsdp-tp"),
+    (("--mesh", "dp_shard=2,tp=2"), "--mesh tp=2: a tensor-parallel plan is the model's own"),
+    (("--mesh", "dp_shrd=2"), "--mesh: unknown axis 'dp_shrd' (did you mean 'dp_shard'?)"),
+    (("--mesh", "cp=0"), "--mesh: cp takes a whole number of ranks, at least 1"),
+])
+def test_a_mesh_it_cannot_trace_is_one_line(capsys, argv, message):
+    code, out, err = run(capsys, "trace", f"{__file__}:Stack", "--input", "x=B,N,30",
+                         "--seq", "8", *argv)
+    assert code == 2 and err.count("\n") == 1 and message in err, err

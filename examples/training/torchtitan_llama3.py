@@ -21,7 +21,9 @@ What is torchtitan's, as written:
   kept, every second matmul recomputed; or ``FullAC``), then ``apply_fsdp_to_decoder``
   (bfloat16 parameters, float32 reductions, each block resharded after its forward).
 
-``parallelize_llama`` itself is not called: 0.3.0 builds its own CUDA device mesh
+The sharding functions take the mesh memcalc gives them (``--fsdp P``, or ``--mesh`` with
+torchtitan's axes: dp_replicate, dp_shard, cp, tp). ``parallelize_llama`` itself is not
+called: 0.3.0 builds its own CUDA device mesh
 (``ParallelDims``) and shards through its ``spmd_types`` backend. ``LAYERS`` in the
 environment sets the depth (default 32), ``FLAVOR`` the model (default ``8B``;
 ``debugmodel`` is torchtitan's small one).
@@ -78,11 +80,20 @@ class ChunkedLlama3Step(Llama3Step):
         return loss
 
 
+def dp_mesh(mesh):
+    """The mesh FSDP shards over, as ``parallelize_llama`` takes it from ``ParallelDims``:
+    the dp_shard x cp ranks flattened (``dp_shard_cp``; torchtitan calls it ``fsdp``), after
+    dp_replicate for HSDP."""
+    names = mesh.mesh_dim_names
+    shard = "dp_shard_cp" if "cp" in names else "dp_shard"
+    return mesh["dp_replicate", shard] if "dp_replicate" in names else mesh[shard]
+
+
 def _sharded(step: Llama3Step, mesh, checkpointing) -> None:
     """``parallelize_llama``'s order: activation checkpointing, then FSDP."""
     if checkpointing is not None:
         checkpointing.apply(step.model)
-    apply_fsdp_to_decoder(step.model, mesh, param_dtype=torch.bfloat16,
+    apply_fsdp_to_decoder(step.model, dp_mesh(mesh), param_dtype=torch.bfloat16,
                           reduce_dtype=torch.float32, pp_enabled=False)
 
 

@@ -41,12 +41,41 @@ class Ranks:
     ``method`` (``allgather``: torch's default, or ``alltoall``), over a ``group`` of
     ``nccl`` (the collectives as NCCL runs them: ``collectives.py``) or ``fake`` (a fake
     process group, which keeps nothing of a collective's: what ``validation/cp_one_gpu.py``
-    measures, every rank in turn on one GPU)."""
+    measures, every rank in turn on one GPU). With a ``mesh`` (``memcalc.config.Mesh``,
+    ``--mesh``), ``world`` and ``rank`` are the whole mesh's, and the ring runs over the
+    ranks of this one's "cp" axis (``ring_group``)."""
 
     world: int
     rank: int
     method: str = "allgather"
     group: str = "nccl"
+    mesh: object = None
+
+    @property
+    def cp(self) -> tuple[int, int]:
+        """``(rank, ranks)`` in the ring."""
+        if self.mesh is None:
+            return self.rank, self.world
+        return self.mesh.coordinates(self.rank)["cp"], self.mesh.cp
+
+
+_RING_GROUPS: dict = {}  # the "cp" process group of each mesh, while its fake group is up
+
+
+def ring_group(ranks: Ranks):
+    """The process group the ring runs over: every rank (``dist.group.WORLD``), or, on a
+    mesh with other axes, the ranks of this one's "cp" axis (torchtitan's
+    ``parallel_dims.get_mesh("cp")``), made once per fake process group."""
+    if ranks.mesh is None or ranks.mesh.cp == ranks.world:
+        return dist.group.WORLD
+    if ranks.mesh not in _RING_GROUPS:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, sizes = zip(*((n, getattr(ranks.mesh, n)) for n in
+                             ("dp_replicate", "dp_shard", "cp", "tp")))
+        _RING_GROUPS[ranks.mesh] = init_device_mesh("meta", sizes, mesh_dim_names=names
+                                                    )["cp"].get_group()
+    return _RING_GROUPS[ranks.mesh]
 
 
 def _attention():
@@ -89,6 +118,7 @@ def fake_group(ranks: Ranks):
     finally:
         cp._cp_options.rotate_method = method
         if not nested:
+            _RING_GROUPS.clear()
             _SET_UP.pop()
             dist.destroy_process_group()
             sys.excepthook = hook
@@ -183,8 +213,9 @@ GRAD_OUT = {FLASH: "grad_out", CUDNN: "grad_out", EFFICIENT: "grad_out_"}
 def ring_forward(paths, backend: str, causal: bool, q, k, v) -> tuple:
     """``_templated_ring_attention`` with the kernel's model at each step: the merged
     output, logsumexp, and the last step's other outputs."""
-    return _attention()._templated_ring_attention(dist.group.WORLD, 2, kernel_step(paths, backend),
-                                                  q, k, v, is_causal=causal)
+    return _attention()._templated_ring_attention(ring_group(paths.cp), 2,
+                                                  kernel_step(paths, backend), q, k, v,
+                                                  is_causal=causal)
 
 
 class Ring(torch.autograd.Function):
@@ -204,7 +235,7 @@ class Ring(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, seed, offset = ctx.saved_tensors
         dq, dk, dv, *_ = _attention()._templated_ring_attention_backward(
-            dist.group.WORLD, 2, kernel_step_backward(ctx.paths, ctx.backend), grad_out,
+            ring_group(ctx.paths.cp), 2, kernel_step_backward(ctx.paths, ctx.backend), grad_out,
             GRAD_OUT[ctx.backend], q, k, v, out, lse, ctx.causal, philox_seed=seed,
             philox_offset=offset)
         return None, None, None, dq, dk, dv
@@ -219,8 +250,9 @@ def run(paths, backend: str, q, k, v, call: Call) -> torch.Tensor:
     if call.mask is not None or call.dropout > 0:
         raise NotModelled("--cp: torch's context parallelism takes no attn_mask, and "
                           "dropout is not modelled")
+    rank, ranks = paths.cp.cp
     paths.note(f"context parallelism: torch's ring attention ({paths.cp.method}), rank "
-               f"{paths.cp.rank} of {paths.cp.world} on a fake process group, the "
+               f"{rank} of {ranks} on a fake process group, the "
                f"{backend} kernel's model at each step")
     if not call.requires_grad:
         with torch.no_grad():

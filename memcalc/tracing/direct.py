@@ -121,15 +121,21 @@ def _busiest_traced(call: Bound, config: Config, options: TraceOptions,
 
 
 def _signature(call: Bound, config: Config, rank: int, alike: bool = True):
-    """What rank ``rank``'s step depends on: under FSDP alone, the rows of each parameter
-    it holds (``fsdp.rank_signature``: ranks that hold alike run the same ops on the same
-    sizes, collectives included), when the sharding chunks dim 0 of every parameter
-    (``alike``); else the rank."""
-    if call.sharding is None or config.cp > 1 or call.sharding.tp > 1 or not alike:
+    """What rank ``rank``'s step depends on: under FSDP, the rows of each parameter it holds
+    (``fsdp.rank_signature``: ranks that hold alike run the same ops on the same sizes,
+    collectives included), when the sharding chunks dim 0 of every parameter (``alike``),
+    and on a ``--mesh`` its place in the context-parallel ring (HSDP's replicas of a rank
+    run its step); else the rank."""
+    mesh = mesh_of(call)
+    if call.sharding is None or call.sharding.tp > 1 or not alike or (
+            config.cp > 1 and mesh is None):
         return rank
     from memcalc.tracing.fsdp import rank_signature
 
-    return ("fsdp", rank_signature(call.fn, call.sharding.world, rank))
+    if mesh is None:
+        return ("fsdp", rank_signature(call.fn, call.sharding.world, rank))
+    return ("mesh", rank_signature(call.fn, mesh.shards, mesh.shard_index(rank)),
+            mesh.coordinates(rank)["cp"])
 
 
 def _chunked_as_predicted(call: Bound, config: Config, options: TraceOptions) -> bool:
@@ -138,18 +144,21 @@ def _chunked_as_predicted(call: Bound, config: Config, options: TraceOptions) ->
     (``--fsdp-apply``) is checked on its first and last ranks' copies (torchtitan's
     ``apply_fsdp_to_decoder`` does: its ranks are then traced once per kind, not each);
     one that shards otherwise (a ``shard_placement_fn``) has every rank traced."""
-    if call.sharding is None or call.sharding.apply is None or config.cp > 1:
+    mesh = mesh_of(call)
+    if call.sharding is None or call.sharding.apply is None or (config.cp > 1 and mesh is None):
         return True
     from memcalc.tracing.fsdp import held_rows, rank_signature, sharded
     from memcalc.tracing.state import kept, on_meta
     from memcalc.tracing.tracer import Tracer
 
-    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options),
+    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options, 0, mesh_of(call)),
                      gpu_of(config.dims), config.protocol.allocator)
     with kept(call.fn), on_meta(call.fn, call.param_dtype):
-        for rank in sorted({0, call.sharding.world - 1}):
+        for rank in sorted({0, call.sharding.ranks - 1}):
+            shards, index = ((mesh.shards, mesh.shard_index(rank)) if mesh is not None
+                             else (call.sharding.world, rank))
             with sharded(call, rank, scratch) as (on_rank, _):
-                if held_rows(on_rank.fn) != rank_signature(call.fn, call.sharding.world, rank):
+                if held_rows(on_rank.fn) != rank_signature(call.fn, shards, index):
                     return False
     return True
 
@@ -165,7 +174,7 @@ def _rank_traced(call: Bound, config: Config, options: TraceOptions,
     """``(breakdown, paths, tracer)`` of one rank's step (the only one's without ``--cp``)."""
     from memcalc.tracing.tracer import Tracer
 
-    paths = paths_for(config, options, rank)
+    paths = paths_for(config, options, rank, mesh_of(call))
     tracer = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims),
                     config.protocol.allocator)
     result = _measure(call, config, options, inputs, paths=paths, tracer=tracer, rank=rank)
@@ -176,9 +185,10 @@ def _rank_traced(call: Bound, config: Config, options: TraceOptions,
     return result, paths, tracer
 
 
-def paths_for(config: Config, options: TraceOptions, rank: int = 0):
+def paths_for(config: Config, options: TraceOptions, rank: int = 0, mesh=None):
     """The CUDA dispatch layer for ``config``'s GPU, or None with ``cuda=False``; under
-    ``--cp``, as rank ``rank`` (``context_parallel.py``)."""
+    ``--cp``, as rank ``rank`` (``context_parallel.py``) of the cp ranks, or of ``mesh``'s
+    (``--mesh``: the ring over its "cp" axis)."""
     if not options.cuda:
         return None
     from memcalc.tracing.cuda_paths import CudaPaths
@@ -187,8 +197,14 @@ def paths_for(config: Config, options: TraceOptions, rank: int = 0):
     if config.cp > 1:
         from memcalc.tracing.context_parallel import Ranks
 
-        paths.cp = Ranks(config.cp, rank, config.cp_method, options.group)
+        world = mesh.ranks if mesh is not None else config.cp
+        paths.cp = Ranks(world, rank, config.cp_method, options.group, mesh)
     return paths
+
+
+def mesh_of(call: Bound):
+    """The call's ``--mesh`` (a ``memcalc.config.Mesh``), or None."""
+    return call.sharding.mesh if call.sharding is not None else None
 
 
 def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[Input, ...],
@@ -196,7 +212,7 @@ def _measure(call: Bound, config: Config, options: TraceOptions, inputs: tuple[I
     """One direct trace of the bound call's step (see ``trace``)."""
     from memcalc.tracing.tracer import Tracer, measure
 
-    paths = paths or paths_for(config, options, rank)
+    paths = paths or paths_for(config, options, rank, mesh_of(call))
     tracer = tracer or Tracer(config.workspace_bytes, capacity, paths, gpu_of(config.dims),
                               config.protocol.allocator)
 
@@ -254,7 +270,8 @@ def output_like(call: Bound, config: Config, options: TraceOptions,
 
     if config.protocol.forward_only or config.protocol.loss != "grad":
         return None
-    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options), gpu_of(config.dims),
+    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options, 0, mesh_of(call)),
+                     gpu_of(config.dims),
                      config.protocol.allocator)
     with kept(call.fn), _sharded_or_not(call, scratch) as on_rank:
         shape, dtype = output_of(config, on_rank, scratch, inputs)

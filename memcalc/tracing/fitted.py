@@ -16,7 +16,7 @@ from memcalc.impls.device import gpu_of
 from memcalc.impls.embedding import EmbeddingBackward
 from memcalc.impls.packed_copies import ChunkCat, SplitCopy
 from memcalc.impls.reductions import Reduction
-from memcalc.tracing.direct import TraceOptions, paths_for, rank_state
+from memcalc.tracing.direct import TraceOptions, mesh_of, paths_for, rank_state
 from memcalc.tracing.errors import NotPolynomial, TraceError
 from memcalc.tracing.explain import called_with, guarded
 from memcalc.tracing.segments import step_events
@@ -137,7 +137,8 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
     from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
     sample, rank = config.replace(seq_len=n), call.rank or 0
-    tracer = Tracer(sample.workspace_bytes, paths=paths_for(sample, options, rank),
+    tracer = Tracer(sample.workspace_bytes, paths=paths_for(sample, options, rank,
+                                                            mesh_of(call)),
                     gpu=gpu_of(sample.dims), settings=sample.protocol.allocator)
     probe = TracerProbe(tracer)
 

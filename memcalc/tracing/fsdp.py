@@ -40,8 +40,9 @@ construction needed a process group, which a trace sets up per rank after loadin
 from __future__ import annotations
 
 import sys
+import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -66,14 +67,20 @@ class Sharding:
     # tensor-parallel ranks within each FSDP group (``--fsdp-tp``): a 2-D mesh
     # ("dp_shard", "tp") of world x tp ranks, the user's ``apply`` parallelizing over "tp"
     tp: int = 1
+    # the layout over named axes (``--mesh``: a ``memcalc.config.Mesh``), whose dp_shard x
+    # cp ranks are ``world``; None: the 1-D or ("dp_shard", "tp") mesh of the flags above
+    mesh: object = None
 
     @property
     def ranks(self) -> int:
-        """Every rank of the mesh: FSDP's times tensor parallelism's."""
-        return self.world * self.tp
+        """Every rank of the mesh: FSDP's times tensor parallelism's (and HSDP's replicas')."""
+        return self.mesh.ranks if self.mesh is not None else self.world * self.tp
 
     def text(self) -> str:
         """``fsdp=8`` and what differs from the defaults, for titles."""
+        if self.mesh is not None:
+            by = f" by {self.apply_name}" if self.apply is not None else ""
+            return f"mesh {self.mesh.text()}{by}"
         if self.apply is not None:
             tp = f" tp={self.tp}" if self.tp > 1 else ""
             return f"fsdp={self.world}{tp} by {self.apply_name}"
@@ -91,10 +98,21 @@ def _short(dtype: str | None) -> str:
 
 def sharding_of(world: int | None, reshard: str = "default", param_dtype: str | None = None,
                 reduce_dtype: str | None = None, field: str = "--fsdp", apply=None,
-                apply_name: str = "", tp: int = 1) -> Sharding | None:
+                apply_name: str = "", tp: int = 1, mesh=None) -> Sharding | None:
     """The ``Sharding`` of ``--fsdp P`` and its options (``apply``: the user's own
     ``apply(model, mesh)``, named ``apply_name``, which then decides resharding and mixed
-    precision); None without it; a ValueError naming the field for a bad value."""
+    precision), or of ``--mesh`` (``mesh``, a ``memcalc.config.Mesh``: FSDP over its
+    dp_shard x cp ranks, in place of ``world`` and ``tp``); None without either; a
+    ValueError naming the field for a bad value."""
+    if mesh is not None:
+        if world is not None or tp != 1:
+            raise ValueError("--mesh: it gives the ranks; drop --fsdp, --fsdp-tp and --cp")
+        if mesh.tp > 1 and apply is None:
+            raise ValueError(f"--mesh tp={mesh.tp}: a tensor-parallel plan is the model's own; "
+                             f"give --fsdp-apply FILE.py:FUNCTION, an apply(model, mesh) that "
+                             f"parallelizes over mesh['tp'] and shards the rest")
+        return replace(sharding_of(mesh.shards, reshard, param_dtype, reduce_dtype, "--mesh",
+                                   apply, apply_name), mesh=mesh, tp=mesh.tp)
     if world is None:
         if apply is not None:
             raise ValueError(f"fsdp_apply {apply_name}: an FSDP option; give the number of "
@@ -360,11 +378,12 @@ def shard(module: torch.nn.Module, sharding: Sharding, device: str = "meta") -> 
 
         raise TraceError("--fsdp: the model is already sharded (fully_shard was applied to "
                          "it): give the unsharded model, which --fsdp shards per rank")
-    mesh = init_device_mesh(device, (sharding.world,), mesh_dim_names=("dp_shard",)) \
-        if sharding.tp == 1 else init_device_mesh(device, (sharding.world, sharding.tp),
-                                                  mesh_dim_names=("dp_shard", "tp"))
+    mesh = device_mesh(sharding, device, for_apply=sharding.apply is not None)
     if sharding.apply is not None:  # the user's own fully_shard calls, as written
-        sharding.apply(module, mesh)
+        with warnings.catch_warnings():  # torch 2.15 warns of slicing "dp_shard_cp", which
+            # memcalc flattened onto the mesh it hands over (torchtitan keeps its own)
+            warnings.filterwarnings("ignore", "Slicing a flattened dim from root mesh")
+            sharding.apply(module, mesh)
         if not sharded_by_user(module):
             from memcalc.tracing.errors import TraceError
 
@@ -382,6 +401,33 @@ def shard(module: torch.nn.Module, sharding: Sharding, device: str = "meta") -> 
     fully_shard(module, mesh=mesh, mp_policy=mp,
                 reshard_after_forward=sharding.reshard_after_forward != "never")
     return module
+
+
+def device_mesh(sharding: Sharding, device: str, for_apply: bool = True):
+    """The device mesh of ``sharding`` on ``device``: for the user's ``apply``, the flags'
+    1-D ("dp_shard",) or 2-D ("dp_shard", "tp") mesh, or ``--mesh``'s named axes with
+    dp_shard and cp flattened into "dp_shard_cp" when both are there (torchtitan's
+    ``ParallelDims``); for memcalc's own sharding, FSDP's: the "dp_shard_cp" ranks, and
+    HSDP's ("dp_replicate", "dp_shard_cp") when there are replicas. Ranks are laid out
+    as the mesh's axes, the last varying fastest (``memcalc.config.Mesh.coordinates``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout = sharding.mesh
+    if layout is None:
+        names = ("dp_shard",) if sharding.tp == 1 else ("dp_shard", "tp")
+        return init_device_mesh(device, (sharding.world, sharding.tp)[:len(names)],
+                                mesh_dim_names=names)
+    if not for_apply:
+        axes = ((("dp_replicate", layout.dp_replicate),) if layout.dp_replicate > 1 else ()) \
+            + (("dp_shard_cp", layout.shards),)
+        return init_device_mesh(device, tuple(s for _, s in axes),
+                                mesh_dim_names=tuple(n for n, _ in axes))
+    axes = layout.axes()
+    mesh = init_device_mesh(device, tuple(s for _, s in axes),
+                            mesh_dim_names=tuple(n for n, _ in axes))
+    if {"dp_shard", "cp"} <= {n for n, _ in axes}:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
 
 
 def _reshard(policy: str, i: int, count: int) -> bool:
@@ -422,7 +468,10 @@ def sharded(call, rank: int, tracer) -> Iterator[tuple]:
 def described(module: torch.nn.Module, sharding: Sharding) -> str:
     """How FSDP2 is applied to ``module``, for the trace's notes."""
     if sharding.apply is not None:
-        mesh = (f"a mesh of {sharding.world} x {sharding.tp} ranks ('dp_shard', 'tp')"
+        mesh = (f"a mesh of {' x '.join(str(s) for _, s in sharding.mesh.axes())} ranks "
+                f"{tuple(n for n, _ in sharding.mesh.axes())}"
+                if sharding.mesh is not None else
+                f"a mesh of {sharding.world} x {sharding.tp} ranks ('dp_shard', 'tp')"
                 if sharding.tp > 1 else f"a mesh of {sharding.world} ranks ('dp_shard',)")
         return (f"FSDP2 as {sharding.apply_name} applies it (its own fully_shard calls) on "
                 f"{mesh}")
@@ -434,8 +483,12 @@ def described(module: torch.nn.Module, sharding: Sharding) -> str:
     mp = (f"; MixedPrecisionPolicy(param_dtype={sharding.param_dtype}, "
           f"reduce_dtype={sharding.reduce_dtype})"
           if sharding.param_dtype or sharding.reduce_dtype else "")
-    return (f"FSDP2 as torchtitan applies it: fully_shard on {where}; reshard after forward: "
-            f"{policy} (--reshard-after-forward {sharding.reshard_after_forward}){mp}")
+    over = "" if sharding.mesh is None else (
+        f" over the {sharding.mesh.shards} dp_shard x cp ranks"
+        + (f", replicated over {sharding.mesh.dp_replicate} (HSDP)"
+           if sharding.mesh.dp_replicate > 1 else ""))
+    return (f"FSDP2 as torchtitan applies it: fully_shard on {where}{over}; reshard after "
+            f"forward: {policy} (--reshard-after-forward {sharding.reshard_after_forward}){mp}")
 
 
 def rank_signature(module: torch.nn.Module, world: int, rank: int) -> tuple:

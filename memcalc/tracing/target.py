@@ -333,6 +333,15 @@ def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
         raise TraceError("--fsdp: FSDP shards an nn.Module's parameters; trace the model "
                          "(FILE:CLASS or a module instance), not a function")
     world = calling.fsdp.ranks if calling.fsdp is not None else 1
+    mesh = calling.fsdp.mesh if calling.fsdp is not None else None
+    if mesh is not None and mesh.cp > 1 and mesh.cp < mesh.ranks \
+            and config.cp_method == "ulysses":
+        raise TraceError(f"--mesh {mesh.text()} --cp-method ulysses: DeepSpeed-Ulysses runs "
+                         f"over the process group the caller gives it; with other axes beside "
+                         f"cp, trace its ring (allgather, alltoall)")
+    if mesh is not None and config.cp != mesh.cp:
+        raise TraceError(f"--mesh {mesh.text()}: its cp={mesh.cp} is the configuration's "
+                         f"context parallelism; give it there only")
     if calling.fsdp is not None and getattr(config, "tp", 1) > 1:
         raise TraceError(f"--fsdp {calling.fsdp.world} --tp {config.tp}: --tp splits the heads "
                          f"of a built-in implementation; a traced model's tensor parallelism "
@@ -340,10 +349,11 @@ def bound(fn: Callable, config, calling: Calling = Calling()) -> Bound:
     if calling.fsdp is not None and calling.fsdp.tp > 1 and config.cp > 1:
         raise TraceError("--fsdp-tp with --cp: not traced (context and tensor parallelism "
                          "over one mesh)")
-    if world > 1 and config.cp > 1 and world != config.cp:
+    if mesh is None and world > 1 and config.cp > 1 and world != config.cp:
         raise TraceError(f"--fsdp {world} --cp {config.cp}: FSDP and context parallelism run "
                          f"over the same ranks here (torchtitan's dp_shard_cp mesh): give "
-                         f"both the same P")
+                         f"both the same P, or the axes apart with --mesh "
+                         f"dp_shard=S,cp=C")
     return Bound(fn, calling.inputs, config.causal, calling.autocast, calling.param_dtype,
                  calling.loop, calling.fsdp, calling.rank)
 
