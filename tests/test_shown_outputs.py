@@ -14,10 +14,11 @@ import shown_outputs  # noqa: E402
 BLOCKS = [(page.relative_to(shown_outputs.ROOT).as_posix(), command, shown)
           for page in shown_outputs.pages() for command, shown in shown_outputs.blocks(page)]
 
-SLOW = ("examples/training/llama3_8b.py", "memcalc validate", "memcalc.validation.context_parallel")
-"""What makes a shown command slow (minutes each on a 2-core machine): Llama-3-8B's 32
-layers traced on the meta device (at six lengths for a search, ``oom --trace``; 16 minutes
-with 8 ranks' ring attention), the whole validation grid and context parallelism's
+SLOW = ("examples/training/llama3_8b.py", "examples/training/torchtitan_llama3.py",
+        "memcalc validate", "memcalc.validation.context_parallel")
+"""What makes a shown command slow (a minute or more each on a 2-core machine): Llama-3-8B's
+32 layers traced on the meta device, as Hugging Face and torchtitan build it (at six lengths
+for a search, ``oom --trace``; 16 minutes with 8 ranks' ring attention), the whole validation grid and context parallelism's
 (``memcalc validate``, ``--cases cp``), the recorded ring runs given back rank by rank.
 Their checks run with ``-m slow``; what they rest on is checked quickly elsewhere: the
 search (``tests/test_solver.py``), traced training steps and FSDP
@@ -43,7 +44,8 @@ def test_the_slow_blocks_are_the_minutes_long_ones():
     and nothing else."""
     slow = [p for p in _checked(BLOCKS) if p.marks]
     assert len(slow) >= 10 and {p.values[0] for p in slow} == {
-        "docs/guides/training.md", "docs/concepts/validation.md", "docs/guides/several-gpus.md"}
+        "docs/guides/training.md", "docs/concepts/validation.md", "docs/guides/several-gpus.md",
+        "docs/guides/torchtitan.md"}
 
 
 @pytest.mark.parametrize("page, command, shown", _checked(BLOCKS))
