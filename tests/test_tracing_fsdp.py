@@ -432,3 +432,54 @@ def test_a_mesh_it_cannot_trace_is_one_line(capsys, argv, message):
     code, out, err = run(capsys, "trace", f"{__file__}:Stack", "--input", "x=B,N,30",
                          "--seq", "8", *argv)
     assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_each_stream_keeps_a_pool_of_its_own():
+    """The caching allocator's pools are per stream (``BlockComparatorSize``): Stack's
+    blocks are all small, so each stream that allocates reserves a 2 MiB segment of its
+    own: the default stream, FSDP's all-gather stream (its buffers) and its reduce-scatter
+    stream (the output); the two threads' cuBLAS workspaces are 32 MiB segments each.
+    2 x 33,554,432 + 3 x 2,097,152 = 73,400,320 B, for 2 ranks and for 4."""
+    for world in (2, 4):
+        b = memcalc.trace(Stack, inputs=INPUTS, seq_len=8, batch=2, optimizer="adamw",
+                          fsdp=world)
+        assert b.reserved_peak_bytes == 2 * 33_554_432 + 3 * 2_097_152
+
+
+def test_fsdps_fused_copies_take_their_packed_metadata():
+    """``split_with_sizes_copy`` (the all-gather copy-out) and the reduce-scatter copy-in
+    (``chunk_cat``; ``chunk_cat_mixed_dtype`` from torch 2.15) pack their metadata into an
+    int64 tensor on the GPU (``memcalc.impls.packed_copies``). A block of Stack over 2
+    ranks: 4 parameters of 150, 5, 150 and 15 padded elements a rank (600, 20, 600, 60 B),
+    one 2,048-B tile each: the copy-out packs 3 x 4 + 1 + 4 = 17 entries (136 B), the
+    copy-in 5 x 4 + 2 + 4 = 26 (208 B)."""
+    history = []
+    _traced(Stack(), 2, history)
+    packed = {e.component.name.split(" (")[0]: e.component.bytes for e in history
+              if e.kind == "alloc" and e.component is not None
+              and "packed metadata" in e.component.name}
+    assert packed == {"all-gather copy-out packed metadata": 136,
+                      "reduce-scatter copy-in packed metadata": 208}
+
+
+def _traced(model, world: int, history: list):
+    from memcalc.engine.inputs import inputs_of
+    from memcalc.tracing import Calling, TraceOptions, register_function, traced
+
+    from memcalc.tracing.optimizers import loop_of
+
+    calling = Calling(inputs_of(["x=B,N,30"], []), loop=loop_of("adamw"), fsdp=Sharding(world))
+    config = memcalc.make_config(impl=register_function(model, "Stack", calling), seq_len=8,
+                                 batch=2)
+    return traced(model, config, TraceOptions(), history=history, calling=calling, rank=0)
+
+
+def test_a_reduce_dtype_of_float32_reduces_bf16_grads_in_float32():
+    """MixedPrecisionPolicy(bf16, float32): layer 1's reduce-scatter input holds every
+    rank's padded rows in float32: 2 ranks x (5 x 30 + 5 + 15 x 10 + 15) x 4 B = 2,560 B
+    (in bf16 it would be half), its output one rank's, 1,280 B (1,536-B block)."""
+    b = memcalc.trace(Stack, inputs=INPUTS, seq_len=8, batch=2, optimizer="adamw", fsdp=2,
+                      fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32")
+    live = {c.name: c for c in b.backward_live}
+    assert live["reduce-scatter input (layers.1)"].bytes == 2 * (5 * 30 + 5 + 15 * 10 + 15) * 4
+    assert live["reduce-scatter output (layers.1): sharded grads"].bytes == 1280

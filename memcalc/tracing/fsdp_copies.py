@@ -1,6 +1,6 @@
 """FSDP2's copies as CUDA runs them, in a trace: the packed metadata its fused
 ``split_with_sizes_copy`` (the all-gather copy-out) and ``chunk_cat`` (the reduce-scatter
-copy-in) make and free inside themselves (``memcalc.impls.packed_copies``), which the
+copy-in; ``chunk_cat_mixed_dtype`` from torch 2.15) make and free inside themselves (``memcalc.impls.packed_copies``), which the
 tracer adds after each ``fsdp::`` op (``memcalc.tracing.tracer``)."""
 
 from __future__ import annotations
@@ -41,5 +41,20 @@ def chunk_cat(tracer, tensors, dim, num_chunks, *, out) -> None:
     tracer.scratch(ChunkCat(padded), "reduce-scatter copy-in")
 
 
+def chunk_cat_mixed(tracer, tensors, dim, num_chunks, *, out) -> None:
+    """``fsdp::chunk_cat_mixed_dtype``, the reduce-scatter copy-in from torch 2.15
+    (``foreach_reduce_scatter_copy_in``, ``_fsdp_collectives.py``): a group of one dtype runs
+    ``_chunk_cat``'s kernel as ``chunk_cat`` does; a bf16 and float32 group runs it once per
+    dtype (its packed metadata each time, made and freed in turn). Other mixes, which cast
+    each gradient first, are not modelled here."""
+    dtypes = list(dict.fromkeys(t.dtype for t in tensors))
+    if len(dtypes) == 1:
+        return chunk_cat(tracer, tensors, dim, num_chunks, out=out)
+    if set(dtypes) == {torch.bfloat16, torch.float32} and out.dtype == torch.float32:
+        for dtype in dtypes:
+            chunk_cat(tracer, [t for t in tensors if t.dtype == dtype], dim, num_chunks, out=out)
+
+
 # the fsdp:: ops whose CUDA implementations allocate inside themselves, by name
-COPIES = {"split_with_sizes_copy": split_copy, "chunk_cat": chunk_cat}
+COPIES = {"split_with_sizes_copy": split_copy, "chunk_cat": chunk_cat,
+          "chunk_cat_mixed_dtype": chunk_cat_mixed}
