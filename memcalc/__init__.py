@@ -23,7 +23,7 @@ try:
     try:
         from memcalc.api import (breakdown, compare, make_config, oom, sweep,  # noqa: F401
                                  trace, validate)
-        from memcalc.config import Mesh  # noqa: F401  (trace(mesh=...))
+        from memcalc.config import Mesh, Step  # noqa: F401  (trace(mesh=..., step=...))
         from memcalc.engine.work import memory_limit  # noqa: F401  (memcalc.memory_limit(None))
         import memcalc.analysis.budget  # noqa: F401  (registers how a Breakdown judges its fit)
         from memcalc.api import sign as _sign
@@ -38,5 +38,5 @@ except KeyboardInterrupt:  # where SIGINT cannot be held, or before it was
     interrupted()
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "breakdown", "compare", "make_config", "memory_limit", "oom", "sweep",
+__all__ = ["Mesh", "Step", "breakdown", "compare", "make_config", "memory_limit", "oom", "sweep",
            "trace", "validate"]

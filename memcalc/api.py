@@ -303,9 +303,9 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
 
 
 def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
-          optimizer=None, grad_accum=1, clip_grad_norm=None, mesh=None, fsdp=None, reshard_after_forward="default",
-          fsdp_param_dtype=None, fsdp_reduce_dtype=None, fsdp_apply=None, fsdp_tp=1,
-          gpu_gb=None, reserve=None, **options):
+          step=None, optimizer=None, grad_accum=1, clip_grad_norm=None, mesh=None, fsdp=None,
+          reshard_after_forward="default", fsdp_param_dtype=None, fsdp_reduce_dtype=None,
+          fsdp_apply=None, fsdp_tp=1, gpu_gb=None, reserve=None, **options):
     """The breakdown of your own function or module's step, traced on the meta device as
     the GPU runs it (needs torch): a function, an ``nn.Module`` instance (its weights are
     left as they are), or an ``nn.Module`` class (built with no arguments on the meta
@@ -319,7 +319,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     ``optimizer="adamw"`` (``adam``, ``sgd``; ``:fused``, ``:forloop``) adds its
     ``step()`` and ``zero_grad()`` as a training loop runs them, after ``grad_accum``
     forward and backward passes, the grads clipped to a total norm of ``clip_grad_norm``
-    first when given (``torch.nn.utils.clip_grad_norm_``, foreach). ``fsdp=8`` shards the module with PyTorch's FSDP2
+    first when given (``torch.nn.utils.clip_grad_norm_``, foreach); or those three as one
+    ``step=memcalc.Step(optimizer="adamw", grad_accum=2, clip_grad_norm=1.0)``. ``fsdp=8`` shards the module with PyTorch's FSDP2
     (``fully_shard`` on each repeated layer, then the root, as torchtitan applies it;
     ``reshard_after_forward`` its policy ``default``, ``always`` or ``never``;
     ``fsdp_param_dtype``/``fsdp_reduce_dtype`` its ``MixedPrecisionPolicy``; or
@@ -348,6 +349,7 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
 
     options = _options("trace", options, ("gpu_gb", "reserve"))
     mesh = _mesh(mesh, options)
+    optimizer, grad_accum, clip_grad_norm = _step(step, optimizer, grad_accum, clip_grad_norm)
     if not callable(fn):
         raise TypeError(f"trace(): fn is a function or an nn.Module, not {type(fn).__name__}")
     if "impl" in options:
@@ -381,6 +383,21 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     check_causal(fn, config)
     b = run(fn, config, calling=calling)
     return b.with_budget(_budget(config, gpu_gb, reserve))
+
+
+def _step(step, optimizer, grad_accum, clip_grad_norm) -> tuple:
+    """The loop's options, from ``step=`` (a ``Step``) or from the keywords, not both."""
+    from memcalc.config import Step
+
+    if step is None:
+        return optimizer, grad_accum, clip_grad_norm
+    if not isinstance(step, Step):
+        raise ValueError(f"step: a memcalc.Step(optimizer=..., grad_accum=..., "
+                         f"clip_grad_norm=...), not {type(step).__name__}")
+    if (optimizer, grad_accum, clip_grad_norm) != (None, 1, None):
+        raise ValueError("step: it holds optimizer, grad_accum and clip_grad_norm; give them "
+                         "there only")
+    return step.optimizer, step.grad_accum, step.clip_grad_norm
 
 
 def _mesh(mesh, options: dict):

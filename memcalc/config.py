@@ -457,3 +457,19 @@ class Mesh(BaseModel):
     def text(self) -> str:
         """``dp_shard=4,cp=2``: the axes, as ``--mesh`` takes them."""
         return ",".join(f"{n}={s}" for n, s in self.axes())
+
+
+class Step(BaseModel):
+    """What a traced training step runs around the model, as a training loop does: the
+    optimizer (``adamw``, ``adam`` or ``sgd``, ``:fused`` or ``:forloop``; None: none),
+    the forward and backward passes per optimizer step (``grad_accum``), and the total norm
+    the grads are clipped to first (``clip_grad_norm``; None: not clipped).
+
+        >>> memcalc.Step(optimizer="adamw", clip_grad_norm=1.0).grad_accum
+        1
+    """
+
+    model_config = _FROZEN
+    optimizer: str | None = Field(None, description="adamw, adam or sgd; :fused, :forloop")
+    grad_accum: int = Field(1, ge=1, description="forward and backward passes a step")
+    clip_grad_norm: float | None = Field(None, gt=0, description="clip_grad_norm_'s max_norm")

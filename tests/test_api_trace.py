@@ -1,6 +1,7 @@
 """``memcalc.trace``, the Python API of ``memcalc trace``: what a notebook passes it."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -63,8 +64,9 @@ def test_help_lists_the_options():
     import inspect
 
     parameters = inspect.signature(memcalc.trace).parameters
-    assert list(parameters)[:17] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
-                                     "optimizer", "grad_accum", "clip_grad_norm", "mesh", "fsdp",
+    assert list(parameters)[:18] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
+                                     "step", "optimizer", "grad_accum", "clip_grad_norm", "mesh",
+                                     "fsdp",
                                      "reshard_after_forward", "fsdp_param_dtype",
                                      "fsdp_reduce_dtype", "fsdp_apply", "fsdp_tp", "gpu_gb",
                                      "reserve"]
@@ -153,3 +155,21 @@ def test_param_dtype_is_model_to_dtype():
     assert state == {"qkv.weight": ("bfloat16", 1536), "qkv.bias": ("bfloat16", 96)}
     with pytest.raises(ValueError, match="^param_dtype: unknown dtype 'bf17'"):
         memcalc.trace(Hidden, inputs={"x": ("B", "N", 16)}, param_dtype="bf17")
+
+
+def test_the_steps_options_are_one_model_or_keywords():
+    """``memcalc.Step`` groups the loop's options (optimizer, accumulation, clipping): the
+    same step as the keywords; both at once, or a bad value, is refused naming it."""
+    from memcalc.tracing import load_function
+
+    gpt = load_function(f"{Path(__file__).resolve().parents[1]}/examples/training/gpt.py:TinyGPT")
+    ids = {"idx": ("B", "N", "int64"), "targets": ("B", "N", "int64")}
+    grouped = memcalc.trace(gpt, inputs=ids, seq_len=64, batch=1,
+                            step=memcalc.Step(optimizer="adamw", grad_accum=2, clip_grad_norm=1.0))
+    keywords = memcalc.trace(gpt, inputs=ids, seq_len=64, batch=1, optimizer="adamw",
+                             grad_accum=2, clip_grad_norm=1.0)
+    assert grouped.figures() == keywords.figures()
+    with pytest.raises(ValueError, match="step: it holds optimizer"):
+        memcalc.trace(gpt, inputs=ids, seq_len=64, step=memcalc.Step(), optimizer="adamw")
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        memcalc.Step(clip_grad_norm=0)
