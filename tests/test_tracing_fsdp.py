@@ -2,6 +2,7 @@
 each rank on a fake process group on the meta device, its buffers on streams of their own."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -355,15 +356,14 @@ FIGURES = ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimize
            "reserved_peak_bytes")
 
 
-def _gpt(**layout):
-    """nanoGPT's TinyGPT (2 layers of 256, causal SDPA) over 512 positions with AdamW."""
-    from pathlib import Path
-
+def _gpt(seq_len: int = 512, **layout):
+    """nanoGPT's TinyGPT (2 layers of 256, causal SDPA) over ``seq_len`` positions with
+    AdamW."""
     from memcalc.tracing import load_function
 
     model = load_function(f"{Path(__file__).parents[1]}/examples/training/gpt.py:TinyGPT")
-    return memcalc.trace(model, inputs=GPT_INPUTS, seq_len=512, batch=1, optimizer="adamw",
-                         **layout)
+    return memcalc.trace(model, inputs=GPT_INPUTS, seq_len=seq_len, batch=1,
+                         optimizer="adamw", **layout)
 
 
 def _figures(b) -> dict[str, int]:
@@ -483,3 +483,26 @@ def test_a_reduce_dtype_of_float32_reduces_bf16_grads_in_float32():
     live = {c.name: c for c in b.backward_live}
     assert live["reduce-scatter input (layers.1)"].bytes == 2 * (5 * 30 + 5 + 15 * 10 + 15) * 4
     assert live["reduce-scatter output (layers.1): sharded grads"].bytes == 1280
+
+
+@pytest.mark.parametrize("layout", [{"fsdp": 2, "cp": 2}, {"mesh": "dp_shard=2,cp=2"}])
+def test_the_fitted_program_under_context_parallelism_is_the_ranks_step(layout):
+    """What ``oom --trace`` and ``sweep --trace`` solve: the program fitted over a rank's
+    rows (multiples of 256 from 15,616: the ring takes a rank's rows in two chunks) with
+    the ring in it, equal to a direct trace at 32,768 positions (16,384 a rank), figure by
+    figure. (It was fitted without the ring: a search then fell back to direct traces.)"""
+    from memcalc.analysis.predict import predict
+    from memcalc.config import Mesh
+    from memcalc.tracing import Calling, load_function, register_function
+    from memcalc.engine.inputs import inputs_of
+    from memcalc.tracing.fsdp import sharding_of
+    from memcalc.tracing.optimizers import loop_of
+
+    gpt = load_function(f"{Path(__file__).parents[1]}/examples/training/gpt.py:TinyGPT")
+    mesh = Mesh.parse(layout["mesh"]) if "mesh" in layout else None
+    sharding = sharding_of(layout.get("fsdp"), mesh=mesh)
+    calling = Calling(inputs_of(["idx=B,N:int64", "targets=B,N:int64"], []),
+                      loop=loop_of("adamw"), fsdp=sharding)
+    name = register_function(gpt, "gpt", calling)
+    fitted = predict(memcalc.make_config(impl=name, seq_len=32768, batch=1, cp=2))
+    assert _figures(fitted) == _figures(_gpt(seq_len=32768, **layout))

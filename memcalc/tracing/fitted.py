@@ -92,7 +92,7 @@ def direct_program(fn: Callable, config: Config, calling: Calling = Calling(),
     """``fn``'s program at exactly ``config``'s sizes, from one trace: what a fitted
     program gives at that length, where no fitted program holds."""
     call = bound(fn, config, calling)
-    segments = _sample_events(call, config, config.shape.seq_len, calling.inputs,
+    segments = _sample_events(call, config, config.dims.N, calling.inputs,
                               options or TraceOptions())
     gpu = gpu_of(config.dims)
     return _program([(label, _at([_constant(e) for e in events], 0, gpu))
@@ -136,7 +136,8 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
                    options: TraceOptions) -> list[tuple[str, list]]:
     from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
-    sample, rank = config.replace(seq_len=n), call.rank or 0
+    # ``n``: one rank's rows; under context parallelism the sequence is cp times as long
+    sample, rank = config.replace(seq_len=n * config.cp), call.rank or 0
     tracer = Tracer(sample.workspace_bytes, paths=paths_for(sample, options, rank,
                                                             mesh_of(call)),
                     gpu=gpu_of(sample.dims), settings=sample.protocol.allocator)
@@ -271,8 +272,12 @@ def programs_of(fn: Callable, config: Config, calling: Calling = Calling(),
     """``fn``'s ``Programs`` under ``config``'s sizes but seq_len: fitted at every length
     where it can be, else at multiples of ``PADDED`` (padded buffers), else none (the ops
     change with the length beyond it too): then each length is traced as it is asked for."""
-    direct = lambda n: direct_program(fn, config.replace(seq_len=n), calling, options)  # noqa: E731
+    direct = lambda n: direct_program(fn, config.replace(seq_len=n * config.cp),  # noqa: E731
+                                      calling, options)
     try:
+        if config.cp > 1:  # the ring shards even lengths only (2 chunks a rank)
+            raise NotPolynomial("context parallelism: the ring takes a rank's rows in two "
+                                "chunks")
         return Programs(traced_program(fn, config, calling, options), direct)
     except NotPolynomial as error:
         why = str(error)
@@ -345,13 +350,16 @@ def _config_of(impl: str, d: Dims) -> Config:
     compute capability and SM count: the CUDA paths a trace follows (the SDPA backend, a
     reduction's split) are that GPU's. (Without them every fitted program was traced as on
     an H100: ``oom --trace --gpu a100-80gb --autocast bf16`` solved cuDNN's step, which
-    torch runs on sm90 only, instead of flash's.)"""
+    torch runs on sm90 only, instead of flash's.) Under context parallelism ``d.N`` is one
+    rank's rows: the sequence is ``cp`` times as long, the ring in the trace."""
     from memcalc.config import Device, DType, Protocol, Shape
 
     dtype = next(t for t in DType if t.torch_name == d.dtype)
     device = Device(gpu=None, memory_bytes=1 << 40, compute_capability=d.compute_capability,
                     sm_count=d.sm_count)  # its memory is not read: traces are unbounded
     return Config(impl=impl, dtype=dtype, causal=d.causal, chunk=d.chunk, device=device,
-                  shape=Shape(batch=d.B, heads=d.H, kv_heads=d.Hk, seq_len=d.N, head_dim=d.D),
-                  mask=d.mask, protocol=Protocol(loss=d.loss, forward_only=d.forward_only,
+                  shape=Shape(batch=d.B, heads=d.H, kv_heads=d.Hk, seq_len=d.N * d.cp,
+                              head_dim=d.D),
+                  mask=d.mask, cp=d.cp, cp_method=d.cp_method,
+                  protocol=Protocol(loss=d.loss, forward_only=d.forward_only,
                                     deterministic=d.deterministic))
