@@ -8,12 +8,13 @@ import memcalc
 
 
 def test_docstring_examples():
-    """The package's own and its API functions' (``memcalc.api``, which it exports)."""
+    """The package's own and its API functions' (``memcalc.api``, which it exports), and
+    its configuration models' (``memcalc.Mesh``, ``memcalc.Step``)."""
     pytest.importorskip("torch")
-    from memcalc import api
+    from memcalc import api, config
 
     results = [doctest.testmod(module, extraglobs={"memcalc": memcalc})
-               for module in (memcalc, api)]
+               for module in (memcalc, api, config)]
     assert sum(r.attempted for r in results) >= 8 and not any(r.failed for r in results)
 
 
