@@ -303,7 +303,8 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
 
 
 def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
-          step=None, optimizer=None, grad_accum=1, clip_grad_norm=None, mesh=None, fsdp=None,
+          step=None, optimizer=None, grad_accum=1, clip_grad_norm=None, compile=None,
+          mesh=None, fsdp=None,
           reshard_after_forward="default", fsdp_param_dtype=None, fsdp_reduce_dtype=None,
           fsdp_apply=None, fsdp_tp=1, gpu_gb=None, reserve=None, **options):
     """The breakdown of your own function or module's step, traced on the meta device as
@@ -319,8 +320,11 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     ``optimizer="adamw"`` (``adam``, ``sgd``; ``:fused``, ``:forloop``) adds its
     ``step()`` and ``zero_grad()`` as a training loop runs them, after ``grad_accum``
     forward and backward passes, the grads clipped to a total norm of ``clip_grad_norm``
-    first when given (``torch.nn.utils.clip_grad_norm_``, foreach); or those three as one
-    ``step=memcalc.Step(optimizer="adamw", grad_accum=2, clip_grad_norm=1.0)``. ``fsdp=8`` shards the module with PyTorch's FSDP2
+    first when given (``torch.nn.utils.clip_grad_norm_``, foreach); ``compile="eager"``
+    traces the code's ``torch.compile`` calls uncompiled (the eager step: compiled steps are
+    not modelled yet, so without it such a call, or a model compiled already, is refused);
+    or those four as one ``step=memcalc.Step(optimizer="adamw", grad_accum=2,
+    clip_grad_norm=1.0)``. ``fsdp=8`` shards the module with PyTorch's FSDP2
     (``fully_shard`` on each repeated layer, then the root, as torchtitan applies it;
     ``reshard_after_forward`` its policy ``default``, ``always`` or ``never``;
     ``fsdp_param_dtype``/``fsdp_reduce_dtype`` its ``MixedPrecisionPolicy``; or
@@ -349,7 +353,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
 
     options = _options("trace", options, ("gpu_gb", "reserve"))
     mesh = _mesh(mesh, options)
-    optimizer, grad_accum, clip_grad_norm = _step(step, optimizer, grad_accum, clip_grad_norm)
+    optimizer, grad_accum, clip_grad_norm, compile = _step(step, optimizer, grad_accum,
+                                                           clip_grad_norm, compile)
     if not callable(fn):
         raise TypeError(f"trace(): fn is a function or an nn.Module, not {type(fn).__name__}")
     if "impl" in options:
@@ -364,40 +369,45 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     if no_grad and not inputs:
         raise ValueError(f"no_grad: {no_grad[0]!r}: give inputs= first (without it the "
                          f"function takes q, k, v, which need grad)")
-    try:
-        fn = prepared(fn, label_of(fn))
-        calling = Calling(check_inputs(fn, given, "inputs"),
-                          autocast_dtype(autocast, "autocast"),
-                          torch_dtype(param_dtype, "param_dtype"),
-                          loop_of(optimizer, grad_accum,
-                                  ("optimizer", "grad_accum", "clip_grad_norm"),
-                                  clip_grad_norm),
-                          sharding_of(fsdp, reshard_after_forward,
-                                      torch_dtype(fsdp_param_dtype, "fsdp_param_dtype"),
-                                      torch_dtype(fsdp_reduce_dtype, "fsdp_reduce_dtype"),
-                                      "fsdp", fsdp_apply, getattr(fsdp_apply, "__qualname__",
-                                                                  "fsdp_apply"), fsdp_tp, mesh))
-    except TraceError as error:
-        raise ValueError(str(error).removeprefix("--trace ")) from None
-    config = make_config(**{**options, "impl": register_function(fn, label_of(fn), calling)})
-    check_causal(fn, config)
-    b = run(fn, config, calling=calling)
-    return b.with_budget(_budget(config, gpu_gb, reserve))
+    from memcalc.tracing.compiled import calls, check_module
+    from memcalc.tracing.errors import NotModelled
+
+    with calls(compile, "compile"):
+        try:
+            fn = prepared(check_module(fn), label_of(fn))
+            calling = Calling(check_inputs(fn, given, "inputs"),
+                              autocast_dtype(autocast, "autocast"),
+                              torch_dtype(param_dtype, "param_dtype"),
+                              loop_of(optimizer, grad_accum,
+                                      ("optimizer", "grad_accum", "clip_grad_norm"),
+                                      clip_grad_norm),
+                              sharding_of(fsdp, reshard_after_forward,
+                                          torch_dtype(fsdp_param_dtype, "fsdp_param_dtype"),
+                                          torch_dtype(fsdp_reduce_dtype, "fsdp_reduce_dtype"),
+                                          "fsdp", fsdp_apply,
+                                          getattr(fsdp_apply, "__qualname__", "fsdp_apply"),
+                                          fsdp_tp, mesh))
+        except (TraceError, NotModelled) as error:
+            raise ValueError(str(error).removeprefix("--trace ")) from None
+        config = make_config(**{**options, "impl": register_function(fn, label_of(fn), calling)})
+        check_causal(fn, config)
+        b = run(fn, config, calling=calling)
+        return b.with_budget(_budget(config, gpu_gb, reserve))
 
 
-def _step(step, optimizer, grad_accum, clip_grad_norm) -> tuple:
+def _step(step, optimizer, grad_accum, clip_grad_norm, compile) -> tuple:
     """The loop's options, from ``step=`` (a ``Step``) or from the keywords, not both."""
     from memcalc.config import Step
 
     if step is None:
-        return optimizer, grad_accum, clip_grad_norm
+        return optimizer, grad_accum, clip_grad_norm, compile
     if not isinstance(step, Step):
         raise ValueError(f"step: a memcalc.Step(optimizer=..., grad_accum=..., "
-                         f"clip_grad_norm=...), not {type(step).__name__}")
-    if (optimizer, grad_accum, clip_grad_norm) != (None, 1, None):
-        raise ValueError("step: it holds optimizer, grad_accum and clip_grad_norm; give them "
-                         "there only")
-    return step.optimizer, step.grad_accum, step.clip_grad_norm
+                         f"clip_grad_norm=..., compile=...), not {type(step).__name__}")
+    if (optimizer, grad_accum, clip_grad_norm, compile) != (None, 1, None, None):
+        raise ValueError("step: it holds optimizer, grad_accum, clip_grad_norm and compile; "
+                         "give them there only")
+    return step.optimizer, step.grad_accum, step.clip_grad_norm, step.compile
 
 
 def _mesh(mesh, options: dict):

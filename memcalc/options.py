@@ -181,6 +181,10 @@ def input_options(p: argparse.ArgumentParser) -> None:
                    help="clip the grads to a total norm of MAX before the optimizer step, "
                         "as torch.nn.utils.clip_grad_norm_(params, MAX, foreach=True) "
                         "(torchtitan's and the Hugging Face Trainer's loops do, with 1.0)")
+    p.add_argument("--compile", default=None, metavar="MODE",
+                   help="how the traced code's torch.compile calls run: eager leaves them "
+                        "uncompiled (the eager step's figures, said in the notes). Compiled "
+                        "steps are not modelled yet: without this, such a call is refused")
     p.add_argument("--fsdp", default=None, metavar="P",
                    help="shard the module with PyTorch's FSDP2 over P ranks (fully_shard on "
                         "each repeated layer, then the root, as torchtitan does); the busiest "
@@ -318,7 +322,7 @@ def impls_with_trace(args) -> list[str] | None:
     from memcalc.tracing import load_function, register_function
 
     worlds = fsdp_worlds(args.fsdp) or [None]
-    with about_target(args.trace):
+    with about_target(args.trace, compile=args.compile):
         fn = load_function(args.trace)
         callings = [calling_from(_with_fsdp(args, world), fn) for world in worlds]
     from memcalc.tracing import TraceOptions
@@ -331,19 +335,24 @@ def impls_with_trace(args) -> list[str] | None:
 
 
 @contextmanager
-def about_target(spec: str | None, argument: str = "--trace") -> Iterator[None]:
+def about_target(spec: str | None, argument: str = "--trace",
+                 compile: str | None = None) -> Iterator[None]:
     """A ``TraceError`` inside (the traced target ``spec`` cannot be loaded, called or
     traced) as the one line every command gives of it, naming the argument that named the
     target: ``--trace SPEC: why`` (``oom``, ``sweep``, ``validate``), ``target SPEC: why``
     (``trace``'s positional); its first line, the tracer's own ``--trace SPEC: `` dropped;
-    one naming an option (``--kv-len: ...``) as it is. No target: nothing imported."""
+    one naming an option (``--kv-len: ...``) as it is. No target: nothing imported.
+    Inside, the code's ``torch.compile`` calls run as ``compile`` says (``--compile``:
+    ``memcalc.tracing.compiled``)."""
     if spec is None:
         yield
         return
+    from memcalc.tracing.compiled import calls
     from memcalc.tracing.errors import TraceError
 
     try:
-        yield
+        with calls(compile):
+            yield
     except TraceError as error:
         text = str(error).removeprefix(f"--trace {spec}: ")
         line = (text.splitlines() or [""])[0]
@@ -368,7 +377,8 @@ def traced_options_given(args) -> str | None:
                         ("--no-grad", (args.no_grad or [None])[0]),
                         ("--optimizer", args.optimizer),
                         ("--grad-accum", args.grad_accum if args.grad_accum != 1 else None),
-                        ("--clip-grad-norm", args.clip_grad_norm), ("--fsdp", args.fsdp)):
+                        ("--clip-grad-norm", args.clip_grad_norm),
+                        ("--compile", args.compile), ("--fsdp", args.fsdp)):
         if value is not None:
             return f"{flag} {value}"
     return None

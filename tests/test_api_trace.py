@@ -64,9 +64,9 @@ def test_help_lists_the_options():
     import inspect
 
     parameters = inspect.signature(memcalc.trace).parameters
-    assert list(parameters)[:18] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
-                                     "step", "optimizer", "grad_accum", "clip_grad_norm", "mesh",
-                                     "fsdp",
+    assert list(parameters)[:19] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
+                                     "step", "optimizer", "grad_accum", "clip_grad_norm",
+                                     "compile", "mesh", "fsdp",
                                      "reshard_after_forward", "fsdp_param_dtype",
                                      "fsdp_reduce_dtype", "fsdp_apply", "fsdp_tp", "gpu_gb",
                                      "reserve"]

@@ -160,8 +160,9 @@ def test_the_packed_functions_make_one_grad_of_the_packed_shape(fn_name, inputs,
     flash-attn); only the segments differ, one packed block against three."""
     c = config(**options)
     step = traced(fn_name, c, inputs)
-    made = {p.name.split(" (")[0]: p.shape for p in step.backward_live}
-    assert made[f"flash-attn {grad[0]}"] == grad[1]
+    # the backward's own tensors (named by the node, or the leaf's grad it became)
+    made = [p.shape for p in step.backward_live if "Backward)" in p.name or ".grad" in p.name]
+    assert grad[1] in made, grad[0]
     model = predict(c)
     for figure in ("saved_bytes", "forward_peak_bytes", "backward_peak_bytes"):
         assert getattr(step, figure) == getattr(model, figure), figure
@@ -238,7 +239,8 @@ def test_packed_sequences_padded_and_grouped_are_the_models_tensors():
     assert made["flash-attn dq_accum"] == ((3512, 8, 128), 3512 * 8 * 128 * 4)  # 3,000 + 4 x 128
     assert made["flash-attn softmax_d"] == ((8, 3512), 8 * 3512 * 4)  # 112,384
     assert made["flash-attn dk_expanded"] == ((3000, 8, 104), 3000 * 8 * 104 * 2)  # 4,992,000
-    assert made["flash-attn dk"] == ((3000, 2, 104), 3000 * 2 * 104 * 2)  # 1,248,000
+    # the Function's dk (empty_like of the padded k), which mha_varlen_bwd writes
+    assert made["empty_like"] == ((3000, 2, 104), 3000 * 2 * 104 * 2)  # 1,248,000
     assert made["flash-attn lse"] == ((8, 3000), 8 * 3000 * 4)  # (H, total_q): 96,000
 
 
@@ -269,7 +271,7 @@ def test_the_packed_varlen_function_makes_one_grad_of_the_packed_shape(tmp_path)
     step = trace(load_function(f"{path}:attn"), config(batch=1, seq_len=1000, head_dim=64),
                  calling=Calling(inputs=(parse_input("qkv=N,3,H,D"),)))
     made = {p.name.split(" (")[0]: p.shape for p in step.backward_live}
-    assert made["flash-attn dqkv"] == (1000, 3, 8, 64)
+    assert made["qkv.grad"] == (1000, 3, 8, 64)  # the Function's dqkv, the leaf's grad as is
     assert made["flash-attn dq_accum"] == (1000 + 2 * 128, 8, 64)
 
 

@@ -58,7 +58,7 @@ def run(args) -> int:
     impls = impls_with_trace(args)
     check_chunk(args, impls)
     try:
-        with about_target(args.trace), status(f"solving {field}"):  # a loop: a minute
+        with about_target(args.trace, compile=args.compile), status(f"solving {field}"):  # a loop: a minute
             base = first_accepted(impls, **config_options(args))
             report = solve(base, budget_from(args), field, impls, args.time_limit,
                            work_limit=args.work_limit)

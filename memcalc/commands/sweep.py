@@ -99,7 +99,7 @@ def run(args) -> int:
         raise unknown("--pivot", args.pivot, list(FIGURE_KEY), "figure")
     dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
     options = {**config_options(args), "dtype": dtypes[0], "cp": cps[0]}
-    with about_target(args.trace):  # a traced target failing at a length: one line
+    with about_target(args.trace, compile=args.compile):  # a traced target failing at a length: one line
         base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
                                       "seq_len": seq})
         check_output(args.plot, "--plot")

@@ -50,7 +50,7 @@ def run(args) -> int:
 
         if deepspeed_installed():
             quiet_deepspeed()  # before the target's file imports it
-    with about_target(args.target, "target"):
+    with about_target(args.target, "target", args.compile):
         # the target's import-time output (DeepSpeed's logger writes to stdout) goes to
         # stderr: stdout is memcalc's, piped as JSON or CSV
         with contextlib.redirect_stdout(sys.stderr):

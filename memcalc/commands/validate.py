@@ -172,7 +172,7 @@ def _run_target(args) -> int:
     from memcalc.tracing import check_causal, load_function, register_function
     from memcalc.validation import validate_target
 
-    with about_target(args.trace):
+    with about_target(args.trace, compile=args.compile):
         fn = load_function(args.trace)
         calling = calling_from(args, fn)
         config = config_from(args, impl=register_function(fn, args.trace, calling))

@@ -96,16 +96,21 @@ def pads(d: Dims) -> list:
 
 def forward(d: Dims) -> list:
     """``FlashAttnFunc.forward``: pads, ``mha_fwd``, and what the node saves."""
+    saved = [t.name for t in pads(d)] + ["lse", "rng_state"]
+    return pads(d) + mha_fwd(d) + [free(*saved)]  # autograd holds them (save_for_backward)
+
+
+def mha_fwd(d: Dims) -> list:
+    """``mha_fwd`` (the op ``flash_attn::_flash_attn_forward``) on q, k, v padded already:
+    the output, softmax_lse, the split-KV accumulators (freed as it returns), rng_state."""
     padded, _ = head_dims(d)
     accum = [] if d.varlen else split_accumulators(d, gpu_of(d))  # varlen: only to decode
-    saved = [t.name for t in pads(d)] + ["lse", "rng_state"]
-    return pads(d) + [
+    return [
         new("out", seq_first(d, d.N, d.H, padded), d.dtype, O, "empty_like"),  # ([B,] N, H, dp)
         lse(d),
         *accum,
         new("rng_state", (2,), "int64", S, "empty"),  # (2,) philox seed, offset: 512-B block
         *([free(*(t.name for t in reversed(accum)))] if accum else []),  # mha_fwd returns
-        free(*saved),  # autograd holds them (ctx.save_for_backward)
     ]
 
 
@@ -171,7 +176,20 @@ def node_backward(d: Dims, strided_grad: bool, packed: str = "") -> list:
     if pad:  # F.pad of the grad; contiguous, so no copy below: ([B,] N, H, dp)
         events.append(new("dout_pad", seq_first(d, d.N, d.H, padded), d.dtype, T,
                           "constant_pad_nd"))
-    copy = strided_grad and not pad
+    events += mha_bwd(d, strided_grad and not pad)
+    events += [free("softmax_d"),  # its return value, discarded
+               *([free("dout_pad")] if pad else []),
+               release(*[t.name for t in pads(d)], "lse", "rng_state")]
+    return events
+
+
+def mha_bwd(d: Dims, copy: bool) -> list:
+    """``mha_bwd`` (the op ``flash_attn::_flash_attn_backward``, into the dq, dk, dv it is
+    given): the grad's copy (``copy``: its last stride is not 1, so ``maybe_contiguous``
+    copies it), float32 ``softmax_d`` (returned) and ``dq_accum``, dk and dv of every head
+    for grouped heads (summed into dk, dv); all but softmax_d freed as it returns."""
+    padded, _ = head_dims(d)
+    events = []
     if copy:  # ([B,] N, H, D)
         events.append(new("dout_c", seq_first(d, d.N, d.H, d.D), d.dtype, T, "contiguous"))
     events += [softmax_d(d), *dq_accum(d)]
@@ -180,12 +198,8 @@ def node_backward(d: Dims, strided_grad: bool, packed: str = "") -> list:
         events += [new("dk_expanded", expanded, d.dtype, T, "empty"),
                    new("dv_expanded", expanded, d.dtype, T, "empty")]
     expanded = ["dv_expanded", "dk_expanded"] if d.Hk != d.H else []
-    events += [free(*expanded, "dq_accum"),  # mha_bwd returns
-               *([free("dout_c")] if copy else []),  # _flash_attn_backward returns
-               free("softmax_d"),  # its return value, discarded
-               *([free("dout_pad")] if pad else []),
-               release(*[t.name for t in pads(d)], "lse", "rng_state")]
-    return events
+    return events + [free(*expanded, "dq_accum"),  # mha_bwd returns
+                     *([free("dout_c")] if copy else [])]  # _flash_attn_backward returns
 
 
 def clones(d: Dims) -> list:

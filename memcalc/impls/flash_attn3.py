@@ -78,6 +78,12 @@ def tiles(d: Dims) -> tuple[int, int]:
 
 def forward(d: Dims) -> list:
     """``mha_fwd``, then what the node saves (``out`` and ``lse``; q, k, v are the inputs)."""
+    return mha_fwd(d) + [free("lse")]  # autograd holds it (ctx.save_for_backward)
+
+
+def mha_fwd(d: Dims) -> list:
+    """``mha_fwd`` (the op ``flash_attn_3::_flash_attn_forward``): the output, softmax_lse
+    and, causal, the scheduler's counters (freed as it returns)."""
     semaphore = [new("tile_count_semaphore", (1 + 2 * round_up(d.B, 4),), I32, T, "zeros")] \
         if d.causal else []  # (1 + 2 round4(B),) scheduler metadata, causal on sm90
     return [
@@ -85,7 +91,6 @@ def forward(d: Dims) -> list:
         new("lse", (d.B, d.H, d.N), F32, S, "empty"),  # (B, H, N) softmax_lse
         *semaphore,
         *([free("tile_count_semaphore")] if semaphore else []),  # mha_fwd returns
-        free("lse"),  # autograd holds it (ctx.save_for_backward)
     ]
 
 
@@ -116,20 +121,28 @@ def semaphores(d: Dims) -> list:
 
 
 def node_backward(d: Dims, copy: bool) -> list:
-    """``FlashAttnFunc.backward``: dq, dk, dv, the grad's copy (``copy``: its last stride is
-    not 1, so ``maybe_contiguous`` copies it), ``mha_bwd``'s buffers."""
-    buffers, sems = accumulators(d), semaphores(d)
+    """``FlashAttnFunc.backward``: dq, dk, dv, then ``mha_bwd`` into them."""
     return [
         new("dq", (d.B, d.N, d.H, d.D), d.dtype, G, "empty_like"),  # (B, N, H, D)
         new("dk", (d.B, d.M, d.Hk, d.D), d.dtype, G, "empty_like"),  # (B, M, Hk, D)
         new("dv", (d.B, d.M, d.Hk, d.D), d.dtype, G, "empty_like"),  # (B, M, Hk, D)
+        *mha_bwd(d, copy),
+        free("softmax_d"),  # the op's return value, which the caller discards
+        release("lse"),
+    ]
+
+
+def mha_bwd(d: Dims, copy: bool) -> list:
+    """``_flash_attn_backward`` (the op ``flash_attn_3::_flash_attn_backward``): the grad's
+    copy (``copy``: its last stride is not 1, so ``maybe_contiguous`` copies it),
+    ``mha_bwd``'s buffers; all but softmax_d, which it returns, freed as it returns."""
+    buffers, sems = accumulators(d), semaphores(d)
+    return [
         *([new("dout_c", (d.B, d.N, d.H, d.D), d.dtype, T, "contiguous")] if copy else []),
         *buffers, *sems,
         free(*(t.name for t in reversed(sems))),  # mha_bwd returns
-        # the Python op returns: its locals (the grad's copy, then the buffers it holds),
-        # then softmax_d, its return value, which the caller discards
-        free(*(["dout_c"] if copy else []), *(t.name for t in buffers[1:]), "softmax_d"),
-        release("lse"),
+        # the Python op returns: its locals (the grad's copy, then the buffers it holds)
+        free(*(["dout_c"] if copy else []), *(t.name for t in buffers[1:])),
     ]
 
 

@@ -30,7 +30,7 @@ from memcalc.gpus import GPU
 from memcalc.impls import sdpa_cudnn as cudnn
 from memcalc.impls.sdpa_efficient import MEM_EFF_ALIGNMENT
 from memcalc.impls import sdpa_select
-from memcalc.tracing import foreach, kernels
+from memcalc.tracing import flash_attn_ops, foreach, kernels
 from memcalc.tracing.errors import NotModelled, RefusedOnGpu
 from memcalc.impls.sdpa_select import EFFICIENT, MATH, Call, Flags, Release
 
@@ -102,9 +102,10 @@ class CudaPaths:
 
     def kernel(self, func):
         """What runs in place of ``func``'s meta kernel, which allocates only its outputs:
-        a fused attention op's model (``kernels.OPS``: every tensor its CUDA kernel makes,
-        the outputs returned) or a foreach kernel's (``foreach.OPS``), else None."""
-        return KERNELS.get(func)
+        a fused attention op's model (``kernels.OPS``, the flash-attn packages' ops
+        ``flash_attn_ops.OPS``: every tensor its CUDA kernel makes, the outputs returned) or
+        a foreach kernel's (``foreach.OPS``), else None."""
+        return KERNELS.get(func.name())
 
     def observe(self, func, args=(), kwargs=None) -> None:
         """What the trace cannot see inside ``func`` (``observe``), and the checks a GPU
@@ -114,7 +115,9 @@ class CudaPaths:
 
 
 # the ops whose CUDA kernels allocate what their meta kernels do not, and what runs for them
-KERNELS = {**kernels.OPS, **foreach.OPS}
+# (by qualified name: ``aten::_foreach_norm.Scalar``, ``flash_attn::_flash_attn_forward``)
+KERNELS = {**{op.name(): run for op, run in {**kernels.OPS, **foreach.OPS}.items()},
+           **flash_attn_ops.OPS}
 
 
 class Mode(TorchFunctionMode):

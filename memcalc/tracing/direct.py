@@ -13,6 +13,7 @@ from memcalc.config import Config
 from memcalc.engine.inputs import QKV, Input
 from memcalc.impls.device import gpu_of
 from memcalc.impls.sdpa_cudnn import Workspace
+from memcalc.tracing import compiled
 from memcalc.tracing.errors import TraceError
 from memcalc.tracing.explain import called_with, guarded
 from memcalc.impls.sdpa_select import Release as TorchRelease
@@ -83,7 +84,7 @@ def traced(fn: Callable, config: Config, options: TraceOptions = TraceOptions(),
         replay = lambda capacity: _measure(call, config, options, inputs, capacity,  # noqa: E731
                                            rank=rank)
         checked = dict(budget=budget, fit=fit(config, budget.budget_bytes, result, replay))
-    notes = (*(paths.notes if paths else ()), *_returned(call))
+    notes = (*(paths.notes if paths else ()), *_returned(call), *compiled.notes())
     return Traced(breakdown=result, gpu=config.device.spec.label, cuda_paths=options.cuda,
                   notes=notes, kernels=tuple(paths.kernels) if paths else (),
                   inputs=tuple(i.text() for i in inputs if inputs is not QKV),

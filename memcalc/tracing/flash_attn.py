@@ -1,14 +1,18 @@
-"""The flash-attn packages in a trace: ``flash_attn.flash_attn_func`` (FlashAttention-2) and
-``flash_attn_interface.flash_attn_func`` (FlashAttention-3, Hopper), run as memcalc's models
-of them (``memcalc/impls/flash_attn.py``, ``flash_attn3.py``).
+"""The flash-attn packages in a trace: ``flash_attn.flash_attn_func`` (FlashAttention-2, its
+packed and varlen twins) and ``flash_attn_interface.flash_attn_func`` (FlashAttention-3,
+Hopper), as the packages run them.
 
 Their CUDA extensions cannot run on the meta device, nor be imported without CUDA, so while
-a user's file is imported for a trace (``stand_ins``), ``import flash_attn`` and ``import
-flash_attn_interface`` give stand-in modules, whatever is installed: a stand-in's function
-hands its call to the trace's CUDA rules (``memcalc.tracing.cuda_paths``), which replay the
-model's events into the tracer's ledger (``kernels.Kernel.replay``), as for a fused SDPA
-backend. Its node is an ``autograd.Function`` that saves what ``FlashAttnFunc`` saves; what
-autograd does around it (``AccumulateGrad`` of the returned grads) runs as it runs.
+a user's file is imported and traced (``stand_ins``), ``import flash_attn`` and ``import
+flash_attn_interface`` give stand-in modules, whatever is installed. A stand-in function
+checks what memcalc's models cover and calls an ``autograd.Function`` that does what the
+package's does (``FlashAttnFunction``): pads q, k, v, calls the package's custom op, saves
+what it saves; its backward makes the grads and calls the backward op into them. Those
+steps are ordinary torch ops, traced as they run; the ops themselves are
+``flash_attn_ops``': the models of ``mha_fwd`` / ``mha_bwd`` (``memcalc/impls/
+flash_attn.py``, ``flash_attn3.py``). So a checkpoint policy is asked about
+``flash_attn::_flash_attn_forward`` and checkpointing drops what the Function saved, as on
+a GPU.
 """
 
 from __future__ import annotations
@@ -21,16 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from memcalc.engine.program import Dims
 from memcalc.impls import flash_attn as fa2
 from memcalc.impls import flash_attn3 as fa3
-from memcalc.impls.sdpa_flash import head_dims
+from memcalc.tracing import flash_attn_ops as ops
 from memcalc.tracing.cuda_paths import active_paths, rule
 from memcalc.tracing.errors import NotModelled
-from memcalc.tracing.kernels import (Kernel, empty_like, launch, meta_copies, needs_grad,
-                                     node, sized)
-
-FA2, FA3 = "flash-attn", "flash-attn3"
+from memcalc.tracing.flash_attn_ops import FA2, FA3, dims_of
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -39,7 +39,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """flash-attn 2.x ``flash_attn_func``, for a trace (the signature of v2.8.3)."""
     paths = active_paths("flash_attn.flash_attn_func")
     return flash_attn_rule(paths, flash_attn_func, (q, k, v), dict(
-        dropout_p=dropout_p, causal=causal, deterministic=deterministic,
+        dropout_p=dropout_p, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, causal=causal, deterministic=deterministic,
         return_attn_probs=return_attn_probs))
 
 
@@ -49,7 +50,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """flash-attn 2.x ``flash_attn_qkvpacked_func`` on qkv (B, N, 3, H, D), for a trace."""
     paths = active_paths("flash_attn.flash_attn_qkvpacked_func")
     return flash_attn_rule(paths, flash_attn_qkvpacked_func, (qkv,), dict(
-        dropout_p=dropout_p, causal=causal, deterministic=deterministic,
+        dropout_p=dropout_p, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, causal=causal, deterministic=deterministic,
         return_attn_probs=return_attn_probs))
 
 
@@ -60,7 +62,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     for a trace."""
     paths = active_paths("flash_attn.flash_attn_kvpacked_func")
     return flash_attn_rule(paths, flash_attn_kvpacked_func, (q, kv), dict(
-        dropout_p=dropout_p, causal=causal, deterministic=deterministic,
+        dropout_p=dropout_p, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, causal=causal, deterministic=deterministic,
         return_attn_probs=return_attn_probs))
 
 
@@ -72,7 +75,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     D) holding ``cu_seqlens_q.numel() - 1`` sequences, for a trace."""
     paths = active_paths("flash_attn.flash_attn_varlen_func")
     return flash_attn_varlen_rule(paths, flash_attn_varlen_func, (q, k, v), dict(
-        cu_seqlens=(cu_seqlens_q, cu_seqlens_k), max_seqlen_q=max_seqlen_q, dropout_p=dropout_p,
+        cu_seqlens=(cu_seqlens_q, cu_seqlens_k), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        dropout_p=dropout_p, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes,
         causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs,
         block_table=block_table))
 
@@ -84,7 +89,9 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """flash-attn 2.x ``flash_attn_varlen_qkvpacked_func`` on qkv (total, 3, H, D)."""
     paths = active_paths("flash_attn.flash_attn_varlen_qkvpacked_func")
     return flash_attn_varlen_rule(paths, flash_attn_varlen_qkvpacked_func, (qkv,), dict(
-        cu_seqlens=(cu_seqlens,), max_seqlen_q=max_seqlen, dropout_p=dropout_p, causal=causal,
+        cu_seqlens=(cu_seqlens,), max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        dropout_p=dropout_p, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, causal=causal,
         deterministic=deterministic, return_attn_probs=return_attn_probs))
 
 
@@ -98,7 +105,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     paths = active_paths("flash_attn.flash_attn_varlen_kvpacked_func")
     return flash_attn_varlen_rule(paths, flash_attn_varlen_kvpacked_func, (q, kv), dict(
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k), max_seqlen_q=max_seqlen_q,
-        dropout_p=dropout_p, causal=causal, deterministic=deterministic,
+        max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, causal=causal, deterministic=deterministic,
         return_attn_probs=return_attn_probs))
 
 
@@ -109,7 +117,7 @@ def flash_attn3_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_desca
     """FlashAttention-3 ``flash_attn_interface.flash_attn_func``, for a trace."""
     paths = active_paths("flash_attn_interface.flash_attn_func")
     return flash_attn3_rule(paths, flash_attn3_func, (q, k, v), dict(
-        causal=causal, qv=qv, window_size=window_size, attention_chunk=attention_chunk,
+        softmax_scale=softmax_scale, causal=causal, qv=qv, window_size=window_size, attention_chunk=attention_chunk,
         softcap=softcap, num_splits=num_splits, deterministic=deterministic,
         return_attn_probs=return_attn_probs))
 
@@ -153,12 +161,13 @@ def _modules() -> dict[str, types.ModuleType]:
 @contextmanager
 def stand_ins():
     """Inside, ``import flash_attn`` / ``flash_attn_interface`` give the stand-ins (the
-    modules they replace are put back after)."""
+    modules they replace are put back after), and the packages' ops exist (``ops.defined``)."""
     modules = _modules()
     before = {name: sys.modules.get(name) for name in modules}
     sys.modules.update(modules)
     try:
-        yield
+        with ops.defined():
+            yield
     finally:
         for name, module in before.items():
             if module is None:
@@ -167,78 +176,159 @@ def stand_ins():
                 sys.modules[name] = module
 
 
-# --- the calls, as the trace's CUDA rules run them -----------------------------------------
+# --- the packages' Functions, around their ops -----------------------------------------------
 
-def dims_of(q, k, causal: bool, deterministic: bool, gpu, varlen: int = 0) -> Dims:
-    """The model's sizes for a call on ``(B, N, H, D)`` tensors, or on ``(total, H, D)``
-    ones holding ``varlen`` sequences (B = 1, N and M the totals), on the emulated GPU."""
-    def heads_first(t):  # (B, N, H, D) -> (B, H, N, D); (total, H, D) -> (1, H, total, D)
-        b, n, h, dim = (1, *t.shape) if varlen else t.shape
-        return (b, h, n, dim)
+@dataclass(frozen=True)
+class Call:
+    """One call of a package's Function: its backend, the packing of its inputs (``""``,
+    ``"qkv"``: one ([B,] N, 3, H, D), ``"kv"``: q and one ([B,] M, 2, Hk, D)), how many
+    sequences its varlen inputs hold (0: not varlen), the options its ops get, and whether
+    autograd will want a backward (the Functions' ``is_grad``)."""
 
-    d = sized(heads_first(q), heads_first(k), str(q.dtype).removeprefix("torch."), causal,
-              needs_grad(q, k), gpu, deterministic)
-    return d.replace(varlen=varlen)
+    backend: str
+    packed: str
+    varlen: int
+    options: tuple  # (name, value) pairs: causal, dropout_p, deterministic, max_seqlen_q ...
+    grad: bool
 
+    @property
+    def inputs(self) -> int:
+        return {"qkv": 1, "kv": 2, "": 3}[self.packed]
 
-@dataclass
-class Run(Kernel):
-    """One call: the model's forward and the backward of its node, with the real tensors it
-    hands out (the output, the grads) made with the strides the kernel gives them;
-    ``packed``: ``qkv`` or ``kv`` for the packed functions (their grads: ``fa2.grads``)."""
-
-    packed: str = ""
-
-    def forward(self) -> torch.Tensor:
-        d, grad = self.d, not self.d.forward_only
-        padded, _ = head_dims(d)
-        self.padded = self.backend == FA2 and padded != d.D
-        shape = (*self.q.shape[:-1], padded)  # q's, padded: ([B,] N, H, dp)
-        make = (lambda: torch.empty(shape, dtype=self.q.dtype, device="meta")) \
-            if self.padded else (lambda: empty_like(self.q))  # empty_like(q): q's strides
-        events = fa2.forward(d) if self.backend == FA2 else fa3.forward(d)
-        self.replay(events, {"out": make}, grad)
-        out = self.live.pop("out")
-        if self.padded:
-            self.kept["out"] = out  # saved as out_padded; the caller gets its slice
-            return out[..., : d.D]
-        return out
-
-    def backward(self, grad_out: torch.Tensor) -> tuple:
-        d, copy = self.d, grad_out.stride(-1) != 1  # maybe_contiguous
-        events = fa2.node_backward(d, copy, self.packed) if self.backend == FA2 else \
-            fa3.node_backward(d, copy)
-        padded, _ = head_dims(d)  # empty_like of the saved q, k, v: the padded copies'
-        real = {n: (lambda t=t: torch.empty((*t.shape[:-1], padded), dtype=t.dtype, device="meta"))
-                if self.padded else (lambda t=t: empty_like(t))
-                for n, t in zip(("dq", "dk", "dv"), (self.q, self.k, self.v))}
-        self.replay(events, real, True)
-        self.kept.clear()
-        names = [t.name for t in fa2.grads(d, self.packed)] if self.backend == FA2 else \
-            ["dq", "dk", "dv"]
-        grads = tuple(self.live.pop(n) for n in names)
-        return tuple(g[..., : d.D] for g in grads) if self.padded else grads
+    def option(self, name: str, default=None):
+        return dict(self.options).get(name, default)
 
 
-# the packages' Functions: save q, k, v (views of a packed input; or their padded copies)
-# and the output
-NODES = {FA2: node("FlashAttnFunc"), FA3: node("FlashAttn3Func"),
-         "qkv": node("FlashAttnQKVPackedFunc"), "kv": node("FlashAttnKVPackedFunc"),
-         "varlen": node("FlashAttnVarlenFunc"), "varlen qkv": node("FlashAttnVarlenQKVPackedFunc"),
-         "varlen kv": node("FlashAttnVarlenKVPackedFunc")}
+def pad8(t: torch.Tensor) -> torch.Tensor:
+    """``F.pad`` of the last dim to a multiple of 8, as flash-attn 2's Functions pad q, k, v
+    and the grad (FA3 needs a multiple of 8 already): ``t`` itself when it is one."""
+    size = t.shape[-1]
+    return t if size % 8 == 0 else torch.nn.functional.pad(t, [0, 8 - size % 8])
 
 
-def run(paths, backend: str, inputs: tuple, d: Dims, kept: tuple = ()) -> torch.Tensor:
-    """Run ``backend``'s model on the call's inputs: ``(q, k, v)``, or a packed ``(qkv,)``
-    ([B,] N, 3, H, D) or ``(q, kv)`` with kv ([B,] M, 2, Hk, D), read through their
-    slices; ``kept``: what else the node saves (the varlen functions' cu_seqlens)."""
+def forward_op(call: Call, q, k, v, cu_seqlens: tuple) -> tuple:
+    """The package's forward op on the (padded) q, k, v: FA2's ``(out_padded, lse,
+    S_dmask, rng_state)``, FA3's ``(out, lse, out_accum, lse_accum)``."""
+    o = call.option
+    if call.backend == FA3:
+        return ops.op("flash_attn_3::_flash_attn_forward")(
+            q, k, v, softmax_scale=o("softmax_scale"), causal=o("causal"), num_splits=1)
+    if call.varlen:
+        return ops.op("flash_attn::_flash_attn_varlen_forward")(
+            q, k, v, *offsets(cu_seqlens), *fa2_options(call, "dropout_p", "softmax_scale",
+                                                         "causal", "window", "alibi_slopes"),
+            False)
+    return ops.op("flash_attn::_flash_attn_forward")(q, k, v, *fa2_options(
+        call, "dropout_p", "softmax_scale", "causal", "window", "alibi_slopes"), False)
+
+
+def backward_op(call: Call, dout, saved: tuple, grads: tuple, cu_seqlens: tuple) -> None:
+    """The package's backward op, writing ``grads`` (dq, dk, dv: views of a packed grad for
+    the packed Functions); its return value, softmax_d, is dropped as the Functions drop it."""
+    o, (q, k, v, out, lse) = call.option, saved[:5]
+    if call.backend == FA3:
+        ops.op("flash_attn_3::_flash_attn_backward")(
+            dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+            softmax_scale=o("softmax_scale"), is_causal=o("causal"))
+        return
+    names = ("dropout_p", "softmax_scale", "causal", "window", "alibi_slopes", "deterministic")
+    if call.varlen:
+        ops.op("flash_attn::_flash_attn_varlen_backward")(
+            dout, q, k, v, out, lse, *grads, *offsets(cu_seqlens), *fa2_options(call, *names),
+            rng_state=saved[-1])
+    else:
+        ops.op("flash_attn::_flash_attn_backward")(
+            dout, q, k, v, out, lse, *grads, *fa2_options(call, *names), rng_state=saved[-1])
+
+
+def offsets(cu_seqlens: tuple) -> tuple:
+    """The varlen ops' cu_seqlens_q and cu_seqlens_k (the qkv-packed Function's one tensor
+    twice)."""
+    return cu_seqlens * 2 if len(cu_seqlens) == 1 else cu_seqlens
+
+
+def fa2_options(call: Call, *names: str) -> list:
+    """flash-attn 2's ops' arguments ``names`` in order (``"window"``: window_size_left and
+    _right, then softcap; the varlen ops': max_seqlen_q and _k first)."""
+    o = call.option
+    values = [o("max_seqlen_q"), o("max_seqlen_k")] if call.varlen else []
+    for name in names:
+        window = o("window_size", (-1, -1))
+        values += [*window, o("softcap", 0.0)] if name == "window" else [o(name)]
+    return values
+
+
+def grad_buffers(packed: str, q, k, v) -> tuple:
+    """The grads a Function makes for the backward op to write, and the views it hands the
+    op: ``empty_like`` of q, k, v; one ``dqkv`` ([B,] N, 3, H, dp) for the qkv-packed
+    Functions; dq and one ``dkv`` ([B,] M, 2, Hk, dp) for the kv-packed ones."""
+    def pack(t, count):  # t's shape with ``count`` slots before its (heads, dim)
+        return torch.empty((*t.shape[:-2], count, *t.shape[-2:]), dtype=t.dtype, device=t.device)
+
+    if packed == "qkv":
+        dqkv = pack(q, 3)
+        return (dqkv,), tuple(dqkv.select(-3, i) for i in range(3))
+    if packed == "kv":
+        dq, dkv = torch.empty_like(q), pack(k, 2)
+        return (dq, dkv), (dq, dkv.select(-3, 0), dkv.select(-3, 1))
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    return grads, grads
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """What the packages' Functions do around their ops (``FlashAttnFunc`` and its packed and
+    varlen twins, flash_attn_interface.py v2.8.3 L440-995; FA3's ``FlashAttnFunc``,
+    hopper/flash_attn_interface.py L552-639): q, k, v (views of a packed input) padded to a
+    multiple of 8, the forward op, ``save_for_backward(q, k, v, out_padded, softmax_lse,
+    [cu_seqlens,] rng_state)`` when a backward will run, the output sliced back; backward:
+    the grads made, the grad padded, the backward op into them, the grads sliced. One named
+    subclass per Function, so that its node is named as torch names it."""
+
+    @staticmethod
+    def forward(ctx, call: Call, *tensors):
+        inputs, cu_seqlens = tensors[:call.inputs], tensors[call.inputs:]
+        size = inputs[0].shape[-1]
+        q, k, v = (pad8(t.detach()) for t in unpacked(inputs))
+        outputs = forward_op(call, q, k, v, cu_seqlens)
+        if call.grad:
+            rng_state = outputs[3:] if call.backend == FA2 else ()
+            ctx.call, ctx.count = call, len(tensors)
+            ctx.save_for_backward(q, k, v, *outputs[:2], *cu_seqlens, *rng_state)
+        return outputs[0][..., :size]
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        saved, call = ctx.saved_tensors, ctx.call
+        grads, views = grad_buffers(call.packed, *saved[:3])
+        backward_op(call, pad8(dout), saved, views, saved[5:5 + ctx.count - call.inputs])
+        size = dout.shape[-1]
+        return (None, *(g[..., :size] for g in grads), *[None] * (ctx.count - call.inputs))
+
+
+def function(name: str) -> type:
+    """The Function ``name`` (``FlashAttnFunc``), its node ``FlashAttnFuncBackward``."""
+    return type(name, (FlashAttnFunction,), {})
+
+
+FUNCTIONS = {(FA2, "", False): function("FlashAttnFunc"),
+             (FA3, "", False): function("FlashAttnFunc"),
+             (FA2, "qkv", False): function("FlashAttnQKVPackedFunc"),
+             (FA2, "kv", False): function("FlashAttnKVPackedFunc"),
+             (FA2, "", True): function("FlashAttnVarlenFunc"),
+             (FA2, "qkv", True): function("FlashAttnVarlenQKVPackedFunc"),
+             (FA2, "kv", True): function("FlashAttnVarlenKVPackedFunc")}
+
+
+def run(backend: str, inputs: tuple, options: dict, varlen: int = 0,
+        cu_seqlens: tuple = ()) -> torch.Tensor:
+    """A package's function on its inputs: ``(q, k, v)``, or a packed ``(qkv,)`` ([B,] N, 3,
+    H, D) or ``(q, kv)`` with kv ([B,] M, 2, Hk, D); ``cu_seqlens``: the varlen functions'
+    offsets, which the node saves."""
     packed = {1: "qkv", 2: "kv", 3: ""}[len(inputs)]
-    q, k, v = unpacked(inputs)
-    paths.kernels[backend] = None
-    call = Run(backend, d, None, paths, *meta_copies(paths.tracer, (q, k, v)),
-               inputs=len(inputs), packed=packed)
-    function = " ".join(w for w in ("varlen" if d.varlen else "", packed) if w) or backend
-    return launch(call, NODES[function], not d.forward_only, *inputs, *kept)
+    scale = options.pop("softmax_scale", None) or inputs[0].shape[-1] ** -0.5
+    call = Call(backend, packed, varlen, tuple({**options, "softmax_scale": scale}.items()),
+                torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
+    return FUNCTIONS[backend, packed, bool(varlen)].apply(call, *inputs, *cu_seqlens)
 
 
 def unpacked(inputs: tuple) -> tuple:
@@ -250,6 +340,13 @@ def unpacked(inputs: tuple) -> tuple:
     if len(inputs) == 2:
         return (inputs[0], inputs[1][..., 0, :, :], inputs[1][..., 1, :, :])
     return inputs
+
+
+def options(kwargs: dict) -> dict:
+    """What a call's ops get of the function's arguments."""
+    names = ("dropout_p", "softmax_scale", "causal", "deterministic", "window_size",
+             "softcap", "alibi_slopes", "max_seqlen_q", "max_seqlen_k")
+    return {name: kwargs[name] for name in names if name in kwargs}
 
 
 def _flags(where: str, dropout=0.0, probs=False, **more):
@@ -299,7 +396,7 @@ def _run_fa2(paths, func, args, kwargs, q, k, sequences: int = 0, kept: tuple = 
     packed = f", {sequences} sequences" if sequences else ""
     paths.note(f"{func.__name__} {tuple(args[0].shape)} {d.dtype}{packed}"
                f"{' causal' if d.causal else ''}: memcalc's flash-attn model (flash-attn 2.8.3)")
-    return run(paths, FA2, tuple(args), d, kept)
+    return run(FA2, tuple(args), options(kwargs), sequences, kept)
 
 
 @rule("flash_attn3_func", "hopper/flash_attn_interface.py FlashAttnFunc, hopper/flash_api.cpp",
@@ -316,4 +413,4 @@ def flash_attn3_rule(paths, func, args, kwargs):
     fa3.check(d)
     paths.note(f"flash_attn_interface.flash_attn_func {tuple(q.shape)} {d.dtype}"
                f"{' causal' if d.causal else ''}: memcalc's flash-attn3 model")
-    return run(paths, FA3, (q, k, v), d)
+    return run(FA3, (q, k, v), options(kwargs))

@@ -23,6 +23,7 @@ import torch
 
 from memcalc.engine.program import Dims
 from memcalc.impls import flex as model
+from memcalc.tracing import compiled
 from memcalc.tracing.errors import NotModelled
 from memcalc.tracing.cuda_paths import active_paths
 from memcalc.tracing.kernels import Kernel, empty_like, launch, meta_copies, needs_grad, node, sized
@@ -116,7 +117,8 @@ FLEX = "torch.nn.attention.flex_attention"
 @contextmanager
 def stand_in():
     """Inside, ``torch.nn.attention.flex_attention.flex_attention`` is the stand-in, and
-    ``torch.compile`` gives it back as it is (whatever else it compiles as ever);
+    ``torch.compile`` gives it back as it is (anything else it is given goes to
+    ``compiled.compile_call``: refused, or left uncompiled);
     ``create_block_mask`` compiled is refused in one line. The module is patched when the
     user's code imports it, not before: from torch 2.15 it imports
     ``torch.fx.experimental.symbolic_shapes`` (and sympy) at its top, a second of start-up
@@ -132,7 +134,9 @@ def stand_in():
         if getattr(model, "__name__", "") == "create_block_mask" and \
                 getattr(model, "__module__", "") in (FLEX, __name__):
             return _compiled_block_mask
-        return real_compile(model, **options)
+        if options.get("disable"):  # torch.compile(..., disable=True): model as it is
+            return model
+        return compiled.compile_call(real_compile, model, **options)
 
     torch.compile = compile
     try:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from memcalc.errors import one_line
 from memcalc.engine.program import Role
-from memcalc.tracing.errors import TraceError
+from memcalc.tracing.errors import NotModelled, TraceError
 
 Resident = tuple[str, object, Role]  # (name, tensor, role)
 
@@ -31,6 +31,8 @@ def instantiate(cls, spec: str):
     try:
         with deferred(), torch.device("meta"):
             return cls()
+    except NotModelled as error:  # a call memcalc refuses (torch.compile): its own line
+        raise TraceError(f"--trace {spec}: {cls.__name__}(): {error}") from None
     except Exception as error:  # noqa: BLE001 - the user's constructor may raise anything
         raise TraceError(f"--trace {spec}: {cls.__name__}() failed on the meta device: "
                          f"{type(error).__name__}: {one_line(error)} (the module must be "

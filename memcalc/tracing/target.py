@@ -52,7 +52,8 @@ def prepared(fn, spec: str) -> Callable:
     if _is_module_class(fn):
         from memcalc.tracing.state import instantiate
 
-        fn = instantiate(fn, spec)
+        with stand_ins():  # a constructor may import flash_attn, or call torch.compile
+            fn = instantiate(fn, spec)
     elif not callable(fn):
         raise TraceError(f"--trace {spec}: not a function or an nn.Module: "
                          f"{type(fn).__name__}")
@@ -109,13 +110,14 @@ def _import(target: str, spec: str):
 def stand_ins():
     """The stand-ins of what cannot run on the meta device, while the user's code runs:
     the flash-attn packages (``memcalc.tracing.flash_attn``) and compiled FlexAttention
-    (``memcalc.tracing.flex``); held while the file is imported and while it is traced, so
+    (``memcalc.tracing.flex``), ``torch.compile`` (``memcalc.tracing.compiled``: refused, or
+    left uncompiled); held while the file is imported and while it is traced, so
     that ``from flash_attn import flash_attn_func`` inside a function (imported lazily, as
     many codebases do) finds the stand-in too."""
-    from memcalc.tracing import flex
+    from memcalc.tracing import compiled, flex
     from memcalc.tracing.flash_attn import stand_ins as flash_attn
 
-    with flash_attn(), flex.stand_in():
+    with flash_attn(), flex.stand_in(), compiled.stand_in():
         yield
 
 
@@ -144,11 +146,14 @@ def _file_module(path: Path):
     """The module of a user's file, imported once as Python imports a module (the target
     and ``--fsdp-apply`` named in one file share its classes: an ``isinstance`` between
     them holds), again only when the file or the environment changed since (module-level
-    code reads environment variables: ``LAYERS`` of the examples)."""
+    code reads environment variables: ``LAYERS`` of the examples) or the way its
+    ``torch.compile`` calls run (``compiled.mode``)."""
     import os
 
+    from memcalc.tracing import compiled
+
     key, stat = path.resolve(), path.stat()
-    state = (stat.st_size, stat.st_mtime_ns, frozenset(os.environ.items()))
+    state = (stat.st_size, stat.st_mtime_ns, frozenset(os.environ.items()), compiled.mode())
     if key in _FILES and _FILES[key][0] == state:
         return _FILES[key][1]
     name = f"memcalc_user_{path.stem}"
