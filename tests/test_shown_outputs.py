@@ -15,14 +15,16 @@ BLOCKS = [(page.relative_to(shown_outputs.ROOT).as_posix(), command, shown)
           for page in shown_outputs.pages() for command, shown in shown_outputs.blocks(page)]
 
 SLOW = ("examples/training/llama3_8b.py", "examples/training/torchtitan_llama3.py",
-        "memcalc validate", "memcalc.validation.context_parallel")
+        "memcalc validate", "memcalc.validation.context_parallel", "validation/memtracker.py")
 """What makes a shown command slow (a minute or more each on a 2-core machine): Llama-3-8B's
 32 layers traced on the meta device, as Hugging Face and torchtitan build it (at six lengths
 for a search, ``oom --trace``; 16 minutes with 8 ranks' ring attention), the whole validation grid and context parallelism's
-(``memcalc validate``, ``--cases cp``), the recorded ring runs given back rank by rank.
+(``memcalc validate``, ``--cases cp``), the recorded ring runs given back rank by rank,
+torchtitan's 8B beside PyTorch's FSDPMemTracker.
 Their checks run with ``-m slow``; what they rest on is checked quickly elsewhere: the
 search (``tests/test_solver.py``), traced training steps and FSDP
-(``tests/test_tracing_*.py``), the grid (``tests/test_validate_emulated.py``), the ring
+(``tests/test_tracing_*.py``; FSDPMemTracker on torchtitan's small model in
+``test_tracing_memtracker.py``), the grid (``tests/test_validate_emulated.py``), the ring
 against torch's (``tests/test_impls_ring.py``) and the recorded ranks, every eighth
 (``tests/test_validate_context_parallel.py``)."""
 

@@ -157,3 +157,38 @@ def test_no_cuda_only_temporary_is_alive_at_the_peak():
                or "split-reduction" in c.name]
         assert sorted(own) == ["cuBLAS workspace, autograd thread",
                                "cuBLAS workspace, main thread"]
+
+
+# --- torchtitan's Llama 3 step (validation/memtracker.py) -----------------------------------
+
+def memtracker_script():
+    """``validation/memtracker.py``, which runs both sides (skipped without torchtitan)."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("torchtitan")
+    path = Path(__file__).resolve().parents[1] / "validation" / "memtracker.py"
+    spec = importlib.util.spec_from_file_location("memtracker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torchtitans_step_is_fsdpmemtrackers_and_the_causes_listed():
+    """torchtitan's debugmodel (256 wide, 16 heads of 16, a vocabulary of 2,048), 2 blocks,
+    SelectiveAC, FSDP over 2 ranks (bf16 parameters, float32 reductions), AdamW, batch 2 of
+    256 tokens, on the meta paths (SDPA's math backend on both sides). memcalc's allocated
+    peak, in the second block's backward, is the tracker's plus:
+
+    * the cuBLAS workspaces: 2 x 33,554,432 B;
+    * softmax_backward_cuda's ``grad * output``: B x H x N x N float32 = 2 x 16 x 256 x 256
+      x 4 B = 8,388,608 B;
+    * the norm and lm_head's float32 reduce-scatter input, which torch holds through the
+      next block's backward, less the tracker's: under its hooks the group reduce-scatters
+      lm_head alone and then the norm, and holds the norm's only: (256 + 2,048 x 256) x 4 B
+      - 256 x 4 B = 2,097,152 B."""
+    script = memtracker_script()
+    b = script.memcalc_traced("debugmodel", 2, 2, 2, 256)
+    peak = script.tracked("debugmodel", 2, 2, 2, 256)
+    assert b.peak_bytes == peak["Total"] + 2 * 33_554_432 + 8_388_608 + 2_097_152
+    assert peak["Reduce Scatter"] == 256 * 4  # the norm's, 512-B rounded: 1,024 B
