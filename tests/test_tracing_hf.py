@@ -130,3 +130,44 @@ def test_oom_solves_the_length_of_a_traced_module(capsys, monkeypatch):
         fits.append(json.loads(capsys.readouterr().out)["fits"])
     assert fits == [True, False]
     assert os.environ["ATTN_IMPLEMENTATION"] == "eager"
+
+
+def test_llama_attention_with_flash_attention_2_calls_the_flash_attn_stand_in(
+        capsys, monkeypatch):
+    """attn_implementation="flash_attention_2" without flash-attn installed nor a GPU: while
+    the trace runs, transformers takes the package as there (memcalc.tracing.hf_flash), and
+    its flash_attn_func is the stand-in, which saves the (B, H, N) float32 softmax_lse:
+    1 x 32 x 256 x 4 B = 32,768 B. Afterwards transformers' checks and its cache of the
+    imported functions are as they were."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    before = (fa_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]["general_availability_check"],
+              fa_utils.is_flash_attn_2_available, fa_utils._loaded_implementation)
+    code, data = run(capsys, monkeypatch, "llama.py:attention", *LLAMA_X,
+                     attn="flash_attention_2")
+    assert code == 0, data
+    assert "flash_attn_func (1, 256, 32, 128) bfloat16 causal: memcalc's flash-attn model " \
+           "(flash-attn 2.8.3)" in data["notes"]
+    lse = [(c["shape"], c["bytes"]) for c in data["saved"] if c["name"].startswith("flash-attn lse")]
+    assert lse == [([1, 32, 256], 32_768)]
+    assert (fa_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]["general_availability_check"],
+            fa_utils.is_flash_attn_2_available, fa_utils._loaded_implementation) == before
+
+
+def test_a_padded_batch_under_flash_attention_2_is_one_line(capsys, monkeypatch):
+    """Unpadding picks rows by the mask's values (nonzero), which the meta device does not
+    hold."""
+    code, err = run(capsys, monkeypatch, "llama.py:causal_lm", "--input", "input_ids=B,N:int64",
+                    "--input", "attention_mask=B,N:int64:padded", "--input",
+                    "labels=B,N:int64", "--batch", "1", "--seq", "128", "--autocast", "bf16",
+                    "--gpu", "a100-80gb", attn="flash_attention_2")
+    assert code == 2 and err.count("\n") == 1 and "_get_unpad_data" in err
+
+
+def test_llama_attention_with_flash_attention_3_on_hopper(capsys, monkeypatch):
+    options = [o if o != "a100-80gb" else "h100-80gb" for o in LLAMA_X]
+    code, data = run(capsys, monkeypatch, "llama.py:attention", *options,
+                     attn="flash_attention_3")
+    assert code == 0, data
+    assert "flash_attn_interface.flash_attn_func (1, 256, 32, 128) bfloat16 causal: " \
+           "memcalc's flash-attn3 model" in data["notes"]

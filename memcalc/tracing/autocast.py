@@ -225,11 +225,14 @@ def enabled_on_meta(mode: Autocast):
     """``torch.autocast("cuda", ...)`` enabled as on a GPU while a trace runs: its checks of
     the device (``torch/amp/autocast_mode.py``: ``amp_definitely_not_available``,
     ``is_bf16_supported``) answer as a CUDA build would, and its ``clear_autocast_cache``
-    clears ``mode``'s cache too; put back after."""
+    clears ``mode``'s cache too; code asking autocast about its tensors' device
+    (``torch.is_autocast_enabled(q.device.type)``, as transformers' flash-attention
+    integration does) is answered for CUDA, which the meta device stands for; put back
+    after."""
     import torch.cuda.amp.common as common
 
     saved = (common.amp_definitely_not_available, torch.cuda.is_bf16_supported,
-             torch.clear_autocast_cache)
+             torch.clear_autocast_cache, torch.is_autocast_enabled, torch.get_autocast_dtype)
 
     def clear():
         saved[2]()
@@ -238,8 +241,20 @@ def enabled_on_meta(mode: Autocast):
     common.amp_definitely_not_available = lambda: False
     torch.cuda.is_bf16_supported = lambda *a, **k: True
     torch.clear_autocast_cache = clear
+    torch.is_autocast_enabled, torch.get_autocast_dtype = (_as_cuda(f) for f in saved[3:])
     try:
         yield
     finally:
         common.amp_definitely_not_available, torch.cuda.is_bf16_supported, \
-            torch.clear_autocast_cache = saved
+            torch.clear_autocast_cache, torch.is_autocast_enabled, \
+            torch.get_autocast_dtype = saved
+
+
+def _as_cuda(query):
+    """``query`` (``torch.is_autocast_enabled``, ``torch.get_autocast_dtype``) asked about
+    ``"meta"`` answering for ``"cuda"``."""
+    def asked(*args, **kwargs):
+        args = tuple("cuda" if a == "meta" else a for a in args)
+        kwargs = {k: "cuda" if v == "meta" else v for k, v in kwargs.items()}
+        return query(*args, **kwargs)
+    return asked

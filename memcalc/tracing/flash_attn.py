@@ -28,6 +28,7 @@ import torch
 from memcalc.impls import flash_attn as fa2
 from memcalc.impls import flash_attn3 as fa3
 from memcalc.tracing import flash_attn_ops as ops
+from memcalc.tracing import hf_flash
 from memcalc.tracing.cuda_paths import active_paths, rule
 from memcalc.tracing.errors import NotModelled
 from memcalc.tracing.flash_attn_ops import FA2, FA3, dims_of
@@ -130,6 +131,17 @@ def _not_modelled(package: str, name: str):
     return refuse
 
 
+def _padded(name: str):
+    """``flash_attn.bert_padding``'s (un)padding of a padded batch: refused in one line (the
+    unpadded sizes depend on the mask's values, which the meta device does not hold)."""
+    def refuse(*args, **kwargs):
+        raise NotModelled(f"flash_attn.bert_padding.{name}: a padded batch under flash-attn "
+                          f"(Hugging Face's flash_attention_2 with a padding mask) is not "
+                          f"modelled; trace it without the mask, or with sdpa")
+    refuse.__name__ = name
+    return refuse
+
+
 def _modules() -> dict[str, types.ModuleType]:
     """``flash_attn`` (with its ``flash_attn_interface`` submodule) and FA3's top-level
     ``flash_attn_interface``."""
@@ -146,13 +158,16 @@ def _modules() -> dict[str, types.ModuleType]:
         module.flash_attn_varlen_kvpacked_func = flash_attn_varlen_kvpacked_func
         module.flash_attn_with_kvcache = _not_modelled("flash_attn", "flash_attn_with_kvcache")
     fa2_module.flash_attn_interface = inner
+    padding = types.ModuleType("flash_attn.bert_padding")  # what transformers imports
+    padding.pad_input, padding.unpad_input = _padded("pad_input"), _padded("unpad_input")
+    fa2_module.bert_padding = padding
     fa3_module = types.ModuleType("flash_attn_interface")
     fa3_module.flash_attn_func = flash_attn3_func
     for name in ("flash_attn_qkvpacked_func", "flash_attn_varlen_func",
                  "flash_attn_with_kvcache"):
         setattr(fa3_module, name, _not_modelled("flash_attn_interface", name))
     modules = {"flash_attn": fa2_module, "flash_attn.flash_attn_interface": inner,
-               "flash_attn_interface": fa3_module}
+               "flash_attn.bert_padding": padding, "flash_attn_interface": fa3_module}
     for name, module in modules.items():  # what importlib.util.find_spec reads of them
         module.__spec__ = ModuleSpec(name, None, is_package=name == "flash_attn")
     return modules
@@ -161,12 +176,13 @@ def _modules() -> dict[str, types.ModuleType]:
 @contextmanager
 def stand_ins():
     """Inside, ``import flash_attn`` / ``flash_attn_interface`` give the stand-ins (the
-    modules they replace are put back after), and the packages' ops exist (``ops.defined``)."""
+    modules they replace are put back after), the packages' ops exist (``ops.defined``),
+    and transformers' flash_attention_2 / _3 calls them (``hf_flash``)."""
     modules = _modules()
     before = {name: sys.modules.get(name) for name in modules}
     sys.modules.update(modules)
     try:
-        with ops.defined():
+        with ops.defined(), hf_flash.stand_in():
             yield
     finally:
         for name, module in before.items():
