@@ -60,6 +60,10 @@ BANNED = {"binary_cross_entropy": (
     "BCEWithLogits are\nsafe to autocast.")}  # autocast_mode.cpp, binary_cross_entropy_banned
 
 
+# torch's own (C) queries, for memcalc's calls on every op: a trace patches the public names
+# to answer the meta device as CUDA (``enabled_on_meta``)
+IS_ENABLED, AUTOCAST_DTYPE = torch.is_autocast_enabled, torch.get_autocast_dtype
+
 def policy_of(name: str, release: tuple[int, int]) -> str | None:
     """``lower``, ``fp32``, ``set_opt_dtype``, ``promote`` or None for op ``name`` in
     torch ``release`` (``rms_norm`` is float32 from 2.12 on, run as given before)."""
@@ -75,7 +79,7 @@ def policy_of(name: str, release: tuple[int, int]) -> str | None:
 
 def enabled() -> bool:
     """Whether CUDA autocast is on here (``torch.is_autocast_enabled("cuda")``)."""
-    return torch.is_autocast_enabled("cuda")
+    return IS_ENABLED("cuda")
 
 
 def eligible(t) -> bool:
@@ -117,7 +121,7 @@ class Autocast(TorchFunctionMode):
         from memcalc.tracing.tracer import _where
 
         paths = self.tracer.paths
-        dtype = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
+        dtype = str(AUTOCAST_DTYPE("cuda")).removeprefix("torch.")
         if paths is not None and dtype not in self.noted:
             self.noted.add(dtype)
             paths.note(f"autocast to {dtype} (first at {_where()[0]}): CUDA's policy "
@@ -126,7 +130,7 @@ class Autocast(TorchFunctionMode):
 
     def cast(self, kind: str, args, kwargs) -> tuple:
         """``args`` and ``kwargs`` as ``kind``'s wrapper passes them on."""
-        low = torch.get_autocast_dtype("cuda")
+        low = AUTOCAST_DTYPE("cuda")
         if kind == "set_opt_dtype":
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             given = any(isinstance(a, torch.dtype) for a in args) or \
@@ -151,7 +155,7 @@ class Autocast(TorchFunctionMode):
         the autocast dtype, once per region (its copy kept until the region's end)."""
         if t.dtype is to:
             return t
-        low = torch.get_autocast_dtype("cuda")
+        low = AUTOCAST_DTYPE("cuda")
         cacheable = (to is low and t.dtype is torch.float32 and t.requires_grad and t.is_leaf
                      and not t._is_view() and torch.is_autocast_cache_enabled()
                      and not (self.release >= (2, 11) and torch.is_inference_mode_enabled()))
