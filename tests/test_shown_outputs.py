@@ -18,7 +18,7 @@ SLOW = ("examples/training/llama3_8b.py", "examples/training/torchtitan_llama3.p
         "memcalc validate", "memcalc.validation.context_parallel", "validation/memtracker.py")
 """What makes a shown command slow (a minute or more each on a 2-core machine): Llama-3-8B's
 32 layers traced on the meta device, as Hugging Face and torchtitan build it (at six lengths
-for a search, ``oom --trace``; 16 minutes with 8 ranks' ring attention), the whole validation grid and context parallelism's
+for a search, ``oom --trace``; about 45 minutes with 8 ranks' ring attention), the whole validation grid and context parallelism's
 (``memcalc validate``, ``--cases cp``), the recorded ring runs given back rank by rank,
 torchtitan's 8B beside PyTorch's FSDPMemTracker.
 Their checks run with ``-m slow``; what they rest on is checked quickly elsewhere: the
