@@ -92,11 +92,11 @@ def uncompiled(what: str, where: str | None = None) -> None:
         f"compile=\"eager\") traces it uncompiled")
 
 
-def compile_call(real_compile, model=None, **options):
-    """``torch.compile`` in traced code (``real_compile``: torch's, for what a trace does
-    compile): ``model`` itself, uncompiled, or refused (``uncompiled``)."""
+def compile_call(model=None, **options):
+    """``torch.compile`` in traced code: ``model`` itself, uncompiled, or refused
+    (``uncompiled``)."""
     if model is None:  # @torch.compile(...) as a decorator factory
-        return lambda fn: compile_call(real_compile, fn, **options)
+        return lambda fn: compile_call(fn, **options)
     uncompiled(f"torch.compile({_name(model)})")
     return model
 

@@ -134,7 +134,7 @@ def stand_in():
             return _compiled_block_mask
         if options.get("disable"):  # torch.compile(..., disable=True): model as it is
             return model
-        return compiled.compile_call(real_compile, model, **options)
+        return compiled.compile_call(model, **options)
 
     torch.compile = compile
     try:
