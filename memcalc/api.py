@@ -320,9 +320,10 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     ``optimizer="adamw"`` (``adam``, ``sgd``; ``:fused``, ``:forloop``) adds its
     ``step()`` and ``zero_grad()`` as a training loop runs them, after ``grad_accum``
     forward and backward passes, the grads clipped to a total norm of ``clip_grad_norm``
-    first when given (``torch.nn.utils.clip_grad_norm_``, foreach); ``compile="eager"``
-    traces the code's ``torch.compile`` calls uncompiled (the eager step: compiled steps are
-    not modelled yet, so without it such a call, or a model compiled already, is refused);
+    first when given (``torch.nn.utils.clip_grad_norm_``, foreach); the code's ``torch.compile``
+    calls are compiled as inductor compiles them for the GPU (``memcalc.compiling``);
+    ``compile="default"`` compiles the whole model as ``torch.compile(model)`` does,
+    ``compile="eager"`` traces the calls uncompiled (the eager step);
     or those four as one ``step=memcalc.Step(optimizer="adamw", grad_accum=2,
     clip_grad_norm=1.0)``. ``fsdp=8`` shards the module with PyTorch's FSDP2
     (``fully_shard`` on each repeated layer, then the root, as torchtitan applies it;
@@ -369,7 +370,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     if no_grad and not inputs:
         raise ValueError(f"no_grad: {no_grad[0]!r}: give inputs= first (without it the "
                          f"function takes q, k, v, which need grad)")
-    from memcalc.tracing.compiled import calls, check_module
+    from memcalc.compiling.session import calls
+    from memcalc.tracing.compiled import check_module
     from memcalc.tracing.errors import NotModelled
 
     with calls(compile, "compile"):

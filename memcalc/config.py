@@ -464,8 +464,8 @@ class Step(BaseModel):
     optimizer (``adamw``, ``adam`` or ``sgd``, ``:fused`` or ``:forloop``; None: none),
     the forward and backward passes per optimizer step (``grad_accum``), the total norm
     the grads are clipped to first (``clip_grad_norm``; None: not clipped), and how the
-    code's ``torch.compile`` calls run (``compile="eager"``: uncompiled; None: refused, as
-    compiled steps are not modelled yet).
+    code's ``torch.compile`` calls run (None: compiled as inductor compiles them for the
+    GPU; ``"default"``: the whole model compiled too; ``"eager"``: uncompiled).
 
         >>> memcalc.Step(optimizer="adamw", clip_grad_norm=1.0).grad_accum
         1
@@ -475,6 +475,7 @@ class Step(BaseModel):
     optimizer: str | None = Field(None, description="adamw, adam or sgd; :fused, :forloop")
     grad_accum: int = Field(1, ge=1, description="forward and backward passes a step")
     clip_grad_norm: float | None = Field(None, gt=0, description="clip_grad_norm_'s max_norm")
-    compile: Literal["eager"] | None = Field(
-        None, description="eager: the code's torch.compile calls left uncompiled (compiled "
-                          "steps are not modelled yet; without it they are refused)")
+    compile: Literal["eager", "default"] | None = Field(
+        None, description="default: the model compiled as torch.compile(model) does; eager: "
+                          "the code's torch.compile calls left uncompiled (without it they "
+                          "are compiled as inductor compiles them for the GPU)")

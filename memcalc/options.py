@@ -181,10 +181,11 @@ def input_options(p: argparse.ArgumentParser) -> None:
                    help="clip the grads to a total norm of MAX before the optimizer step, "
                         "as torch.nn.utils.clip_grad_norm_(params, MAX, foreach=True) "
                         "(torchtitan's and the Hugging Face Trainer's loops do, with 1.0)")
-    p.add_argument("--compile", default=None, metavar="MODE",
-                   help="how the traced code's torch.compile calls run: eager leaves them "
-                        "uncompiled (the eager step's figures, said in the notes). Compiled "
-                        "steps are not modelled yet: without this, such a call is refused")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   help="default (the flag alone): compile the target as torch.compile does, "
+                        "with inductor, as the GPU runs it; eager: leave the code's own "
+                        "torch.compile calls uncompiled (the eager step's figures, said in "
+                        "the notes). Without it the code's own calls are compiled")
     p.add_argument("--fsdp", default=None, metavar="P",
                    help="shard the module with PyTorch's FSDP2 over P ranks (fully_shard on "
                         "each repeated layer, then the root, as torchtitan does); the busiest "
@@ -347,7 +348,7 @@ def about_target(spec: str | None, argument: str = "--trace",
     if spec is None:
         yield
         return
-    from memcalc.tracing.compiled import calls
+    from memcalc.compiling.session import calls
     from memcalc.tracing.errors import TraceError
 
     try:

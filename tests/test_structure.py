@@ -89,6 +89,7 @@ LAYERS = (
     ("memcalc.output",),  # how a result shows itself
     ("memcalc.analysis",),  # the questions: breakdown, budget, solver, sweep, compare
     ("memcalc.tracing",),  # a user's code, traced into a program
+    ("memcalc.compiling",),  # torch.compile in that code, as inductor compiles it
     ("memcalc.validation",),  # the model against a trace or a GPU
     ("memcalc.plots",),
     ("memcalc.options",),  # the commands' shared options, read into the library's models

@@ -1,6 +1,6 @@
 """A self-attention block that compiles its attention in its constructor, as code written
-for speed does: ``memcalc trace`` stops at the ``torch.compile`` line (compiled steps are
-not modelled yet), and with ``--compile eager`` traces the block uncompiled, saying so.
+for speed does: ``memcalc trace`` follows the compiled call as inductor builds it for the
+GPU, and with ``--compile eager`` traces the block uncompiled, saying so.
 
     memcalc trace examples/attention/compiled.py:CompiledAttention --input x=B,N,512 --heads 8
     memcalc trace examples/attention/compiled.py:CompiledAttention --input x=B,N,512 --heads 8 --compile eager

@@ -1,13 +1,14 @@
-"""``torch.compile`` in traced code: refused in one line, or run uncompiled when asked.
+"""``torch.compile`` in traced code: compiled for the trace, run uncompiled, or refused.
 
-memcalc does not follow compiled code yet. A compiled step allocates otherwise than the
-eager one: AOTAutograd's partitioner chooses what is saved and what recomputed, inductor
-fuses pointwise ops (their intermediates never exist) and reuses buffers. Tracing the code
-eagerly would report the eager step's figures as the compiled one's. So while a trace runs
-(``stand_in``), ``torch.compile`` and ``nn.Module.compile`` stop it at the user's line,
-unless the trace was asked for the eager step (``--compile eager``, API ``compile="eager"``:
-``calls``): then each returns what it was given, uncompiled, and the result says where
-(``notes``). A model compiled before it is handed to ``memcalc.trace`` is found the same way
+A compiled step allocates otherwise than the eager one: AOTAutograd's partitioner chooses
+what is saved and what recomputed, inductor fuses pointwise ops (their intermediates never
+exist) and reuses buffers. Tracing the code eagerly would report the eager step's figures
+as the compiled one's. So while a trace runs (``stand_in``), ``torch.compile`` and
+``nn.Module.compile`` go to the compiler the trace was given (``--compile default``:
+``memcalc/compiling``, which hands it to ``calls``), or, when the trace was asked for the
+eager step (``--compile eager``, API ``compile="eager"``), return what they were given,
+uncompiled, and the result says where (``notes``); without either they stop the trace at
+the user's line. A model compiled before it is handed to ``memcalc.trace`` is found the same way
 (``check_module``). Compiled FlexAttention, ``torch.compile(flex_attention)``, is modelled
 (``flex.py``) and is not refused.
 """
@@ -18,49 +19,64 @@ import os
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Callable
 
 import torch
 
 from memcalc.tracing.errors import NotModelled
 
-MODES = ("eager",)  # what --compile takes: the eager step
+# what --compile takes: the eager step, inductor's default mode
+MODES = ("eager", "default")
 
-# the mode asked for (None: refuse), and where the code called torch.compile under it
+# the mode asked for (None: refuse), where the code called torch.compile under it, and the
+# compiler for a compiled mode: ``compiler(model, name, options)``
 _MODE: ContextVar[str | None] = ContextVar("memcalc_compile_mode", default=None)
 _CALLS: ContextVar[list | None] = ContextVar("memcalc_compile_calls", default=None)
+_COMPILER: ContextVar[Callable | None] = ContextVar("memcalc_compiler", default=None)
 
 
 def check_mode(mode: str | None, option: str = "--compile") -> None:
     """One line for a mode memcalc cannot trace."""
     if mode is not None and mode not in MODES:
-        raise ValueError(f"{option} {mode}: compiled steps are not modelled yet; "
-                         f"'eager' traces the step with the code's torch.compile calls "
-                         f"left uncompiled")
+        raise ValueError(f"{option} {mode}: one of {', '.join(MODES)} (default: inductor's "
+                         f"default mode, as the GPU runs it; eager: the step with the code's "
+                         f"torch.compile calls left uncompiled)")
 
 
 @contextmanager
-def calls(mode: str | None, option: str = "--compile"):
-    """Inside, torch.compile calls in traced code are refused (``mode`` None) or left
-    uncompiled (``"eager"``), and where they were made is collected for ``notes``;
-    ``option``: the name a bad mode is refused under."""
+def calls(mode: str | None, option: str = "--compile", compiler: Callable | None = None):
+    """Inside, torch.compile calls in traced code are refused (``mode`` None), left
+    uncompiled (``"eager"``), or handed to ``compiler`` (``"default"``), and where they were
+    made is collected for ``notes``; ``option``: the name a bad mode is refused under."""
     check_mode(mode, option)
-    modes, made = _MODE.set(mode), _CALLS.set([])
+    if mode == "default" and compiler is None:
+        raise ValueError(f"{option} default: needs a compiler (memcalc.compiling's calls)")
+    tokens = _MODE.set(mode), _CALLS.set([]), _COMPILER.set(compiler)
     try:
         yield
     finally:
-        _MODE.reset(modes)
-        _CALLS.reset(made)
+        for var, token in zip((_MODE, _CALLS, _COMPILER), tokens):
+            var.reset(token)
 
 
 def mode() -> str | None:
     return _MODE.get()
 
 
+def compiling() -> bool:
+    """Whether torch.compile calls in traced code compile (a compiler was given)."""
+    return _COMPILER.get() is not None
+
+
 def notes() -> tuple[str, ...]:
-    """What the result says of the compile calls left uncompiled."""
+    """What the result says of the compile calls left uncompiled (or compiled)."""
     made = _CALLS.get() or []
     if not made:
         return ()
+    if _COMPILER.get() is not None:
+        return (f"torch.compile followed as inductor compiles it for the GPU (mode default, "
+                f"torch {torch.__version__.split('+')[0]}; triton kernels not built): "
+                f"called at {', '.join(dict.fromkeys(made))}",)
     return (f"torch.compile left uncompiled (--compile eager): these are the eager step's "
             f"figures; called at {', '.join(dict.fromkeys(made))}",)
 
@@ -86,17 +102,21 @@ def uncompiled(what: str, where: str | None = None) -> None:
             made.append(where)
         return
     raise NotModelled(
-        f"{what} ({where}): memcalc does not follow compiled code yet (inductor's fusion, "
-        f"buffer reuse and the partitioner's saved tensors differ from eager), and will not "
-        f"report the eager step as the compiled one; --compile eager (API: "
-        f"compile=\"eager\") traces it uncompiled")
+        f"{what} ({where}): compiled code is followed only where memcalc's compiler is "
+        f"given (memcalc trace, oom, sweep, validate --trace; API memcalc.trace), and will "
+        f"not be reported as the eager step; --compile eager (API: compile=\"eager\") "
+        f"traces it uncompiled")
 
 
 def compile_call(model=None, **options):
-    """``torch.compile`` in traced code: ``model`` itself, uncompiled, or refused
-    (``uncompiled``)."""
+    """``torch.compile`` in traced code: ``model`` compiled by the trace's compiler, or
+    itself, uncompiled, or refused (``uncompiled``)."""
     if model is None:  # @torch.compile(...) as a decorator factory
         return lambda fn: compile_call(fn, **options)
+    compiler = _COMPILER.get()
+    if compiler is not None:
+        _CALLS.get().append(_caller())
+        return compiler(model, _name(model), options)
     uncompiled(f"torch.compile({_name(model)})")
     return model
 
@@ -113,7 +133,12 @@ def stand_in():
     real = torch.nn.Module.compile
 
     def module_compile(self, *args, **kwargs):
-        uncompiled(f"{type(self).__name__}.compile()")
+        compiler = _COMPILER.get()
+        if compiler is None:
+            uncompiled(f"{type(self).__name__}.compile()")
+            return
+        _CALLS.get().append(_caller())
+        self._compiled_call_impl = compiler(self._call_impl, type(self).__name__, kwargs)
 
     torch.nn.Module.compile = module_compile
     try:
@@ -122,11 +147,28 @@ def stand_in():
         torch.nn.Module.compile = real
 
 
+def target(fn):
+    """The traced target as ``--compile default`` runs it: a module compiled in place
+    (``Module.compile``: its parameters keep their names), a function compiled; else as
+    it is."""
+    compiler = _COMPILER.get()
+    if _MODE.get() != "default" or compiler is None:
+        return fn
+    _CALLS.get().append("the target")
+    if isinstance(fn, torch.nn.Module):
+        fn._compiled_call_impl = compiler(fn._call_impl, type(fn).__name__, {})
+        return fn
+    return compiler(fn, _name(fn), {})
+
+
 def check_module(fn) -> object:
     """A model compiled before the trace (``torch.compile(model)``, a block compiled in
     place or wrapped inside it): refused, or under ``--compile eager`` the model as it was
     before compiling (the wrapped blocks are not unwrapped: refused)."""
     original = getattr(fn, "_orig_mod", None) or getattr(fn, "_torchdynamo_orig_callable", None)
+    if original is not None and _COMPILER.get() is not None:  # compiled again, for the trace
+        _CALLS.get().append("the target")
+        return _COMPILER.get()(original, _name(original), {})
     if original is not None:
         uncompiled(f"torch.compile({_name(original)})", "the target")
         fn = original
@@ -136,7 +178,7 @@ def check_module(fn) -> object:
                     getattr(module, "_compiled_call_impl", None) is not None:
                 raise NotModelled(
                     f"{name or 'the model'}: compiled before the trace (torch.compile); "
-                    f"memcalc does not follow compiled code yet: trace the model before "
-                    f"compiling it (its eager step), or compile it inside the traced code "
-                    f"and pass --compile eager")
+                    f"memcalc compiles what is compiled inside the trace: pass the model "
+                    f"uncompiled, with compile=\"default\" to compile it whole, or compile "
+                    f"the block in the traced code (its constructor)")
     return fn

@@ -49,6 +49,8 @@ def prepared(fn, spec: str) -> Callable:
     """What is traced of ``fn``: a function or an ``nn.Module`` instance as it is, an
     ``nn.Module`` class built with no arguments on the meta device. ``spec`` names it in
     an error."""
+    from memcalc.tracing import compiled
+
     if _is_module_class(fn):
         from memcalc.tracing.state import instantiate
 
@@ -57,7 +59,7 @@ def prepared(fn, spec: str) -> Callable:
     elif not callable(fn):
         raise TraceError(f"--trace {spec}: not a function or an nn.Module: "
                          f"{type(fn).__name__}")
-    return fn
+    return compiled.target(fn)
 
 
 def label_of(fn) -> str:

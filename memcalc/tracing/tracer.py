@@ -41,7 +41,7 @@ from memcalc.engine.inputs import QKV, Input
 from memcalc.impls.embedding import EmbeddingBackward
 from memcalc.impls.reductions import Reduction, accumulator_bytes
 from memcalc.impls.device import Gpu, gpu_of
-from memcalc.tracing import interrupt
+from memcalc.tracing import compiled, interrupt
 from memcalc.tracing.collectives import Collectives
 from memcalc.tracing.deferred import deferred
 from memcalc.tracing.fsdp_copies import COPIES as FSDP_COPIES
@@ -325,6 +325,15 @@ class Tracer(TorchDispatchMode):
         ``torch._dynamo`` (0.8 s, a third of a trace) at the first op; a trace compiles
         nothing."""
         return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """While traced code compiles (``compiled.compiling``), dynamo switches this mode off
+        as it compiles and on again for the compiled code it runs
+        (``torch/utils/_python_dispatch.py``): the trace sees inductor's wrapper, not the
+        compiler's fake-tensor work; otherwise dynamo, seeing the mode, would run the code
+        eagerly."""
+        return compiled.compiling()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         interrupt.check()  # a Ctrl-C the trace held (``interrupt.held``) stops it here
@@ -734,9 +743,20 @@ def _thread() -> str:
     return "autograd" if torch._C._current_graph_task_id() != -1 else "main"
 
 
+# code a compiler generated, by file path: line number -> (where, code), the kernel and
+# the user's line it computes (``memcalc/compiling/wrapper.py``)
+GENERATED: dict[str, dict[int, tuple[str, str]]] = {}
+
+
 def _where() -> tuple[str, str]:
     """Where an op was called from: ``(file:line, code)`` of the innermost frame outside
-    torch and this harness, or ``(autograd node, "")`` in backward, which has no user frame."""
+    torch and this harness, or ``(autograd node, "")`` in backward, which has no user frame;
+    a line of compiled code (``GENERATED``) as its compiler named it, in backward too."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename not in GENERATED:
+        frame = frame.f_back if GENERATED else None
+    if frame is not None:
+        return GENERATED[frame.f_code.co_filename].get(frame.f_lineno, ("compiled", ""))
     if _thread() == "autograd":
         node = torch._C._current_autograd_node()
         return (node.name() if node is not None else "autograd"), ""

@@ -1,0 +1,118 @@
+"""The ``torch.compile`` backend a compiled trace uses: inductor's own (``compile_fx``),
+with the graphs moved to CUDA before inductor's passes (``graphs.py``).
+
+Two things differ from ``backend="inductor"``, both because the graph is traced on meta:
+
+* ``F.scaled_dot_product_attention`` takes the fused kernel a GPU would take. Its composite
+  (``aten/src/ATen/native/transformers/attention.cpp``) asks the device which backend to
+  run; on meta the answer is the math one. While AOTAutograd traces, the call goes to
+  memcalc's CUDA rule (``memcalc/tracing/cuda_paths.py``), which selects the backend as
+  ``sdp_utils.cpp`` does and calls that kernel's aten op, which inductor then runs as a
+  fallback kernel, as it does on a GPU.
+* The joint graph is moved to CUDA before ``_recursive_joint_graph_passes``
+  (``torch/_inductor/compile_fx.py``), and each partitioned graph's example inputs before
+  ``compile_fx_inner``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import torch
+
+from memcalc.compiling import graphs, wrapper
+
+
+def _names(node) -> list[str]:
+    """The names inductor's comments may give ``node`` by: its own, and those of the
+    nodes it came from (the dynamo graph's ``linear``, ``layer_norm``)."""
+    names = [node.name, *(name for name, _ in node.meta.get("source_fn_stack", []))]
+    sources = list(node.meta.get("from_node", []))
+    while sources:
+        source = sources.pop()
+        names.append(source.name)
+        sources.extend(getattr(source, "from_node", []))
+    return names
+
+
+def _inner(generated):
+    """``compile_fx_inner`` with the example inputs on CUDA, as the graph now is; the
+    wrapper it writes described in ``generated`` by the graph's nodes."""
+    def inner(gm, example_inputs, **kwargs):
+        from torch._guards import detect_fake_mode
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        moved = graphs.cuda_inputs(detect_fake_mode(example_inputs), example_inputs)
+        origins = {name: wrapper.user_line(n.meta.get("stack_trace"))
+                   for n in gm.graph.nodes for name in _names(n)}
+        compiled = compile_fx_inner(gm, moved, **kwargs)
+        generated.describe(generated.last, origins)
+        return compiled
+    return inner
+
+
+@contextmanager
+def _joint_passes_on_cuda():
+    """Inside, inductor's joint-graph passes get the graph moved to CUDA."""
+    import torch._inductor.compile_fx as compile_fx
+
+    real = compile_fx._recursive_joint_graph_passes
+
+    def passes(gm, *args, **kwargs):
+        graphs.to_cuda(gm)
+        kwargs["input_device"] = graphs.CUDA
+        return real(gm, *args, **kwargs)
+
+    compile_fx._recursive_joint_graph_passes = passes
+    try:
+        yield
+    finally:
+        compile_fx._recursive_joint_graph_passes = real
+
+
+@contextmanager
+def _attention_as_on_gpu(paths):
+    """Inside, the CUDA rules of ``paths`` answer torch calls (SDPA's backend choice) while
+    AOTAutograd traces; a math-backend choice changes nothing in the eager trace's counts."""
+    from memcalc.tracing.cuda_paths import Mode
+
+    compiling = dataclasses.replace(paths, tracer=SimpleNamespace(mask_adds=0))
+    with Mode(compiling):
+        yield
+
+
+@contextmanager
+def _constants_on_cpu():
+    """Inside, inductor's constant folders (``torch/_inductor/constant_folding.py``, and
+    ``UniformValueConstantFolder`` in ``fx_passes/joint_graph.py``), which run a graph's
+    constant nodes on real tensors to learn their values, run them on the CPU: there is no
+    GPU to run them on, and the values do not depend on the device."""
+    from torch._inductor.constant_folding import ConstantFolder
+
+    real = ConstantFolder.fetch_args_kwargs_from_env
+
+    def fetched(self, node):
+        args, kwargs = real(self, node)
+        if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "cuda":
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return args, kwargs
+
+    ConstantFolder.fetch_args_kwargs_from_env = fetched
+    try:
+        yield
+    finally:
+        ConstantFolder.fetch_args_kwargs_from_env = real
+
+
+def backend(paths, generated: wrapper.Generated):
+    """The backend for ``torch.compile`` under a trace following ``paths``; the wrappers
+    it writes go to ``generated``."""
+    def compile_graph(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        with _attention_as_on_gpu(paths), _joint_passes_on_cuda(), _constants_on_cpu():
+            return compile_fx(gm, example_inputs, inner_compile=_inner(generated))
+    compile_graph.__name__ = "memcalc_inductor"
+    return compile_graph

@@ -1,0 +1,196 @@
+"""What a compiled trace switches on while it runs, and ``torch.compile`` as traced code
+calls it (``compile``).
+
+``session()`` holds for the whole trace: inductor's and AOTAutograd's caches off (a cached
+graph would skip the lowering the trace must see, and a module made runnable on meta must
+not be found by a later real compilation), the backward compiled with the forward (not at
+the first backward, inside the trace's autograd), triton kernels left uncompiled and
+inductor's wrappers run on meta (``wrapper.py``).
+
+``compile(model, options)`` is ``torch.compile`` with the trace's backend
+(``backend.py``): the returned model runs its compiled code under the trace's dispatch mode
+(the tracer declares ``ignore_compile_internals``, so dynamo switches the mode off while it
+compiles and on again for the compiled code, ``torch/utils/_python_dispatch.py``) and
+without the trace's torch-function modes, which dynamo would otherwise trace into the graph;
+each call is compiled for the preset GPU (``device.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
+
+import torch
+
+from memcalc.compiling import backend, device, wrapper
+from memcalc.tracing.errors import NotModelled
+
+_GENERATED: ContextVar[wrapper.Generated | None] = ContextVar("memcalc_generated", default=None)
+_PATHS: ContextVar[object] = ContextVar("memcalc_compile_paths", default=None)
+# opens the session where a model compiled in an earlier trace (a file imported once) runs
+_OPEN: ContextVar[object] = ContextVar("memcalc_compile_open", default=None)
+
+# what torch.compile takes that memcalc follows, and why the rest is refused
+_MODES = (None, "default")
+_REFUSED_MODES = {
+    "reduce-overhead": "CUDA graphs keep their own memory pool, which memcalc does not model",
+    "max-autotune": "autotuning picks kernels by timing them, which needs the GPU, and uses "
+                    "CUDA graphs",
+    "max-autotune-no-cudagraphs": "autotuning picks kernels (triton templates or cuBLAS) by "
+                                  "timing them, which needs the GPU"}
+
+
+def _configs(stack: ExitStack) -> None:
+    """The compiler settings a trace runs under."""
+    import torch._dynamo.config as dynamo
+    import torch._functorch.config as functorch
+    import torch._inductor.config as inductor
+
+    stack.enter_context(inductor.patch(compile_threads=1, fx_graph_cache=False,
+                                       fx_graph_remote_cache=False,
+                                       autotune_local_cache=False))
+    stack.enter_context(functorch.patch(enable_autograd_cache=False,
+                                        force_non_lazy_backward_lowering=True))
+    # a compiled model called at many shapes (a sweep) recompiles for each: never fall back
+    # to eager code silently
+    stack.enter_context(dynamo.patch(recompile_limit=64, fail_on_recompile_limit_hit=True))
+
+
+@contextmanager
+def session():
+    """Inside, ``torch.compile`` in traced code compiles for the trace; yields the
+    ``wrapper.Generated`` sources it writes."""
+    import torch._dynamo
+    import torch._inductor.compile_fx  # noqa: F401 (before the trace defers imports)
+
+    generated = wrapper.Generated()
+    torch._dynamo.reset()
+    token = _GENERATED.set(generated)
+    try:
+        with ExitStack() as stack:
+            _configs(stack)
+            stack.enter_context(wrapper.loading(generated))
+            stack.enter_context(device.runtime())
+            yield generated
+    finally:
+        _GENERATED.reset(token)
+        torch._dynamo.reset()  # the compiled code holds wrappers made runnable on meta
+
+
+@contextmanager
+def calls(mode: str | None, option: str = "--compile"):
+    """``memcalc.tracing.compiled.calls`` for ``mode``: the traced code's torch.compile
+    calls compiled by this package (``session`` opened at the first), unless ``mode`` is
+    ``"eager"``; under ``"default"`` the target is compiled too."""
+    from memcalc.tracing.compiled import calls as traced_calls
+
+    if mode == "eager":
+        with traced_calls(mode, option):
+            yield
+        return
+    with ExitStack() as stack:
+        def opened() -> None:  # the first compile call, or compiled call, opens the session
+            if _GENERATED.get() is None:
+                stack.enter_context(session())
+
+        def compiler(model, name: str, options: dict):
+            opened()
+            return compile(model, name, options)
+        token = _OPEN.set(opened)
+        try:
+            with traced_calls(mode, option, compiler):
+                yield
+        finally:
+            _OPEN.reset(token)
+
+
+def check_options(name: str, options: dict) -> None:
+    """One line for a ``torch.compile`` option memcalc does not follow."""
+    mode, chosen = options.get("mode"), options.get("backend", "inductor")
+    if mode in _REFUSED_MODES:
+        raise NotModelled(f"torch.compile({name}, mode={mode!r}): {_REFUSED_MODES[mode]}; "
+                          f"memcalc follows mode 'default'")
+    if mode not in _MODES:
+        raise NotModelled(f"torch.compile({name}, mode={mode!r}): unknown mode")
+    if chosen != "inductor":
+        raise NotModelled(f"torch.compile({name}, backend={chosen!r}): memcalc follows "
+                          f"inductor, the default backend")
+    if options.get("options"):
+        raise NotModelled(f"torch.compile({name}, options=...): inductor options are not "
+                          f"followed yet")
+
+
+def compile(model, name: str, options: dict):
+    """``torch.compile(model, **options)`` for the trace: a compiled module or function."""
+    import importlib.util
+
+    import torch._dynamo
+
+    check_options(name, options)
+    if importlib.util.find_spec("triton") is None:
+        raise NotModelled(f"torch.compile({name}): following compiled code needs triton, "
+                          f"inductor's code generator (pip install 'memcalc[compile]'); "
+                          f"--compile eager traces it uncompiled")
+    compiled = torch._dynamo.optimize(
+        backend=_backend, nopython=options.get("fullgraph", False), dynamic=False)(model)
+    if isinstance(compiled, torch.nn.Module):
+        compiled.forward = _called(compiled.forward, name)
+        return compiled
+    return _called(compiled, name)
+
+
+def _backend(gm, example_inputs):
+    """The trace's backend for the call running now (``_PATHS``)."""
+    return backend.backend(_PATHS.get(), _GENERATED.get())(gm, example_inputs)
+
+
+def _called(fn, name: str):
+    """``fn``, a compiled callable, run for the trace's GPU without its torch-function
+    modes, a compiler failure said in one line."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        from memcalc.tracing.cuda_paths import active_paths
+
+        paths = active_paths(f"torch.compile({name})")
+        if _OPEN.get() is None:
+            raise NotModelled(f"torch.compile({name}): called outside memcalc's compiler "
+                              f"(a trace with --compile eager, or none)")
+        _OPEN.get()()
+        token = _PATHS.set(paths)
+        try:
+            with device.device(paths.gpu), _without_function_modes():
+                return fn(*args, **kwargs)
+        except Exception as error:  # dynamo wraps what the backend raised
+            raise _one_line(error, name) from None
+        finally:
+            _PATHS.reset(token)
+    return call
+
+
+@contextmanager
+def _without_function_modes():
+    """The torch-function mode stack emptied for the block, put back after."""
+    stack = []
+    while torch._C._len_torch_function_stack() > 0:
+        stack.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(stack):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def _one_line(error: Exception, name: str) -> Exception:
+    """The exception to raise for a failed compiled call: memcalc's own refusals as they
+    are, anything from the compiler as one line naming the call."""
+    inner = error
+    while getattr(inner, "inner_exception", None) is not None:
+        inner = inner.inner_exception
+    if isinstance(inner, (NotModelled, KeyboardInterrupt)):
+        return inner
+    if isinstance(error, NotModelled):
+        return error
+    first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+    return NotModelled(f"torch.compile({name}): the compiler stopped: "
+                       f"{type(inner).__name__}: {first}")

@@ -1,0 +1,77 @@
+"""``memcalc.compiling.session`` and ``device``: what a compiled trace refuses in one line,
+and what it leaves behind (nothing: torch's CUDA queries, inductor's module cache and the
+tracer's table of generated code are as they were)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from cli_helpers import assert_refused, run  # noqa: E402
+
+MODEL = ("import torch\nfrom torch import nn\n\n\n"
+         "class Model(nn.Module):\n"
+         "    def __init__(self):\n"
+         "        super().__init__()\n"
+         "        self.lin = nn.Linear(64, 64)\n"
+         "        self.act = torch.compile(torch.relu{options})\n"
+         "\n"
+         "    def forward(self, x):\n"
+         "        return self.act(self.lin(x))\n")
+ARGS = ("--input", "x=B,N,64", "--seq", "128")
+
+
+def written(tmp_path, options: str = "") -> str:
+    path = tmp_path / f"model_{abs(hash(options)) % 1000}.py"
+    path.write_text(MODEL.format(options=options))
+    return f"{path}:Model"
+
+
+@pytest.mark.parametrize("options, why", [
+    (", mode='reduce-overhead'", "CUDA graphs keep their own memory pool"),
+    (", mode='max-autotune'", "autotuning picks kernels by timing them"),
+    (", backend='aot_eager'", "memcalc follows inductor"),
+    (", options={'triton.cudagraphs': True}", "inductor options are not followed yet")])
+def test_what_is_not_followed_is_one_line(tmp_path, capsys, options, why):
+    code, out, err = run(capsys, "trace", written(tmp_path, options), *ARGS)
+    assert_refused(code, out, err, why)
+
+
+def test_meta_paths_cannot_compile_for_a_gpu(tmp_path, capsys):
+    code, out, err = run(capsys, "trace", written(tmp_path), *ARGS, "--meta-paths")
+    assert_refused(code, out, err, "memcalc's stand-in runs only inside a trace on the GPU")
+
+
+def test_a_compiled_trace_leaves_torch_as_it_was(tmp_path, capsys):
+    from torch._inductor.codecache import PyCodeCache
+
+    from memcalc.tracing import tracer
+
+    before = (torch.cuda.get_device_properties, torch.cuda._DeviceGuard,
+              torch.cuda.set_device, dict(PyCodeCache.modules_no_attr))
+    code, out, err = run(capsys, "trace", written(tmp_path), *ARGS)
+    assert code == 0, err
+    assert (torch.cuda.get_device_properties, torch.cuda._DeviceGuard,
+            torch.cuda.set_device, dict(PyCodeCache.modules_no_attr)) == before
+    assert tracer.GENERATED == {}
+
+
+def test_a_preset_without_an_sm_count_is_refused():
+    from memcalc.compiling.device import properties
+    from memcalc.gpus import gpu_preset
+    from memcalc.tracing.errors import NotModelled
+
+    gpu = gpu_preset("h100-80gb").model_copy(update={"sm_count": None})
+    with pytest.raises(NotModelled, match="has no SM count"):
+        properties(gpu)
+    assert properties(gpu_preset("h100-80gb")).multi_processor_count == 132
+
+
+def test_deepspeeds_availability_check_does_not_reach_the_cuda_runtime(tmp_path, capsys,
+                                                                       monkeypatch):
+    """deepspeed sets PYTORCH_NVML_BASED_CUDA_CHECK=1 on import; torch.cuda.is_available
+    then asks device_count, which the compiled trace answers 1: it must still say False, or
+    dynamo calls the CUDA runtime itself (no driver here)."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    code, out, err = run(capsys, "trace", written(tmp_path), *ARGS)
+    assert code == 0, err
