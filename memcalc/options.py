@@ -336,15 +336,15 @@ def impls_with_trace(args) -> list[str] | None:
 
 
 @contextmanager
-def about_target(spec: str | None, argument: str = "--trace",
-                 compile: str | None = None) -> Iterator[None]:
+def about_target(spec: str | None, argument: str = "--trace", compile: str | None = None,
+                 activation_budget: float | None = None) -> Iterator[None]:
     """A ``TraceError`` inside (the traced target ``spec`` cannot be loaded, called or
     traced) as the one line every command gives of it, naming the argument that named the
     target: ``--trace SPEC: why`` (``oom``, ``sweep``, ``validate``), ``target SPEC: why``
     (``trace``'s positional); its first line, the tracer's own ``--trace SPEC: `` dropped;
     one naming an option (``--kv-len: ...``) as it is. No target: nothing imported.
     Inside, the code's ``torch.compile`` calls run as ``compile`` says (``--compile``:
-    ``memcalc.tracing.compiled``)."""
+    ``memcalc.compiling``), at ``activation_budget`` (``--compile-budget``)."""
     if spec is None:
         yield
         return
@@ -352,7 +352,7 @@ def about_target(spec: str | None, argument: str = "--trace",
     from memcalc.tracing.errors import TraceError
 
     try:
-        with calls(compile):
+        with calls(compile, activation_budget=activation_budget):
             yield
     except TraceError as error:
         text = str(error).removeprefix(f"--trace {spec}: ")

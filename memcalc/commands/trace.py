@@ -28,6 +28,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cudnn-workspace", metavar="SIZE", default=None,
                         help="cuDNN attention's workspace, forward and backward (default: "
                              "0 forward, (B*H*N*d + B*H*N) x 4 B backward, an estimate)")
+    parser.add_argument("--compile-budget", metavar="B,B,...", default=None,
+                        help="the compiled step at each activation memory budget (torch's "
+                             "activation_memory_budget, 0 to 1: the share of saved "
+                             "activations the partitioner keeps), a row each; with "
+                             "--compile eager,default the eager step beside them")
     parser.add_argument("--meta-paths", action="store_true",
                         help="follow the meta device's code paths instead of the GPU's")
 
@@ -37,8 +42,7 @@ def run(args) -> int:
     line naming it as given."""
     import torch  # noqa: F401  (missing: memcalc.cli says how to install it, exit 2)
 
-    from memcalc.tracing import (TraceOptions, check_causal, load_function,
-                                 register_function, traced)
+    from memcalc.tracing import TraceOptions
 
     check_output(args.plot, "--plot")
     budget = budget_from(args)
@@ -50,15 +54,10 @@ def run(args) -> int:
 
         if deepspeed_installed():
             quiet_deepspeed()  # before the target's file imports it
-    with about_target(args.target, "target", args.compile):
-        # the target's import-time output (DeepSpeed's logger writes to stdout) goes to
-        # stderr: stdout is memcalc's, piped as JSON or CSV
-        with contextlib.redirect_stdout(sys.stderr):
-            fn = load_function(args.target)
-        calling = calling_from(args, fn)
-        config = config_from(args, impl=register_function(fn, args.target, calling))
-        check_causal(fn, config)
-        result = traced(fn, config, options, budget, history, calling)
+    if _variants(args):
+        emit(_traced_variants(args, options, budget), args.format)
+        return 0
+    result = _traced(args, options, budget, history, args.compile)
     if args.plot:
         from memcalc.plots import plot_timeline
 
@@ -66,6 +65,41 @@ def run(args) -> int:
             plot_timeline(config, args.plot, (history, result.breakdown))
     emit(result, args.format)
     return 0
+
+
+def _traced(args, options, budget, history, compile, activation_budget=None):
+    """The target traced once, its torch.compile calls run as ``compile`` says."""
+    from memcalc.tracing import check_causal, load_function, register_function, traced
+
+    with about_target(args.target, "target", compile, activation_budget):
+        # the target's import-time output (DeepSpeed's logger writes to stdout) goes to
+        # stderr: stdout is memcalc's, piped as JSON or CSV
+        with contextlib.redirect_stdout(sys.stderr):
+            fn = load_function(args.target)
+        calling = calling_from(args, fn)
+        config = config_from(args, impl=register_function(fn, args.target, calling))
+        check_causal(fn, config)
+        return traced(fn, config, options, budget, history, calling)
+
+
+def _variants(args) -> bool:
+    """Whether the trace is of several steps: ``--compile eager,default`` or budgets."""
+    return args.compile_budget is not None or "," in (args.compile or "")
+
+
+def _traced_variants(args, options, budget):
+    """Each step ``--compile`` and ``--compile-budget`` ask for, side by side."""
+    from memcalc.compiling.variants import Variant, Variants, parse_budgets, parse_modes
+
+    if args.plot:
+        raise ValueError("--plot: one step at a time (not with --compile A,B or "
+                         "--compile-budget)")
+    rows = []
+    for mode, activation_budget in parse_modes(args.compile, parse_budgets(args.compile_budget)):
+        result = _traced(args, options, budget, [], mode, activation_budget)
+        rows.append(Variant(mode=mode, activation_budget=activation_budget,
+                            breakdown=result.breakdown))
+    return Variants(rows=tuple(rows), budget=result.budget)
 
 
 def _workspace(text):

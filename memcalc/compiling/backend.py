@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from memcalc.compiling import graphs, wrapper
 
@@ -83,27 +84,20 @@ def _attention_as_on_gpu(paths):
         yield
 
 
-@contextmanager
-def _constants_on_cpu():
-    """Inside, inductor's constant folders (``torch/_inductor/constant_folding.py``, and
-    ``UniformValueConstantFolder`` in ``fx_passes/joint_graph.py``), which run a graph's
-    constant nodes on real tensors to learn their values, run them on the CPU: there is no
-    GPU to run them on, and the values do not depend on the device."""
-    from torch._inductor.constant_folding import ConstantFolder
+class _RealTensorsOnCpu(TorchFunctionMode):
+    """Real tensors the compiler makes for CUDA, made on the CPU instead: inductor's
+    constant folders (``torch/_inductor/constant_folding.py``, ``UniformValueConstantFolder``
+    in ``fx_passes/joint_graph.py``) run a graph's constant nodes on real tensors to learn
+    their values; there is no GPU to run them on, and the values do not depend on the
+    device. A fake tensor (no fake mode active means a real one) is left alone."""
 
-    real = ConstantFolder.fetch_args_kwargs_from_env
-
-    def fetched(self, node):
-        args, kwargs = real(self, node)
-        if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "cuda":
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda" and \
+                torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        return args, kwargs
-
-    ConstantFolder.fetch_args_kwargs_from_env = fetched
-    try:
-        yield
-    finally:
-        ConstantFolder.fetch_args_kwargs_from_env = real
+        return func(*args, **kwargs)
 
 
 def backend(paths, generated: wrapper.Generated):
@@ -112,7 +106,8 @@ def backend(paths, generated: wrapper.Generated):
     def compile_graph(gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
-        with _attention_as_on_gpu(paths), _joint_passes_on_cuda(), _constants_on_cpu():
+        with _attention_as_on_gpu(paths), _joint_passes_on_cuda(), \
+                _RealTensorsOnCpu():
             return compile_fx(gm, example_inputs, inner_compile=_inner(generated))
     compile_graph.__name__ = "memcalc_inductor"
     return compile_graph

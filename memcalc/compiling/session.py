@@ -28,6 +28,9 @@ from memcalc.tracing.errors import NotModelled
 
 _GENERATED: ContextVar[wrapper.Generated | None] = ContextVar("memcalc_generated", default=None)
 _PATHS: ContextVar[object] = ContextVar("memcalc_compile_paths", default=None)
+# torch._functorch.config.activation_memory_budget for the trace's compilations (None: torch's)
+_ACTIVATION_BUDGET: ContextVar[float | None] = ContextVar("memcalc_activation_budget",
+                                                          default=None)
 # opens the session where a model compiled in an earlier trace (a file imported once) runs
 _OPEN: ContextVar[object] = ContextVar("memcalc_compile_open", default=None)
 
@@ -52,6 +55,8 @@ def _configs(stack: ExitStack) -> None:
                                        autotune_local_cache=False))
     stack.enter_context(functorch.patch(enable_autograd_cache=False,
                                         force_non_lazy_backward_lowering=True))
+    if _ACTIVATION_BUDGET.get() is not None:
+        stack.enter_context(functorch.patch(activation_memory_budget=_ACTIVATION_BUDGET.get()))
     # a compiled model called at many shapes (a sweep) recompiles for each: never fall back
     # to eager code silently
     stack.enter_context(dynamo.patch(recompile_limit=64, fail_on_recompile_limit_hit=True))
@@ -79,10 +84,11 @@ def session():
 
 
 @contextmanager
-def calls(mode: str | None, option: str = "--compile"):
+def calls(mode: str | None, option: str = "--compile", activation_budget: float | None = None):
     """``memcalc.tracing.compiled.calls`` for ``mode``: the traced code's torch.compile
     calls compiled by this package (``session`` opened at the first), unless ``mode`` is
-    ``"eager"``; under ``"default"`` the target is compiled too."""
+    ``"eager"``; under ``"default"`` the target is compiled too. ``activation_budget``:
+    the partitioner's ``activation_memory_budget`` (None: torch's default, 1.0)."""
     from memcalc.tracing.compiled import calls as traced_calls
 
     if mode == "eager":
@@ -97,12 +103,13 @@ def calls(mode: str | None, option: str = "--compile"):
         def compiler(model, name: str, options: dict):
             opened()
             return compile(model, name, options)
-        token = _OPEN.set(opened)
+        tokens = _OPEN.set(opened), _ACTIVATION_BUDGET.set(activation_budget)
         try:
             with traced_calls(mode, option, compiler):
                 yield
         finally:
-            _OPEN.reset(token)
+            _OPEN.reset(tokens[0])
+            _ACTIVATION_BUDGET.reset(tokens[1])
 
 
 def check_options(name: str, options: dict) -> None:

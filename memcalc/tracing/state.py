@@ -144,7 +144,7 @@ def _code(fn: Callable) -> Callable:
     ``forward`` (a GPT-2-style cache in its file's namespace)."""
     import torch
 
-    return type(fn).forward if isinstance(fn, torch.nn.Module) else fn
+    return type(fn).forward if isinstance(fn, torch.nn.Module) else inspect.unwrap(fn)
 
 
 def _refiller(value) -> Callable[[], None] | None:
@@ -176,7 +176,9 @@ def _refiller(value) -> Callable[[], None] | None:
 
 def _names(fn: Callable) -> set[str]:
     """Every global name ``fn``'s code refers to, present or not (one its first call sets),
-    through its nested code and the module's functions it calls (as ``referenced``)."""
+    through its nested code and the module's functions it calls (as ``referenced``); a
+    wrapped function's (``torch.compile``'s, ``functools.wraps``) is its original's."""
+    fn = inspect.unwrap(fn)
     namespace = getattr(fn, "__globals__", None)
     if namespace is None:
         return set()
@@ -201,6 +203,7 @@ def referenced(fn: Callable) -> list[tuple[str, object]]:
     its module's namespace: those of its own code, of the functions and classes defined in
     it, and of the module's functions it calls, recursively (``_names``). Not the rest of
     the namespace: a notebook's holds every model the user has loaded."""
+    fn = inspect.unwrap(fn)
     namespace = getattr(fn, "__globals__", None)
     if namespace is None:
         return []

@@ -1,0 +1,126 @@
+"""Eager and compiled steps side by side, and the compiled step at several activation
+memory budgets: ``memcalc trace --compile eager,default`` and ``--compile-budget``.
+
+``Variants`` is a result (``memcalc.output.result.Result``): a row per variant with its
+figures, whether it fits the budget, and its peak against the first row's. The budget is
+``torch._functorch.config.activation_memory_budget``: the partitioner then saves at most that
+fraction of what it would save at 1.0, recomputing the rest in the backward
+(``torch/_functorch/partitioners.py``); the physical peak need not fall with it.
+"""
+
+from __future__ import annotations
+
+from memcalc.analysis.breakdown import Breakdown
+from memcalc.analysis.budget import Budget
+from memcalc.engine.component import Record
+from memcalc.engine.units import human
+from memcalc.output.render import Column, Table, record_table
+from memcalc.output.result import Result
+
+
+class Variant(Record):
+    """One way of running the step: ``mode`` (eager or default) and, compiled, the
+    activation memory budget (None: torch's default)."""
+
+    mode: str
+    activation_budget: float | None = None
+    breakdown: Breakdown
+
+    @property
+    def label(self) -> str:
+        if self.mode == "eager":
+            return "eager"
+        if self.activation_budget is None:
+            return "compiled"
+        return f"compiled, budget {self.activation_budget:g}"
+
+
+def parse_modes(text: str | None, budgets: tuple[float, ...]) -> tuple[tuple[str, float | None], ...]:
+    """The variants ``--compile`` and ``--compile-budget`` ask for, in order."""
+    modes = [m.strip() for m in (text or "default").split(",")]
+    return tuple((mode, budget) for mode in modes
+                 for budget in ((budgets or (None,)) if mode == "default" else (None,)))
+
+
+def parse_budgets(text: str | None, option: str = "--compile-budget") -> tuple[float, ...]:
+    """``0,0.25,0.5``: fractions from 0 to 1, one line naming the option otherwise."""
+    if text is None:
+        return ()
+    budgets = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{option} {text}: each budget a fraction from 0 to 1 "
+                             f"(torch's activation_memory_budget), e.g. 0,0.5,1; got {part!r}")
+        budgets.append(value)
+    return tuple(budgets)
+
+
+RECORD_KEYS = ("variant", "mode", "activation_budget", "saved_bytes", "forward_peak_bytes",
+               "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "fits",
+               "peak_vs_first_bytes")
+
+
+class Variants(Result):
+    """The rows, and the budget each is judged against."""
+
+    rows: tuple[Variant, ...]
+    budget: Budget
+
+    def _vs_first(self, row: Variant) -> int:
+        """``row``'s peak less the first row's: negative where it needs less."""
+        return row.breakdown.peak_bytes - self.rows[0].breakdown.peak_bytes
+
+    def _columns(self) -> list[Column]:
+        def fig(name):
+            return lambda r: human(getattr(r.breakdown, name))
+
+        first = self.rows[0].label
+        return [Column("step", lambda r: r.label),
+                Column("saved", fig("saved_bytes"), "right", drop=2),
+                Column("forward peak", fig("forward_peak_bytes"), "right", drop=3),
+                Column("backward peak", fig("backward_peak_bytes"), "right", drop=3),
+                Column("peak", fig("peak_bytes"), "right"),
+                Column("reserved peak", fig("reserved_peak_bytes"), "right", drop=1),
+                Column("fits", lambda r: "yes" if r.breakdown.fit(self.budget).fits else "NO",
+                       "right"),
+                Column(f"peak vs {first}", lambda r: _signed(self._vs_first(r)), "right",
+                       drop=1)]
+
+    def tables(self) -> list[Table]:
+        label = self.rows[0].breakdown.config.label()
+        return [Table(f"{label}; fits within {self.budget.describe()}", self._columns(),
+                      self.rows)]
+
+    def footnotes(self) -> list[str]:
+        lines = []
+        if any(r.activation_budget is not None for r in self.rows):
+            lines.append("budget: torch._functorch.config.activation_memory_budget, the "
+                         "fraction of the default's saved activations the partitioner may "
+                         "keep (the rest recomputed in the backward)")
+        return lines
+
+    def headline(self) -> str:
+        low = min(self.rows, key=lambda r: r.breakdown.peak_bytes)
+        return f"{len(self.rows)} steps; lowest peak {low.label} {human(low.breakdown.peak_bytes)}"
+
+    def records(self) -> list[dict]:
+        return self.to_dict()["rows"]
+
+    def to_dict(self) -> dict:
+        return {"budget_bytes": self.budget.budget_bytes, "rows": [
+            {"variant": r.label, "mode": r.mode, "activation_budget": r.activation_budget,
+             **{k: getattr(r.breakdown, k) for k in RECORD_KEYS[3:8]},
+             "fits": r.breakdown.fit(self.budget).fits,
+             "peak_vs_first_bytes": self._vs_first(r)} for r in self.rows]}
+
+    def csv_table(self) -> Table:
+        return record_table(RECORD_KEYS, self.records())
+
+
+def _signed(nbytes: int) -> str:
+    """``-1.50 GiB``, ``+512 B``, ``0 B``."""
+    return ("-" if nbytes < 0 else "+" if nbytes > 0 else "") + human(abs(nbytes))

@@ -1,0 +1,59 @@
+"""``memcalc.compiling.variants``: ``memcalc trace --compile eager,default`` and
+``--compile-budget``: a row per step, the saved bytes falling with the budget, bad input in
+one line."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from cli_helpers import assert_refused, run  # noqa: E402
+from memcalc.compiling.variants import parse_budgets, parse_modes  # noqa: E402
+
+BLOCK = ("examples/attention/gpt_block.py:Block", "--input", "x=B,N,768", "--seq", "256",
+         "--batch", "2")
+
+
+def test_the_variants_asked_for_in_order():
+    assert parse_modes("eager,default", (0.0, 1.0)) == (("eager", None), ("default", 0.0),
+                                                        ("default", 1.0))
+    assert parse_modes(None, (0.5,)) == (("default", 0.5),)
+    assert parse_modes("eager,default", ()) == (("eager", None), ("default", None))
+
+
+@pytest.mark.parametrize("text", ["2", "-0.1", "half", "0,,1"])
+def test_a_budget_outside_0_to_1_is_refused_naming_the_option(text):
+    with pytest.raises(ValueError, match=r"^--compile-budget .*: each budget a fraction"):
+        parse_budgets(text)
+
+
+def test_a_bad_budget_is_one_line_from_the_command(capsys):
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile-budget", "1.5")
+    assert_refused(code, out, err, "--compile-budget 1.5")
+
+
+def test_eager_beside_the_compiled_step_at_each_budget(capsys):
+    """A row each; the partitioner keeps less as the budget falls (never more), and at 0
+    nothing the forward made is kept; the first row is the reference of the last column."""
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager,default",
+                         "--compile-budget", "0,0.5,1", "--json")
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert [r["variant"] for r in rows] == ["eager", "compiled, budget 0",
+                                            "compiled, budget 0.5", "compiled, budget 1"]
+    saved = [r["saved_bytes"] for r in rows[1:]]
+    assert saved[0] == 0 and saved == sorted(saved) and saved[0] < saved[-1]
+    assert rows[0]["peak_vs_first_bytes"] == 0
+    assert all(r["peak_vs_first_bytes"] == r["peak_bytes"] - rows[0]["peak_bytes"]
+               for r in rows)
+
+
+def test_the_table_fits_80_columns_and_a_pipe(capsys, monkeypatch):
+    for width in ("80", "200"):
+        monkeypatch.setenv("COLUMNS", width)
+        code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager,default")
+        assert code == 0, err
+        assert max(len(line) for line in out.splitlines()) <= int(width)
+        assert "compiled" in out and "eager" in out
