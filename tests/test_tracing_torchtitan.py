@@ -67,3 +67,13 @@ def test_the_chunked_loss_is_traced_as_torchtitan_runs_it():
     chunked, plain = traced("selective", "ChunkedLlama3Step"), traced("selective")
     assert chunked.peak_bytes < plain.peak_bytes
     assert chunked.forward_peak_bytes > 0 and chunked.backward_peak_bytes > 0
+
+
+def test_torchtitans_apply_compile_under_fsdp_traces_the_compiled_blocks():
+    """``apply_compile`` compiles each block in place before FSDP wraps it: the blocks run
+    as inductor compiled them (the partitioner keeps less than eager, each block's cuDNN
+    attention output saved as the fallback kernel's), and the rest of the step (FSDP's
+    all-gathers, the loss, AdamW) eagerly."""
+    compiled, eager = traced("compiled"), traced("no_ac")
+    assert compiled.saved_bytes < eager.saved_bytes
+    assert [n for n, _ in attention_saved(compiled)].count("cudnn out") == 2
