@@ -75,3 +75,8 @@ def test_deepspeeds_availability_check_does_not_reach_the_cuda_runtime(tmp_path,
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     code, out, err = run(capsys, "trace", written(tmp_path), *ARGS)
     assert code == 0, err
+
+
+def test_autocast_around_compiled_code_is_refused(tmp_path, capsys):
+    code, out, err = run(capsys, "trace", written(tmp_path), *ARGS, "--autocast", "bf16")
+    assert_refused(code, out, err, "under autocast: not followed yet")

@@ -57,9 +57,12 @@ def _configs(stack: ExitStack) -> None:
                                         force_non_lazy_backward_lowering=True))
     if _ACTIVATION_BUDGET.get() is not None:
         stack.enter_context(functorch.patch(activation_memory_budget=_ACTIVATION_BUDGET.get()))
-    # a compiled model called at many shapes (a sweep) recompiles for each: never fall back
-    # to eager code silently
-    stack.enter_context(dynamo.patch(recompile_limit=64, fail_on_recompile_limit_hit=True))
+    # a compiled model called at many shapes (an oom search, a sweep) recompiles for each,
+    # and with grad and without (the scratch forward): no limit, and never a silent fall
+    # back to eager code
+    stack.enter_context(dynamo.patch(recompile_limit=1 << 30,
+                                     accumulated_recompile_limit=1 << 30,
+                                     fail_on_recompile_limit_hit=True))
 
 
 @contextmanager
@@ -160,6 +163,7 @@ def _called(fn, name: str):
         from memcalc.tracing.cuda_paths import active_paths
 
         paths = active_paths(f"torch.compile({name})")
+        _check_autocast(name)
         if _OPEN.get() is None:
             raise NotModelled(f"torch.compile({name}): called outside memcalc's compiler "
                               f"(a trace with --compile eager, or none)")
@@ -173,6 +177,19 @@ def _called(fn, name: str):
         finally:
             _PATHS.reset(token)
     return call
+
+
+def _check_autocast(name: str) -> None:
+    """One line for a compiled call under CUDA autocast: AOTAutograd traces the graph on
+    meta tensors, which CUDA's autocast does not cast (its dispatch key is CUDA's), so the
+    compiled graph would run in the parameters' dtypes."""
+    from memcalc.tracing.autocast import enabled
+
+    if enabled():
+        raise NotModelled(f"torch.compile({name}) under autocast: not followed yet (the "
+                          f"graph is traced on the meta device, which CUDA's autocast does not "
+                          f"cast); --param-dtype casts the model instead, --compile eager "
+                          f"traces it uncompiled")
 
 
 @contextmanager
