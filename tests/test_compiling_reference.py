@@ -36,6 +36,14 @@ class MLP(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln(x))))
 
 
+class SelfCompiled(MLP):
+    """The same block, compiling itself in its constructor (``Module.compile``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.compile()
+
+
 class Counter(TorchDispatchMode):
     """Bytes of storages made under it, each rounded up to 512 B, freed when collected."""
 
@@ -96,10 +104,12 @@ def reference() -> tuple[int, int, int]:
         return saved, forward, counter.peak
 
 
-def test_the_compiled_step_equals_a_replay_of_its_wrapper():
+@pytest.mark.parametrize("model, compile", [(MLP, "default"), (SelfCompiled, None)],
+                         ids=["--compile", "compiled in its constructor"])
+def test_the_compiled_step_equals_a_replay_of_its_wrapper(model, compile):
     saved, forward, backward = reference()
-    b = memcalc.trace(MLP, inputs={"x": ("B", "N", D)}, batch=B, seq_len=N,
-                      compile="default")
+    b = memcalc.trace(model, inputs={"x": ("B", "N", D)}, batch=B, seq_len=N,
+                      compile=compile)
     # what is allocated when the measured step starts: the parameters (LayerNorm 2 x 768,
     # fc 3072 x 768 + 3072, out 768 x 3072 + 768, float32, each a multiple of 512 B),
     # x and grad_out (8 x 1024 x 768 x 4 B each), and one cuBLAS workspace per thread that

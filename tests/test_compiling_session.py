@@ -80,3 +80,22 @@ def test_deepspeeds_availability_check_does_not_reach_the_cuda_runtime(tmp_path,
 def test_autocast_around_compiled_code_is_refused(tmp_path, capsys):
     code, out, err = run(capsys, "trace", written(tmp_path), *ARGS, "--autocast", "bf16")
     assert_refused(code, out, err, "under autocast: not followed yet")
+
+
+def test_a_graph_break_is_refused_naming_its_line(tmp_path, capsys):
+    """The code dynamo runs between two graphs would run without the GPU's rules: refused,
+    at the line that breaks."""
+    path = tmp_path / "broken.py"
+    path.write_text("import torch\nfrom torch import nn\n\n\n"
+                    "class Model(nn.Module):\n"
+                    "    def __init__(self):\n"
+                    "        super().__init__()\n"
+                    "        self.lin = nn.Linear(64, 64)\n"
+                    "        self.compile()\n"
+                    "\n"
+                    "    def forward(self, x):\n"
+                    "        y = self.lin(x)\n"
+                    "        torch._dynamo.graph_break()\n"  # line 13
+                    "        return torch.relu(y)\n")
+    code, out, err = run(capsys, "trace", f"{path}:Model", *ARGS)
+    assert_refused(code, out, err, "the graph breaks at broken.py:13")

@@ -43,11 +43,12 @@ def test_the_pages_show_commands():
 
 def test_the_slow_blocks_are_the_minutes_long_ones():
     """The Llama-3-8B blocks of the training guide, the validation commands of two pages,
-    and nothing else."""
+    torchtitan's (on the compiled-steps page, its small model's, with the rest of
+    torchtitan's), and nothing else."""
     slow = [p for p in _checked(BLOCKS) if p.marks]
     assert len(slow) >= 10 and {p.values[0] for p in slow} == {
         "docs/guides/training.md", "docs/concepts/validation.md", "docs/guides/several-gpus.md",
-        "docs/guides/torchtitan.md"}
+        "docs/guides/torchtitan.md", "docs/guides/compiled.md"}
 
 
 @pytest.mark.parametrize("page, command, shown", _checked(BLOCKS))

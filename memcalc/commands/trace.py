@@ -62,7 +62,7 @@ def run(args) -> int:
         from memcalc.plots import plot_timeline
 
         with plotting(args.plot, "the step's memory timeline"):
-            plot_timeline(config, args.plot, (history, result.breakdown))
+            plot_timeline(result.breakdown.config, args.plot, (history, result.breakdown))
     emit(result, args.format)
     return 0
 

@@ -18,6 +18,7 @@ each call is compiled for the preset GPU (``device.py``).
 from __future__ import annotations
 
 import functools
+import os
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 
@@ -31,6 +32,8 @@ _PATHS: ContextVar[object] = ContextVar("memcalc_compile_paths", default=None)
 # torch._functorch.config.activation_memory_budget for the trace's compilations (None: torch's)
 _ACTIVATION_BUDGET: ContextVar[float | None] = ContextVar("memcalc_activation_budget",
                                                           default=None)
+# the graph breaks dynamo met in the trace: (where, why)
+_BREAKS: ContextVar[list | None] = ContextVar("memcalc_graph_breaks", default=None)
 # opens the session where a model compiled in an earlier trace (a file imported once) runs
 _OPEN: ContextVar[object] = ContextVar("memcalc_compile_open", default=None)
 
@@ -79,6 +82,7 @@ def session():
         with ExitStack() as stack:
             _configs(stack)
             stack.enter_context(wrapper.loading(generated))
+            stack.enter_context(_breaks_noted())
             stack.enter_context(device.runtime())
             yield generated
     finally:
@@ -113,6 +117,40 @@ def calls(mode: str | None, option: str = "--compile", activation_budget: float 
         finally:
             _OPEN.reset(tokens[0])
             _ACTIVATION_BUDGET.reset(tokens[1])
+
+
+@contextmanager
+def _breaks_noted():
+    """Inside, each graph break dynamo logs (``InstructionTranslatorBase.log_graph_break``,
+    ``torch/_dynamo/symbolic_convert.py``) is noted in ``_BREAKS``."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    real = InstructionTranslatorBase.log_graph_break
+    token = _BREAKS.set([])
+
+    def noted(self, code_options, reason, exc):
+        where = f"{os.path.basename(self.f_code.co_filename)}:{self.lineno}"
+        _BREAKS.get().append((where, str(reason).strip().splitlines()[0]))
+        return real(self, code_options, reason, exc)
+
+    InstructionTranslatorBase.log_graph_break = noted
+    try:
+        yield
+    finally:
+        InstructionTranslatorBase.log_graph_break = real
+        _BREAKS.reset(token)
+
+
+def _check_breaks(name: str) -> None:
+    """One line for compiled code whose graph broke: the code dynamo runs between the
+    graphs runs without the trace's torch-function rules (the GPU's SDPA choice, its
+    autocast), and memcalc will not report that as the GPU's step."""
+    breaks = _BREAKS.get()
+    if breaks:
+        where, why = breaks[0]
+        raise NotModelled(f"torch.compile({name}): the graph breaks at {where} ({why}); "
+                          f"memcalc follows whole graphs only so far (fullgraph=True code); "
+                          f"--compile eager traces it uncompiled")
 
 
 def check_options(name: str, options: dict) -> None:
@@ -171,7 +209,9 @@ def _called(fn, name: str):
         token = _PATHS.set(paths)
         try:
             with device.device(paths.gpu), _without_function_modes():
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+            _check_breaks(name)
+            return out
         except Exception as error:  # dynamo wraps what the backend raised
             raise _one_line(error, name) from None
         finally:
