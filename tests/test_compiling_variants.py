@@ -57,3 +57,12 @@ def test_the_table_fits_80_columns_and_a_pipe(capsys, monkeypatch):
         assert code == 0, err
         assert max(len(line) for line in out.splitlines()) <= int(width)
         assert "compiled" in out and "eager" in out
+
+
+def test_one_budget_is_that_steps_breakdown_naming_what_it_recomputes(capsys, monkeypatch):
+    """At budget 0 the partitioner keeps nothing the forward made: the backward recomputes
+    the block's matmuls, and their buffers say so."""
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile-budget", "0")
+    assert code == 0, err
+    assert "saved for backward" in out and ", recomputed, at gpt_block.py:" in out

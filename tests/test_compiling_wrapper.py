@@ -51,3 +51,13 @@ def test_user_line_is_the_last_frame_of_a_stack_trace():
              '  File "/home/u/block.py", line 7, in forward\n    y = self.fc(x)\n')
     assert user_line(trace) == ("block.py:7", "y = self.fc(x)")
     assert user_line(None) == ("", "")
+
+
+def test_a_kernel_computing_only_recomputed_forward_nodes_says_so():
+    """In a backward's wrapper, the partitioner's recomputed forward nodes (tagged
+    ``is_forward``) name their kernel's buffers as recomputed; a kernel that also computes
+    a backward node does not."""
+    lines = attribution(SOURCE, ORIGINS, frozenset({"layer_norm"}))
+    assert lines[3][0] == ("buf0 by triton_per_fused_native_layer_norm_0, recomputed, "
+                           "at model.py:12")
+    assert lines[8][0] == "buf5 by addmm at model.py:13"  # linear is not recomputed

@@ -31,8 +31,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile-budget", metavar="B,B,...", default=None,
                         help="the compiled step at each activation memory budget (torch's "
                              "activation_memory_budget, 0 to 1: the share of saved "
-                             "activations the partitioner keeps), a row each; with "
-                             "--compile eager,default the eager step beside them")
+                             "activations the partitioner keeps), a row each (one budget: "
+                             "that step's breakdown); with --compile eager,default the "
+                             "eager step beside them")
     parser.add_argument("--meta-paths", action="store_true",
                         help="follow the meta device's code paths instead of the GPU's")
 
@@ -54,10 +55,11 @@ def run(args) -> int:
 
         if deepspeed_installed():
             quiet_deepspeed()  # before the target's file imports it
-    if _variants(args):
-        emit(_traced_variants(args, options, budget), args.format)
+    steps = _steps(args)
+    if len(steps) > 1:
+        emit(_traced_variants(args, steps, options, budget), args.format)
         return 0
-    result = _traced(args, options, budget, history, args.compile)
+    result = _traced(args, options, budget, history, *steps[0])
     if args.plot:
         from memcalc.plots import plot_timeline
 
@@ -82,20 +84,25 @@ def _traced(args, options, budget, history, compile, activation_budget=None):
         return traced(fn, config, options, budget, history, calling)
 
 
-def _variants(args) -> bool:
-    """Whether the trace is of several steps: ``--compile eager,default`` or budgets."""
-    return args.compile_budget is not None or "," in (args.compile or "")
+def _steps(args) -> tuple[tuple[str | None, float | None], ...]:
+    """The ``(compile mode, activation budget)`` of each step asked for: one, unless
+    ``--compile eager,default`` or several budgets ask for more."""
+    if args.compile_budget is None and "," not in (args.compile or ""):
+        return ((args.compile, None),)
+    from memcalc.compiling.variants import parse_budgets, parse_modes
+
+    return parse_modes(args.compile, parse_budgets(args.compile_budget))
 
 
-def _traced_variants(args, options, budget):
-    """Each step ``--compile`` and ``--compile-budget`` ask for, side by side."""
-    from memcalc.compiling.variants import Variant, Variants, parse_budgets, parse_modes
+def _traced_variants(args, steps, options, budget):
+    """Each step of ``steps``, side by side."""
+    from memcalc.compiling.variants import Variant, Variants
 
     if args.plot:
         raise ValueError("--plot: one step at a time (not with --compile A,B or "
-                         "--compile-budget)")
+                         "several --compile-budget values)")
     rows = []
-    for mode, activation_budget in parse_modes(args.compile, parse_budgets(args.compile_budget)):
+    for mode, activation_budget in steps:
         result = _traced(args, options, budget, [], mode, activation_budget)
         rows.append(Variant(mode=mode, activation_budget=activation_budget,
                             breakdown=result.breakdown))

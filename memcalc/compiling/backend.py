@@ -38,6 +38,15 @@ def _names(node) -> list[str]:
     return names
 
 
+def _recomputed(gm, kwargs) -> frozenset[str]:
+    """In a backward graph, the names of the forward nodes the partitioner placed there to
+    recompute (tagged ``is_forward``: ``torch/_functorch/partitioners.py``)."""
+    if not kwargs.get("is_backward"):
+        return frozenset()
+    return frozenset(name for n in gm.graph.nodes
+                     if n.meta.get("partitioner_tag") == "is_forward" for name in _names(n))
+
+
 def _inner(generated):
     """``compile_fx_inner`` with the example inputs on CUDA, as the graph now is; the
     wrapper it writes described in ``generated`` by the graph's nodes."""
@@ -49,7 +58,7 @@ def _inner(generated):
         origins = {name: wrapper.user_line(n.meta.get("stack_trace"))
                    for n in gm.graph.nodes for name in _names(n)}
         compiled = compile_fx_inner(gm, moved, **kwargs)
-        generated.describe(generated.last, origins)
+        generated.describe(generated.last, origins, _recomputed(gm, kwargs))
         return compiled
     return inner
 

@@ -35,12 +35,14 @@ class Generated:
             self.sources[path] = f.read()
         self.last = path
 
-    def describe(self, path: str, origins: dict[str, tuple[str, str]]) -> None:
+    def describe(self, path: str, origins: dict[str, tuple[str, str]],
+                 recomputed: frozenset[str] = frozenset()) -> None:
         """Name ``path``'s lines from its graph's nodes (``origins``: FX node name ->
-        the user's ``(file:line, code)``), and register them with the tracer."""
+        the user's ``(file:line, code)``; ``recomputed``: the forward nodes a backward
+        recomputes), and register them with the tracer."""
         from memcalc.tracing import tracer
 
-        self.lines[path] = attribution(self.sources[path], origins)
+        self.lines[path] = attribution(self.sources[path], origins, recomputed)
         tracer.GENERATED[path] = self.lines[path]
 
 
@@ -50,24 +52,29 @@ _NODES = re.compile(r"# Topologically Sorted Source Nodes: \[(.*?)\]")
 _CALLED = re.compile(r"(\w+)\.run\(|extern_kernels\.(\w+)\(|torch\.ops\.\w+\.(\w+)\.")
 
 
-def attribution(source: str, origins: dict[str, tuple[str, str]]) -> dict[int, tuple[str, str]]:
+def attribution(source: str, origins: dict[str, tuple[str, str]],
+                recomputed: frozenset[str] = frozenset()) -> dict[int, tuple[str, str]]:
     """Each line of a wrapper's ``call`` as ``(where, code)``: a buffer's allocation named
     by the buffer, the kernel that first writes it, and the user's line it computes
     (``buf4 by triton_poi_fused_gelu_1 at model.py:30``); any other line by the kernel
-    it runs and the user's line."""
+    it runs and the user's line. A kernel of a backward that computes only forward nodes
+    the partitioner chose to recompute (``recomputed``) says so (``..., recomputed, at``)."""
     lines = source.splitlines()
     named: dict[int, tuple[str, str]] = {}
     for number, text in enumerate(lines, 1):
         allocated = _ALLOCATION.match(text)
-        kernel, at = _writer(lines, number, allocated.group(1) if allocated else None, origins)
+        kernel, nodes = _writer(lines, number, allocated.group(1) if allocated else None)
+        at = _origin(nodes, origins)
         label = f"{allocated.group(1)} by {kernel}" if allocated else kernel
-        named[number] = (f"{label} at {at[0]}" if at[0] else label, at[1])
+        if nodes and all(name in recomputed for name in nodes):
+            label += ", recomputed,"
+        named[number] = (f"{label} at {at[0]}" if at[0] else label.rstrip(","), at[1])
     return named
 
 
-def _writer(lines: list[str], number: int, buffer: str | None, origins: dict):
+def _writer(lines: list[str], number: int, buffer: str | None) -> tuple[str, list[str]]:
     """The kernel that writes ``buffer`` (allocated on line ``number``, 1-based; None: the
-    kernel on that line itself), and the user's line of the nodes it computes."""
+    kernel on that line itself), and the FX nodes it computes."""
     pattern = re.compile(rf"\b{buffer}\b") if buffer else None
     for index in range(number - 1, len(lines) if buffer else number):
         reused = _REUSED.match(lines[index])
@@ -77,20 +84,24 @@ def _writer(lines: list[str], number: int, buffer: str | None, origins: dict):
             continue
         called = _CALLED.search(lines[index])
         if called and (pattern is None or pattern.search(lines[index])):
-            return next(g for g in called.groups() if g), _origin(lines, index, origins)
-    return "inductor", ("", "")
+            return next(g for g in called.groups() if g), _nodes(lines, index)
+    return "inductor", []
 
 
-def _origin(lines: list[str], index: int, origins: dict) -> tuple[str, str]:
-    """The user's line of the last FX node in the source-nodes comment above line
-    ``index`` (0-based)."""
+def _nodes(lines: list[str], index: int) -> list[str]:
+    """The FX nodes of the source-nodes comment just above line ``index`` (0-based)."""
     for above in range(index, max(index - 4, -1), -1):
         nodes = _NODES.search(lines[above])
         if nodes:
-            for name in reversed(nodes.group(1).split(", ")):
-                if origins.get(name, ("", ""))[0]:
-                    return origins[name]
-            break
+            return nodes.group(1).split(", ")
+    return []
+
+
+def _origin(nodes: list[str], origins: dict) -> tuple[str, str]:
+    """The user's line of the last of ``nodes`` that has one."""
+    for name in reversed(nodes):
+        if origins.get(name, ("", ""))[0]:
+            return origins[name]
     return "", ""
 
 
