@@ -70,10 +70,12 @@ def test_the_chunked_loss_is_traced_as_torchtitan_runs_it():
 
 
 def test_torchtitans_apply_compile_under_fsdp_traces_the_compiled_blocks():
-    """``apply_compile`` compiles each block in place before FSDP wraps it: the blocks run
-    as inductor compiled them (the partitioner keeps less than eager, each block's cuDNN
-    attention output saved as the fallback kernel's), and the rest of the step (FSDP's
-    all-gathers, the loss, AdamW) eagerly."""
-    compiled, eager = traced("compiled"), traced("no_ac")
-    assert compiled.saved_bytes < eager.saved_bytes
-    assert [n for n, _ in attention_saved(compiled)].count("cudnn out") == 2
+    """``apply_compile`` compiles each block in place, after checkpointing and before FSDP
+    wraps it: the blocks run as inductor compiled them, each block's cuDNN attention output
+    saved (SelectiveAC's policy, followed by the partitioner; and without checkpointing, the
+    partitioner's own choice), the compiled step keeping less than the eager one in each
+    case; the rest of the step (FSDP's all-gathers, the loss, AdamW) runs eagerly."""
+    for compiled, eager in (("compiled", "selective"), ("compiled_no_ac", "no_ac")):
+        compiled, eager = traced(compiled), traced(eager)
+        assert compiled.saved_bytes < eager.saved_bytes
+        assert [n for n, _ in attention_saved(compiled)].count("cudnn out") == 2

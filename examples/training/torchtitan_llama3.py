@@ -16,8 +16,8 @@ What is torchtitan's, as written:
   tables' trainer computed it (``Llama3Step``); or 0.3.0's trainer default,
   ``ChunkedLossWrapper`` (``ChunkedLlama3Step``): the head and the loss over 8 chunks of
   the sequence, each chunk's backward run inside the loss, then the decoder's backward;
-* the sharding (``selective``, ``full``, ``no_ac``; ``compiled``: torchtitan's
-  ``apply_compile`` first): what ``parallelize_llama`` does for this
+* the sharding (``selective``, ``full``, ``no_ac``; ``compiled``, ``compiled_no_ac``: with
+  torchtitan's ``apply_compile``): what ``parallelize_llama`` does for this
   configuration, activation checkpointing first (``SelectiveAC``: every op of its save list
   kept, every second matmul recomputed; or ``FullAC``), then ``apply_fsdp_to_decoder``
   (bfloat16 parameters, float32 reductions, each block resharded after its forward).
@@ -113,16 +113,29 @@ def no_ac(step: Llama3Step, mesh) -> None:
     _sharded(step, mesh, None)
 
 
-def compiled(step: Llama3Step, mesh) -> None:
-    """torchtitan's ``--compile``: ``apply_compile`` (each block compiled in place, with
-    inductor and ``fullgraph=True``), then FSDP, in ``parallelize_llama``'s order, without
-    checkpointing. ``apply_compile`` reads only the tensor-parallel flag of its
-    ``ParallelDims``."""
+def _compiled(step: Llama3Step, mesh, checkpointing) -> None:
+    """``parallelize_llama``'s order with torchtitan's ``--compile``: activation
+    checkpointing, ``apply_compile`` (each block compiled in place, with inductor and
+    ``fullgraph=True``), then FSDP. ``apply_compile`` reads only the tensor-parallel flag of
+    its ``ParallelDims``."""
     from types import SimpleNamespace
 
     from torchtitan.config.configs import CompileConfig
     from torchtitan.distributed.compile import apply_compile
 
+    if checkpointing is not None:
+        checkpointing.apply(step.model)
     apply_compile(step.model, compile_config=CompileConfig(enable=True),
                   parallel_dims=SimpleNamespace(tp_enabled=False))
     _sharded(step, mesh, None)
+
+
+def compiled(step: Llama3Step, mesh) -> None:
+    """torchtitan's default with ``--compile``: selective checkpointing, compiled blocks,
+    FSDP."""
+    _compiled(step, mesh, SelectiveAC(SelectiveAC.Config()))
+
+
+def compiled_no_ac(step: Llama3Step, mesh) -> None:
+    """Compiled blocks and FSDP, no checkpointing."""
+    _compiled(step, mesh, None)
