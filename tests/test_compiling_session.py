@@ -99,3 +99,13 @@ def test_a_graph_break_is_refused_naming_its_line(tmp_path, capsys):
                     "        return torch.relu(y)\n")
     code, out, err = run(capsys, "trace", f"{path}:Model", *ARGS)
     assert_refused(code, out, err, "the graph breaks at broken.py:13")
+
+
+def test_validate_checks_a_compiled_target_against_its_own_trace(capsys):
+    """``validate --trace --compile``: the program oom --trace solves equals the direct
+    trace, figure by figure (a compiled step's kernels change with the length: traced
+    directly at each)."""
+    code, out, err = run(capsys, "validate", "--trace", "examples/attention/gpt_block.py:Block",
+                         "--input", "x=B,N,768", "--seq", "128", "--batch", "1", "--compile")
+    assert code == 0, err
+    assert "emulated: 1 configurations, 5 figures, 0 mismatches" in out

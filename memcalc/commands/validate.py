@@ -177,7 +177,8 @@ def _run_target(args) -> int:
         calling = calling_from(args, fn)
         config = config_from(args, impl=register_function(fn, args.trace, calling))
         check_causal(fn, config)
-    report = validate_target(fn, config, calling, backend=args.backend)
+        # inside: the traces compile the code's torch.compile calls (memcalc.compiling)
+        report = validate_target(fn, config, calling, backend=args.backend)
     if args.out:
         from memcalc.validation import write_report
 

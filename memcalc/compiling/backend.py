@@ -93,6 +93,14 @@ def _attention_as_on_gpu(paths):
         yield
 
 
+def _real() -> bool:
+    """Whether a tensor made here is a real one: no fake mode, or dispatch modes switched
+    off (``no_dispatch``)."""
+    python = torch._C.DispatchKey.Python
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None or \
+        torch._C._dispatch_tls_local_exclude_set().has(python)
+
+
 class _RealTensorsOnCpu(TorchFunctionMode):
     """Real tensors the compiler makes for CUDA, made on the CPU instead: inductor's
     constant folders (``torch/_inductor/constant_folding.py``, ``UniformValueConstantFolder``
@@ -103,10 +111,24 @@ class _RealTensorsOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda" and \
-                torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        if device is not None and torch.device(device).type == "cuda" and _real():
             kwargs = {**kwargs, "device": torch.device("cpu")}
         return func(*args, **kwargs)
+
+
+@contextmanager
+def _matmuls_unpadded():
+    """Inside, inductor's ``pad_mm`` pass (``torch/_inductor/fx_passes/pad_mm.py``) keeps
+    a matmul whose dimensions are not multiples of the alignment as it is: on a GPU it
+    times the padded and the unpadded matmul and keeps the faster, which needs the GPU."""
+    from torch._inductor.fx_passes import pad_mm
+
+    real = pad_mm._should_pad
+    pad_mm._should_pad = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        pad_mm._should_pad = real
 
 
 def backend(paths, generated: wrapper.Generated):
@@ -116,7 +138,7 @@ def backend(paths, generated: wrapper.Generated):
         from torch._inductor.compile_fx import compile_fx
 
         with _attention_as_on_gpu(paths), _joint_passes_on_cuda(), \
-                _RealTensorsOnCpu():
+                _RealTensorsOnCpu(), _matmuls_unpadded():
             return compile_fx(gm, example_inputs, inner_compile=_inner(generated))
     compile_graph.__name__ = "memcalc_inductor"
     return compile_graph

@@ -198,9 +198,7 @@ def _called(fn, name: str):
     modes, a compiler failure said in one line."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        from memcalc.tracing.cuda_paths import active_paths
-
-        paths = active_paths(f"torch.compile({name})")
+        paths = _trace_paths(name)
         _check_autocast(name)
         if _OPEN.get() is None:
             raise NotModelled(f"torch.compile({name}): called outside memcalc's compiler "
@@ -217,6 +215,19 @@ def _called(fn, name: str):
         finally:
             _PATHS.reset(token)
     return call
+
+
+def _trace_paths(name: str):
+    """The CUDA rules of the trace running now; one line outside a trace (a live GPU run
+    of the compiled code, ``validate --backend cuda``, is not wired yet)."""
+    from memcalc.tracing.cuda_paths import active_paths
+
+    try:
+        return active_paths(f"torch.compile({name})")
+    except NotModelled:
+        raise NotModelled(f"torch.compile({name}): memcalc's compiled code runs inside a "
+                          f"trace on the GPU's code paths only (not with --meta-paths, nor "
+                          f"live on a GPU yet: validate --backend cuda of compiled code)") from None
 
 
 def _check_autocast(name: str) -> None:
