@@ -66,3 +66,13 @@ def test_one_budget_is_that_steps_breakdown_naming_what_it_recomputes(capsys, mo
     code, out, err = run(capsys, "trace", *BLOCK, "--compile-budget", "0")
     assert code == 0, err
     assert "saved for backward" in out and ", recomputed, at gpt_block.py:" in out
+
+
+def test_a_step_over_the_budget_is_judged_by_its_own_trace(capsys):
+    """Over the budget, whether a step fits is decided by replaying it capped at the budget,
+    which for traced code traces it again: inside the compiler's session, not after it
+    (the table used to judge its rows once the session had closed)."""
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager,default",
+                         "--gpu-gb", "0.6", "--json")
+    assert code == 0, err
+    assert [r["fits"] for r in json.loads(out)["rows"]] == [False, False]

@@ -15,16 +15,19 @@ BLOCKS = [(page.relative_to(shown_outputs.ROOT).as_posix(), command, shown)
           for page in shown_outputs.pages() for command, shown in shown_outputs.blocks(page)]
 
 SLOW = ("examples/training/llama3_8b.py", "examples/training/torchtitan_llama3.py",
-        "memcalc validate", "memcalc.validation.context_parallel", "validation/memtracker.py")
+        "memcalc validate", "memcalc.validation.context_parallel", "validation/memtracker.py",
+        "--compile eager,default")
 """What makes a shown command slow (a minute or more each on a 2-core machine): Llama-3-8B's
 32 layers traced on the meta device, as Hugging Face and torchtitan build it (at six lengths
 for a search, ``oom --trace``; about 45 minutes with 8 ranks' ring attention), the whole validation grid and context parallelism's
 (``memcalc validate``, ``--cases cp``), the recorded ring runs given back rank by rank,
-torchtitan's 8B beside PyTorch's FSDPMemTracker.
+torchtitan's 8B beside PyTorch's FSDPMemTracker, and a model compiled and eager side by
+side (each compiled by inductor: half a minute or more).
 Their checks run with ``-m slow``; what they rest on is checked quickly elsewhere: the
 search (``tests/test_solver.py``), traced training steps and FSDP
 (``tests/test_tracing_*.py``; FSDPMemTracker on torchtitan's small model in
-``test_tracing_memtracker.py``), the grid (``tests/test_validate_emulated.py``), the ring
+``test_tracing_memtracker.py``; compiled steps in ``tests/test_compiling_*.py``), the grid
+(``tests/test_validate_emulated.py``), the ring
 against torch's (``tests/test_impls_ring.py``) and the recorded ranks, every eighth
 (``tests/test_validate_context_parallel.py``)."""
 
@@ -43,8 +46,7 @@ def test_the_pages_show_commands():
 
 def test_the_slow_blocks_are_the_minutes_long_ones():
     """The Llama-3-8B blocks of the training guide, the validation commands of two pages,
-    torchtitan's (on the compiled-steps page, its small model's, with the rest of
-    torchtitan's), and nothing else."""
+    torchtitan's, the compiled-steps page's side-by-side tables, and nothing else."""
     slow = [p for p in _checked(BLOCKS) if p.marks]
     assert len(slow) >= 10 and {p.values[0] for p in slow} == {
         "docs/guides/training.md", "docs/concepts/validation.md", "docs/guides/several-gpus.md",

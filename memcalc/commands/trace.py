@@ -105,7 +105,8 @@ def _traced_variants(args, steps, options, budget):
     for mode, activation_budget in steps:
         result = _traced(args, options, budget, [], mode, activation_budget)
         rows.append(Variant(mode=mode, activation_budget=activation_budget,
-                            breakdown=result.breakdown))
+                            breakdown=result.breakdown,
+                            fits=result.fit.fits if result.fit else None))
     return Variants(rows=tuple(rows), budget=result.budget)
 
 

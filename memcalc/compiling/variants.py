@@ -25,6 +25,7 @@ class Variant(Record):
     mode: str
     activation_budget: float | None = None
     breakdown: Breakdown
+    fits: bool | None  # as its trace judged it (judging again would trace it again)
 
     @property
     def label(self) -> str:
@@ -65,7 +66,7 @@ RECORD_KEYS = ("variant", "mode", "activation_budget", "saved_bytes", "forward_p
 
 
 class Variants(Result):
-    """The rows, and the budget each is judged against."""
+    """The rows, and the budget each was judged against when it was traced."""
 
     rows: tuple[Variant, ...]
     budget: Budget
@@ -85,7 +86,7 @@ class Variants(Result):
                 Column("backward peak", fig("backward_peak_bytes"), "right", drop=3),
                 Column("peak", fig("peak_bytes"), "right"),
                 Column("reserved peak", fig("reserved_peak_bytes"), "right", drop=1),
-                Column("fits", lambda r: "yes" if r.breakdown.fit(self.budget).fits else "NO",
+                Column("fits", lambda r: {True: "yes", False: "NO", None: "-"}[r.fits],
                        "right"),
                 Column(f"peak vs {first}", lambda r: _signed(self._vs_first(r)), "right",
                        drop=1)]
@@ -114,7 +115,7 @@ class Variants(Result):
         return {"budget_bytes": self.budget.budget_bytes, "rows": [
             {"variant": r.label, "mode": r.mode, "activation_budget": r.activation_budget,
              **{k: getattr(r.breakdown, k) for k in RECORD_KEYS[3:8]},
-             "fits": r.breakdown.fit(self.budget).fits,
+             "fits": r.fits,
              "peak_vs_first_bytes": self._vs_first(r)} for r in self.rows]}
 
     def csv_table(self) -> Table:
