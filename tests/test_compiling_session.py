@@ -39,7 +39,7 @@ def test_what_is_not_followed_is_one_line(tmp_path, capsys, options, why):
 
 def test_meta_paths_cannot_compile_for_a_gpu(tmp_path, capsys):
     code, out, err = run(capsys, "trace", written(tmp_path), *ARGS, "--meta-paths")
-    assert_refused(code, out, err, "memcalc's stand-in runs only inside a trace on the GPU")
+    assert_refused(code, out, err, "runs inside a trace on the GPU's code paths only")
 
 
 def test_a_compiled_trace_leaves_torch_as_it_was(tmp_path, capsys):
