@@ -76,3 +76,14 @@ def test_a_step_over_the_budget_is_judged_by_its_own_trace(capsys):
                          "--gpu-gb", "0.6", "--json")
     assert code == 0, err
     assert [r["fits"] for r in json.loads(out)["rows"]] == [False, False]
+
+
+def test_each_steps_peak_by_role(capsys):
+    """Beside the figures, what is alive at each step's peak by role, in the JSON too: the
+    roles of a row add up to its peak."""
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager,default", "--json")
+    assert code == 0, err
+    for row in json.loads(out)["rows"]:
+        assert sum(row["at_peak_by_role"].values()) == row["peak_bytes"]
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager,default")
+    assert "alive at each step's peak, by role" in out

@@ -94,7 +94,18 @@ class Variants(Result):
     def tables(self) -> list[Table]:
         label = self.rows[0].breakdown.config.label()
         return [Table(f"{label}; fits within {self.budget.describe()}", self._columns(),
-                      self.rows)]
+                      self.rows), self._roles_table()]
+
+    def _roles_table(self) -> Table:
+        """What is alive at each step's peak, by role: where the steps differ."""
+        shares = [_by_role(r.breakdown) for r in self.rows]
+        roles = sorted({role for share in shares for role in share},
+                       key=lambda role: -max(share.get(role, 0) for share in shares))
+        columns = [Column("role", lambda role: role)] + [
+            Column(r.label, (lambda share: lambda role: human(share.get(role, 0)))(share),
+                   "right", drop=1 if i else 0)
+            for i, (r, share) in enumerate(zip(self.rows, shares))]
+        return Table("alive at each step's peak, by role", columns, roles)
 
     def footnotes(self) -> list[str]:
         lines = []
@@ -115,11 +126,19 @@ class Variants(Result):
         return {"budget_bytes": self.budget.budget_bytes, "rows": [
             {"variant": r.label, "mode": r.mode, "activation_budget": r.activation_budget,
              **{k: getattr(r.breakdown, k) for k in RECORD_KEYS[3:8]},
-             "fits": r.fits,
+             "fits": r.fits, "at_peak_by_role": _by_role(r.breakdown),
              "peak_vs_first_bytes": self._vs_first(r)} for r in self.rows]}
 
     def csv_table(self) -> Table:
         return record_table(RECORD_KEYS, self.records())
+
+
+def _by_role(b: Breakdown) -> dict[str, int]:
+    """Bytes allocated at ``b``'s peak, by role."""
+    totals: dict[str, int] = {}
+    for c in b.components:
+        totals[c.role.value] = totals.get(c.role.value, 0) + c.allocated
+    return totals
 
 
 def _signed(nbytes: int) -> str:
