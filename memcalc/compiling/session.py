@@ -83,6 +83,7 @@ def session():
             _configs(stack)
             stack.enter_context(wrapper.loading(generated))
             stack.enter_context(_breaks_noted())
+            stack.enter_context(_quiet_compiler())
             stack.enter_context(device.runtime())
             yield generated
     finally:
@@ -117,6 +118,24 @@ def calls(mode: str | None, option: str = "--compile", activation_budget: float 
         finally:
             _OPEN.reset(tokens[0])
             _ACTIVATION_BUDGET.reset(tokens[1])
+
+
+@contextmanager
+def _quiet_compiler():
+    """Inside, torch's loggers say errors only: the compiler's warnings (a checkpoint's
+    ``context_fn`` under compile, no CUDA runtime for ``cpp_extension``) are about running
+    it on a GPU, and carry the time they were written, which a result must not."""
+    import logging
+
+    names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 @contextmanager

@@ -100,7 +100,7 @@ class Variants(Result):
         """What is alive at each step's peak, by role: where the steps differ."""
         shares = [_by_role(r.breakdown) for r in self.rows]
         roles = sorted({role for share in shares for role in share},
-                       key=lambda role: -max(share.get(role, 0) for share in shares))
+                       key=lambda role: (-max(share.get(role, 0) for share in shares), role))
         columns = [Column("role", lambda role: role)] + [
             Column(r.label, (lambda share: lambda role: human(share.get(role, 0)))(share),
                    "right", drop=1 if i else 0)
