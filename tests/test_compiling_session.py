@@ -109,3 +109,18 @@ def test_validate_checks_a_compiled_target_against_its_own_trace(capsys):
                          "--input", "x=B,N,768", "--seq", "128", "--batch", "1", "--compile")
     assert code == 0, err
     assert "emulated: 1 configurations, 5 figures, 0 mismatches" in out
+
+
+def test_torch_nns_own_encoder_layer_compiles(tmp_path, capsys):
+    """nn.TransformerEncoderLayer, with its dropout: the compile-time CUDA rules track
+    nothing (its dropout used to reach for the trace's tracer, which is not running while
+    the compiler traces)."""
+    path = tmp_path / "layer.py"
+    path.write_text("from torch import nn\n\n\n"
+                    "class Layer(nn.TransformerEncoderLayer):\n"
+                    "    def __init__(self):\n"
+                    "        super().__init__(d_model=64, nhead=4, dim_feedforward=128,\n"
+                    "                         batch_first=True)\n")
+    code, out, err = run(capsys, "trace", f"{path}:Layer", "--input", "src=B,N,64", "--seq",
+                         "64", "--batch", "2", "--compile")
+    assert code == 0, err

@@ -3,7 +3,8 @@ with the graphs moved to CUDA before inductor's passes (``graphs.py``).
 
 Two things differ from ``backend="inductor"``, both because the graph is traced on meta:
 
-* ``F.scaled_dot_product_attention`` takes the fused kernel a GPU would take. Its composite
+* ``F.scaled_dot_product_attention`` takes the fused kernel a GPU would take (and fp16
+  softmax to float32 and training dropout take CUDA's branches of their composites). Its composite
   (``aten/src/ATen/native/transformers/attention.cpp``) asks the device which backend to
   run; on meta the answer is the math one. While AOTAutograd traces, the call goes to
   memcalc's CUDA rule (``memcalc/tracing/cuda_paths.py``), which selects the backend as
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from memcalc.compiling import graphs, wrapper
@@ -82,15 +84,35 @@ def _joint_passes_on_cuda():
         compile_fx._recursive_joint_graph_passes = real
 
 
-@contextmanager
-def _attention_as_on_gpu(paths):
-    """Inside, the CUDA rules of ``paths`` answer torch calls (SDPA's backend choice) while
-    AOTAutograd traces; a math-backend choice changes nothing in the eager trace's counts."""
-    from memcalc.tracing.cuda_paths import Mode
+class _GpuComposites(TorchFunctionMode):
+    """While AOTAutograd traces, the composites whose CUDA branch differs from the meta
+    device's take CUDA's (``memcalc/tracing/cuda_paths.py``): SDPA's backend choice, fp16
+    softmax to float32 (``half_to_float``), training dropout as ``native_dropout`` (a bool
+    mask, which inductor's decomposition then generates). Nothing is tracked: the trace's
+    tracer is not running while the compiler traces (a math-backend SDPA's in-place mask
+    add is the eager trace's count, kept apart)."""
 
-    compiling = dataclasses.replace(paths, tracer=SimpleNamespace(mask_adds=0))
-    with Mode(compiling):
-        yield
+    def __init__(self, paths):
+        super().__init__()
+        self.paths = dataclasses.replace(paths, tracer=SimpleNamespace(mask_adds=0))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from memcalc.tracing import cuda_paths
+
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return cuda_paths.sdpa(self.paths, func, args, kwargs)
+        if func in _SOFTMAXES:
+            return cuda_paths.half_to_float(self.paths, func, args, kwargs)
+        fused = cuda_paths.fused_dropout_of(func, args, kwargs) if func in _DROPOUTS else None
+        if fused is not None:
+            return torch.ops.aten.native_dropout(fused[0], fused[1], True)[0]
+        return func(*args, **kwargs)
+
+
+_SOFTMAXES = (F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax,
+              torch.log_softmax, torch.Tensor.log_softmax)
+_DROPOUTS = (F.dropout, torch.dropout)
 
 
 def _real() -> bool:
@@ -137,7 +159,7 @@ def backend(paths, generated: wrapper.Generated):
     def compile_graph(gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
-        with _attention_as_on_gpu(paths), _joint_passes_on_cuda(), \
+        with _GpuComposites(paths), _joint_passes_on_cuda(), \
                 _RealTensorsOnCpu(), _matmuls_unpadded():
             return compile_fx(gm, example_inputs, inner_compile=_inner(generated))
     compile_graph.__name__ = "memcalc_inductor"

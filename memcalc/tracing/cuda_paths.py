@@ -289,12 +289,10 @@ def half_to_float(paths: CudaPaths, func, args, kwargs):
       "noise tensor of the input's dtype",
       funcs=(F.dropout, torch.dropout))
 def fused_dropout(paths: CudaPaths, func, args, kwargs):
-    x = args[0]
-    p = _arg(args, kwargs, 1, "p", 0.5)
-    train = _arg(args, kwargs, 2, "training" if func is F.dropout else "train", True)
-    inplace = func is F.dropout and _arg(args, kwargs, 3, "inplace", False)
-    if not train or inplace or not 0 < p < 1 or x.numel() == 0:
+    fused = fused_dropout_of(func, args, kwargs)
+    if fused is None:
         return func(*args, **kwargs)  # identity, or dropout_ (never fused: Dropout.cpp)
+    x, p = fused
     _noted(paths, f"dropout(p={p})", "fused native_dropout: a bool mask is saved")
     tracer = paths.tracer
     tracer.collect_frees()
@@ -305,6 +303,18 @@ def fused_dropout(paths: CudaPaths, func, args, kwargs):
     tracer.track(mask, "native_dropout", "native_dropout")
     tracer.track(out, "native_dropout", "native_dropout")
     return out
+
+
+def fused_dropout_of(func, args, kwargs) -> tuple | None:
+    """``(x, p)`` of a dropout call CUDA runs as ``native_dropout`` (training, not in
+    place, 0 < p < 1, not empty: ``is_fused_kernel_acceptable``), else None."""
+    x = args[0]
+    p = _arg(args, kwargs, 1, "p", 0.5)
+    train = _arg(args, kwargs, 2, "training" if func is F.dropout else "train", True)
+    inplace = func is F.dropout and _arg(args, kwargs, 3, "inplace", False)
+    if not train or inplace or not 0 < p < 1 or x.numel() == 0:
+        return None
+    return x, p
 
 
 def _noted(paths: CudaPaths, what: str, how: str) -> None:
