@@ -111,16 +111,24 @@ def test_validate_checks_a_compiled_target_against_its_own_trace(capsys):
     assert "emulated: 1 configurations, 5 figures, 0 mismatches" in out
 
 
-def test_torch_nns_own_encoder_layer_compiles(tmp_path, capsys):
+def test_torch_nns_own_encoder_layer_compiles_with_the_fused_kernel(tmp_path, capsys):
     """nn.TransformerEncoderLayer, with its dropout: the compile-time CUDA rules track
     nothing (its dropout used to reach for the trace's tracer, which is not running while
-    the compiler traces)."""
+    the compiler traces), and reach the SDPA call inside F.multi_head_attention_forward,
+    which dynamo keeps whole in its graph (it ran the math path, saving more than eager)."""
+    import json
+
     path = tmp_path / "layer.py"
     path.write_text("from torch import nn\n\n\n"
                     "class Layer(nn.TransformerEncoderLayer):\n"
                     "    def __init__(self):\n"
                     "        super().__init__(d_model=64, nhead=4, dim_feedforward=128,\n"
                     "                         batch_first=True)\n")
-    code, out, err = run(capsys, "trace", f"{path}:Layer", "--input", "src=B,N,64", "--seq",
-                         "64", "--batch", "2", "--compile")
+    args = ("trace", f"{path}:Layer", "--input", "src=B,N,64", "--seq", "64", "--batch", "2",
+            "--json")
+    code, out, err = run(capsys, *args, "--compile")
     assert code == 0, err
+    compiled = json.loads(out)
+    eager = json.loads(run(capsys, *args)[1])
+    assert any(c["name"].startswith("efficient out") for c in compiled["components"])
+    assert compiled["saved_bytes"] < eager["saved_bytes"]

@@ -98,6 +98,7 @@ class _GpuComposites(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         from memcalc.tracing import cuda_paths
+        from memcalc.tracing.tracer import call_within
 
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
@@ -107,7 +108,9 @@ class _GpuComposites(TorchFunctionMode):
         fused = cuda_paths.fused_dropout_of(func, args, kwargs) if func in _DROPOUTS else None
         if fused is not None:
             return torch.ops.aten.native_dropout(fused[0], fused[1], True)[0]
-        return func(*args, **kwargs)
+        # a torch function written in Python (F.multi_head_attention_forward, which dynamo
+        # leaves whole in its graph) makes its inner calls with this mode active
+        return call_within(self, func, types, args, kwargs)
 
 
 _SOFTMAXES = (F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax,
