@@ -87,3 +87,9 @@ def test_each_steps_peak_by_role(capsys):
         assert sum(row["at_peak_by_role"].values()) == row["peak_bytes"]
     code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager,default")
     assert "alive at each step's peak, by role" in out
+
+
+def test_a_budget_without_the_compiled_step_is_one_line(capsys):
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager", "--compile-budget",
+                         "0.5")
+    assert_refused(code, out, err, "--compile-budget 0.5: the budget is the compiled step's")

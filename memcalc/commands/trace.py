@@ -91,7 +91,12 @@ def _steps(args) -> tuple[tuple[str | None, float | None], ...]:
         return ((args.compile, None),)
     from memcalc.compiling.variants import parse_budgets, parse_modes
 
-    return parse_modes(args.compile, parse_budgets(args.compile_budget))
+    budgets = parse_budgets(args.compile_budget)
+    if budgets and "default" not in (args.compile or "default").split(","):
+        raise ValueError(f"--compile-budget {args.compile_budget}: the budget is the "
+                         f"compiled step's; not with --compile {args.compile} (add default: "
+                         f"--compile eager,default)")
+    return parse_modes(args.compile, budgets)
 
 
 def _traced_variants(args, steps, options, budget):

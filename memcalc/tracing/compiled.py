@@ -28,8 +28,9 @@ from memcalc.tracing.errors import NotModelled
 # what --compile takes: the eager step, inductor's default mode
 MODES = ("eager", "default")
 
-# the mode asked for (None: refuse), where the code called torch.compile under it, and the
-# compiler for a compiled mode: ``compiler(model, name, options)``
+# the mode asked for (None: the code's calls as written), where the code called
+# torch.compile under it, and the compiler (``compiler(model, name, options)``; None: the
+# calls are refused unless the mode is "eager")
 _MODE: ContextVar[str | None] = ContextVar("memcalc_compile_mode", default=None)
 _CALLS: ContextVar[list | None] = ContextVar("memcalc_compile_calls", default=None)
 _COMPILER: ContextVar[Callable | None] = ContextVar("memcalc_compiler", default=None)
@@ -45,9 +46,10 @@ def check_mode(mode: str | None, option: str = "--compile") -> None:
 
 @contextmanager
 def calls(mode: str | None, option: str = "--compile", compiler: Callable | None = None):
-    """Inside, torch.compile calls in traced code are refused (``mode`` None), left
-    uncompiled (``"eager"``), or handed to ``compiler`` (``"default"``), and where they were
-    made is collected for ``notes``; ``option``: the name a bad mode is refused under."""
+    """Inside, torch.compile calls in traced code are left uncompiled (``"eager"``), handed
+    to ``compiler`` when one is given (``mode`` None or ``"default"``, which compiles the
+    target too: ``target``), else refused; where they were made is collected for
+    ``notes``; ``option``: the name a bad mode is refused under."""
     check_mode(mode, option)
     if mode == "default" and compiler is None:
         raise ValueError(f"{option} default: needs a compiler (memcalc.compiling's calls)")
