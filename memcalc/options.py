@@ -301,9 +301,39 @@ def fsdp_worlds(text) -> list[int] | None:
                          f"them (1,2,4,8)") from None
 
 
-def impls_with_trace(args) -> list[str] | None:
+def compile_budget_option(p: argparse.ArgumentParser, each: str) -> None:
+    """``--compile-budget B,B,...``: the compiled step at each activation memory budget,
+    ``each`` saying what a budget gets."""
+    p.add_argument("--compile-budget", metavar="B,B,...", default=None,
+                   help=f"the compiled step at each activation memory budget (torch's "
+                        f"activation_memory_budget, 0 to 1: the share of saved activations "
+                        f"the partitioner keeps), {each}; with --compile eager,default the "
+                        f"eager step beside them")
+
+
+def compile_steps(args) -> tuple[tuple[str | None, float | None], ...]:
+    """The ``(compile mode, activation budget)`` of each step asked for: one, unless
+    ``--compile eager,default`` or ``--compile-budget`` with several values ask for more
+    (a single budget is one step)."""
+    given = getattr(args, "compile_budget", None)
+    if given is None and "," not in (args.compile or ""):
+        return ((args.compile, None),)
+    from memcalc.compiling.variants import parse_budgets, parse_modes
+
+    budgets = parse_budgets(given)
+    if budgets and "default" not in (args.compile or "default").split(","):
+        raise ValueError(f"--compile-budget {given}: the budget is the compiled step's; "
+                         f"not with --compile {args.compile} (add default: --compile "
+                         f"eager,default)")
+    return parse_modes(args.compile, budgets)
+
+
+def impls_with_trace(args, activation_budget: float | None = None,
+                     several: bool = False) -> list[str] | None:
     """The implementations asked for: ``--impl a,b``, and ``--trace`` registered as one (one
-    a number of ranks under ``--fsdp 1,2,4``): what ``oom`` solves and ``sweep`` tabulates."""
+    a number of ranks under ``--fsdp 1,2,4``): what ``oom`` solves and ``sweep`` tabulates.
+    ``several``: one of several steps (``--compile eager,default``), named by its own
+    (``step_label``)."""
     from memcalc.names import impl_list
 
     impls = impl_list(args.impl)
@@ -323,13 +353,17 @@ def impls_with_trace(args) -> list[str] | None:
     from memcalc.tracing import load_function, register_function
 
     worlds = fsdp_worlds(args.fsdp) or [None]
-    with about_target(args.trace, compile=args.compile):
+    with about_target(args.trace, compile=args.compile, activation_budget=activation_budget):
         fn = load_function(args.trace)
         callings = [calling_from(_with_fsdp(args, world), fn) for world in worlds]
     from memcalc.tracing import TraceOptions
 
     options = TraceOptions(**release_of(args))
-    label = lambda c: args.trace if len(worlds) == 1 else f"{args.trace} {c.fsdp.text()}"  # noqa: E731
+    from memcalc.compiling.variants import step_label
+
+    step = f" ({step_label(args.compile, activation_budget)})" if several else ""
+    label = lambda c: args.trace + step if len(worlds) == 1 else \
+        f"{args.trace}{step} {c.fsdp.text()}"  # noqa: E731
     return (impls or []) + [register_function(fn, label(c), c, options, multiple_of or 1,
                                               fsdp_in_title=len(worlds) == 1)
                             for c in callings]
@@ -379,7 +413,9 @@ def traced_options_given(args) -> str | None:
                         ("--optimizer", args.optimizer),
                         ("--grad-accum", args.grad_accum if args.grad_accum != 1 else None),
                         ("--clip-grad-norm", args.clip_grad_norm),
-                        ("--compile", args.compile), ("--fsdp", args.fsdp)):
+                        ("--compile", args.compile),
+                        ("--compile-budget", getattr(args, "compile_budget", None)),
+                        ("--fsdp", args.fsdp)):
         if value is not None:
             return f"{flag} {value}"
     return None

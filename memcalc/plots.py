@@ -17,6 +17,7 @@ from memcalc.engine.units import GiB, human
 
 ROLE_COLOURS = {
     "input": "#9e9e9e", "saved": "#d62728", "activation": "#ff7f0e", "temporary": "#1f77b4",
+    "recomputed": "#ff9896",
     "gradient": "#2ca02c", "output": "#8c564b", "workspace": "#bcbd22",
     "parameter": "#9467bd", "buffer": "#c5b0d5", "optimizer state": "#e377c2",
     "unsharded parameter": "#aec7e8", "collective buffer": "#17becf",

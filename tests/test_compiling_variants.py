@@ -61,11 +61,24 @@ def test_the_table_fits_80_columns_and_a_pipe(capsys, monkeypatch):
 
 def test_one_budget_is_that_steps_breakdown_naming_what_it_recomputes(capsys, monkeypatch):
     """At budget 0 the partitioner keeps nothing the forward made: the backward recomputes
-    the block's matmuls, and their buffers say so."""
+    the block's forward up to its last matmul, each buffer in the role ``recomputed``, and
+    the step's figures total them."""
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile-budget", "0", "--json")
+    assert code == 0, err
+    step = json.loads(out)
+    recomputed = step["recomputed"]
+    assert step["saved_bytes"] == 0
+    assert {r["role"] for r in recomputed} == {"recomputed"}
+    # B=2, N=256, fp32: ln_1's mean and rstd and ln_2's rstd 2*256*4 = 2,048 each; ln_1,
+    # ln_2 and c_proj's outputs and attention's 2*256*768*4 = 1,572,864 each; c_attn's
+    # 512*2304*4 = 4,718,592; the efficient kernel's lse 2*12*256*4 = 24,576; c_fc's
+    # 512*3072*4 = 6,291,456
+    assert sorted(r["bytes"] for r in recomputed) == sorted(
+        [2048] * 3 + [1572864] * 4 + [4718592, 24576, 6291456])
+    assert step["recomputed_bytes"] == sum(r["allocated"] for r in recomputed)
     monkeypatch.setenv("COLUMNS", "100")
     code, out, err = run(capsys, "trace", *BLOCK, "--compile-budget", "0")
-    assert code == 0, err
-    assert "saved for backward" in out and ", recomputed, at gpt_block.py:" in out
+    assert code == 0 and "recomputed in backward (compiled)" in out
 
 
 def test_a_step_over_the_budget_is_judged_by_its_own_trace(capsys):
@@ -93,3 +106,75 @@ def test_a_budget_without_the_compiled_step_is_one_line(capsys):
     code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager", "--compile-budget",
                          "0.5")
     assert_refused(code, out, err, "--compile-budget 0.5: the budget is the compiled step's")
+
+
+def test_saved_and_recomputed_bytes_by_the_users_line(capsys, monkeypatch):
+    """Each step's saved tensors, and each compiled step's recomputed ones, by the line of
+    the block that made them: at budget 1 the partitioner keeps what eager keeps at the
+    attention's lines, at budget 0 it keeps nothing and recomputes them."""
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager,default",
+                         "--compile-budget", "0,1", "--json")
+    assert code == 0, err
+    eager, none, whole = json.loads(out)["rows"]
+    # line 25, ln_1 and c_attn (B=2, N=256, fp32): the normalized x 2*256*768*4 =
+    # 1,572,864, its mean and rstd 2*256*4 = 2,048 each, q, k, v 512*2304*4 = 4,718,592;
+    # line 26, the efficient kernel's output 1,572,864 and lse 2*12*256*4 = 24,576
+    line_25, line_26 = 1572864 + 2 * 2048 + 4718592, 1572864 + 24576
+    for step in (eager, whole):
+        assert step["saved_by_line"]["gpt_block.py:25"] == line_25
+        assert step["saved_by_line"]["gpt_block.py:26"] == line_26
+    assert none["saved_by_line"] == {} and whole["recomputed_by_line"] == {}
+    assert none["recomputed_by_line"]["gpt_block.py:25"] == line_25
+    assert eager["recomputed_bytes"] is None and whole["recomputed_bytes"] == 0
+    assert none["recomputed_bytes"] == sum(none["recomputed_by_line"].values())
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run(capsys, "trace", *BLOCK, "--compile", "eager,default",
+                         "--compile-budget", "0,1")
+    assert "saved for the backward, by line of your code" in out
+    assert "recomputed in the backward, by line of your code" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("argv, option", [
+    (("oom", "--impl", "naive", "--compile-budget", "0.5"), "--compile-budget 0.5"),
+    (("oom", "--trace", BLOCK[0], *BLOCK[1:3], "--compile", "eager", "--compile-budget",
+      "0.5"), "--compile-budget 0.5"),
+    (("oom", "--trace", BLOCK[0], *BLOCK[1:3], "--compile-budget", "2"),
+     "--compile-budget 2")])
+def test_oom_refuses_a_budget_it_cannot_use_in_one_line(capsys, argv, option):
+    code, out, err = run(capsys, *argv)
+    assert_refused(code, out, err, option)
+
+
+TINY = ("import torch\nfrom torch import nn\n\n\n"
+        "class Model(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(64, 64)\n"
+        "\n"
+        "    def forward(self, x):\n"
+        "        return torch.relu(self.lin(x))\n")
+
+
+@pytest.mark.slow  # each length the searches try is compiled: about a minute in all
+def test_oom_gives_a_longest_length_per_step(tmp_path, capsys):
+    """``oom --trace --compile eager,default --compile-budget 0,1``: a row per step, named
+    by it, each answer checked by tracing that step at it and one row past it."""
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY)
+    target = f"{path}:Model"
+    code, out, err = run(capsys, "oom", "--trace", target, "--input", "x=B,N,64",
+                         "--batch", "1", "--gpu-gb", "0.6", "--compile", "eager,default",
+                         "--compile-budget", "0,1", "--json")
+    assert code == 0, err
+    results = json.loads(out)["results"]
+    assert [r["impl"] for r in results] == [f"trace:{target} ({step})" for step in (
+        "eager", "compiled, budget 0", "compiled, budget 1")]
+    for r, compile, budget in zip(results, ("eager", "default", "default"), (None, "0", "1")):
+        extra = ("--compile-budget", budget) if budget else ()
+        for n, fits in ((r["max_seq_len"], True), (r["max_seq_len"] + 1, False)):
+            code, out, err = run(capsys, "trace", target, "--input", "x=B,N,64", "--batch",
+                                 "1", "--seq", str(n), "--gpu-gb", "0.6", "--compile",
+                                 compile, *extra, "--json")
+            assert code == 0, err
+            assert json.loads(out)["fits"] is fits, (r["impl"], n)

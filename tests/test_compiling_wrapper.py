@@ -28,9 +28,9 @@ ORIGINS = {"layer_norm": ("model.py:12", "h = self.ln(x)"),
 
 def test_a_buffer_is_named_by_the_kernel_that_writes_it_and_the_users_line():
     lines = attribution(SOURCE, ORIGINS)
-    assert lines[3] == ("buf0 by triton_per_fused_native_layer_norm_0 at model.py:12",
+    assert lines[3][:2] == ("buf0 by triton_per_fused_native_layer_norm_0 at model.py:12",
                         "h = self.ln(x)")
-    assert lines[8] == ("buf5 by addmm at model.py:13", "return self.fc(h)")
+    assert lines[8][:2] == ("buf5 by addmm at model.py:13", "return self.fc(h)")
 
 
 def test_a_reused_buffer_is_named_by_the_kernel_that_writes_its_new_name():
@@ -39,7 +39,7 @@ def test_a_reused_buffer_is_named_by_the_kernel_that_writes_its_new_name():
 
 
 def test_a_buffer_no_kernel_writes_is_inductors():
-    assert attribution(SOURCE, ORIGINS)[11] == ("buf6 by inductor", "")
+    assert attribution(SOURCE, ORIGINS)[11][:2] == ("buf6 by inductor", "")
 
 
 def test_a_kernel_line_is_named_by_its_kernel():
@@ -55,9 +55,9 @@ def test_user_line_is_the_last_frame_of_a_stack_trace():
 
 def test_a_kernel_computing_only_recomputed_forward_nodes_says_so():
     """In a backward's wrapper, the partitioner's recomputed forward nodes (tagged
-    ``is_forward``) name their kernel's buffers as recomputed; a kernel that also computes
+    ``is_forward``) mark their kernel's buffers as recomputed; a kernel that also computes
     a backward node does not."""
     lines = attribution(SOURCE, ORIGINS, frozenset({"layer_norm"}))
-    assert lines[3][0] == ("buf0 by triton_per_fused_native_layer_norm_0, recomputed, "
-                           "at model.py:12")
-    assert lines[8][0] == "buf5 by addmm at model.py:13"  # linear is not recomputed
+    assert lines[3] == ("buf0 by triton_per_fused_native_layer_norm_0 at model.py:12",
+                        "h = self.ln(x)", True)
+    assert lines[8] == ("buf5 by addmm at model.py:13", "return self.fc(h)", False)  # linear

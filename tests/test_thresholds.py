@@ -306,3 +306,16 @@ def test_what_a_step_needs_over_the_budget_never_reads_as_the_budget():
 
     assert gib(85_364_572_160) == "79.50" and gib_up(85_364_572_160) == "79.51"
     assert gib_up(85_362_475_008) == "79.50"  # 79.5 x 2^30 exactly: no rounding
+
+
+def test_reports_of_several_steps_merge_in_order():
+    """``oom --compile eager,default``: a report per step, shown as one, rows in order."""
+    from memcalc.analysis.thresholds import merged
+
+    budget = Budget.of(Device(), memory_gb=8)
+    first = solve(Config(), budget, impls=["naive"])
+    second = OomReport(budget=budget, field="seq_len", base=Config(), results=(),
+                       skipped=(Skipped(impl="other", reason="why"),))
+    both = merged([first, second])
+    assert [r.impl for r in both.results] == ["naive"] and both.results == first.results
+    assert [k.impl for k in both.skipped] == ["other"] and both.base == first.base

@@ -60,6 +60,9 @@ class Breakdown(Result):
     # a traced training step's optimizer.step() and zero_grad(): alive at their peak (none:
     # the step has no optimizer)
     optimizer_live: tuple[Component, ...] = ()
+    # a compiled step's: what its measured backward allocated to recompute forward values
+    # the partitioner did not save (None: no compiled code ran)
+    recomputed: tuple[Component, ...] | None = None
     reserved_peak_bytes: int
     rank: int | None = None  # under context parallelism: the busiest rank, shown
     rank_peaks: tuple[int, ...] = ()  # and every rank's max_memory_allocated
@@ -87,6 +90,13 @@ class Breakdown(Result):
     def optimizer_peak_bytes(self) -> int | None:
         """The peak of ``optimizer.step()`` and ``zero_grad()``; None without an optimizer."""
         return _total(self.optimizer_live) if self.optimizer_live else None
+
+    @computed_field
+    @property
+    def recomputed_bytes(self) -> int | None:
+        """Blocks a compiled backward allocated for recomputed forward values, summed over
+        the backward (each buffer once, whenever it lived); None: no compiled code ran."""
+        return None if self.recomputed is None else _total(self.recomputed)
 
     @computed_field
     @property
@@ -143,6 +153,9 @@ class Breakdown(Result):
         figures = {k: getattr(self, k) for k in ("saved_bytes", "forward_peak_bytes",
                    "backward_peak_bytes", "optimizer_peak_bytes", "peak_bytes",
                    "reserved_peak_bytes", "workspace_bytes")}
+        if self.recomputed is not None:  # a compiled step's
+            figures["recomputed_bytes"] = self.recomputed_bytes
+            figures["recomputed"] = [c.to_dict() for c in self.recomputed]
         judged = self.fit().verdict(self.budget) if self.has_budget else {}
         ranks = {} if self.rank is None else {  # under --cp: the rank shown, and every rank's
             "rank": self.rank, "rank_peak_bytes": list(self.rank_peaks),

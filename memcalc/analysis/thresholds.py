@@ -281,6 +281,14 @@ class OomReport(Result):
                 "config": self.base.model_dump(mode="json")}
 
 
+def merged(reports: list[OomReport]) -> OomReport:
+    """Reports of one budget and field (one per compiled step of a target) as one, in
+    order; the first's base configuration."""
+    return reports[0].model_copy(update={
+        part: tuple(row for r in reports for row in getattr(r, part))
+        for part in ("results", "unsolved", "skipped")})
+
+
 MAX_EVENTS = 4000
 """Without ``impls``, ``solve`` skips implementations whose program has more events than
 this at the starting point, or more events as the solved field grows (chunked loops):

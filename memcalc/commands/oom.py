@@ -1,8 +1,9 @@
 """``memcalc oom``: the largest seq_len (or batch, or head_dim) whose step fits, per implementation."""
 
 from memcalc.options import (INTERRUPTED, about_target, budget_from, budget_options, check_chunk,
-                             config_options, emit, format_options, impls_with_trace, input_options,
-                             shape_options, whole, work_options)
+                             compile_budget_option, compile_steps, config_options, emit,
+                             format_options, impls_with_trace, input_options, shape_options,
+                             whole, work_options)
 from memcalc.engine.deadline import DEFAULT_WORK_LIMIT
 
 HELP = "largest seq_len (--solve batch, head-dim) whose step fits the GPU, per implementation"
@@ -21,6 +22,7 @@ def add_arguments(parser) -> None:
                              "device (imports and runs the named file as Python code), "
                              "called with q, k, v or --input's tensors")
     input_options(parser)
+    compile_budget_option(parser, "a longest length each (with --trace)")
     parser.add_argument("--multiple-of", type=whole, default=None, metavar="M",
                         help="with --trace: only sequence lengths that are multiples of M, "
                              "the lengths you run (a step with padded buffers is solved from "
@@ -55,6 +57,9 @@ def run(args) -> int:
     from memcalc.names import solve_field
 
     field = solve_field(args.solve)
+    steps = compile_steps(args)
+    if args.trace is not None and (len(steps) > 1 or steps[0][1] is not None):
+        return _solve_steps(args, field, steps)
     impls = impls_with_trace(args)
     check_chunk(args, impls)
     try:
@@ -66,4 +71,33 @@ def run(args) -> int:
         emit(stop.report, args.format)
         return INTERRUPTED
     emit(report, args.format)
+    return 0
+
+
+def _solve_steps(args, field, steps) -> int:
+    """``--compile eager,default`` or ``--compile-budget``: the target's largest length
+    for each step (``--impl``'s with the first), each solved in a compiler
+    session of its own (an activation budget holds for a whole session), in one report."""
+    import copy
+
+    from memcalc.analysis.thresholds import PartialReport, merged, solve
+    from memcalc.config import first_accepted
+    from memcalc.output.progress import status
+
+    reports = []
+    try:
+        for index, (mode, activation_budget) in enumerate(steps):
+            one = copy.copy(args)
+            one.compile, one.impl = mode, args.impl if index == 0 else None
+            impls = impls_with_trace(one, activation_budget, several=True)
+            check_chunk(one, impls)
+            with about_target(args.trace, compile=mode, activation_budget=activation_budget), \
+                    status(f"solving {field}"):
+                base = first_accepted(impls, **config_options(one))
+                reports.append(solve(base, budget_from(args), field, impls, args.time_limit,
+                                     work_limit=args.work_limit))
+    except PartialReport as stop:
+        emit(merged([*reports, stop.report]), args.format)
+        return INTERRUPTED
+    emit(merged(reports), args.format)
     return 0

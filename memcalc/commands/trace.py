@@ -5,8 +5,9 @@ import contextlib
 import sys
 
 from memcalc.options import (about_target, budget_from, budget_options, calling_from,
-                             check_output, release_of, config_from, emit, format_options,
-                             input_options, plotting, shape_options, work_options)
+                             check_output, compile_budget_option, compile_steps, config_from,
+                             emit, format_options, input_options, plotting, release_of,
+                             shape_options, work_options)
 
 HELP = ("breakdown of your own attention function or nn.Module, traced on the meta device "
         "along the GPU's code paths (imports and runs the named file or module as Python code)")
@@ -28,12 +29,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cudnn-workspace", metavar="SIZE", default=None,
                         help="cuDNN attention's workspace, forward and backward (default: "
                              "0 forward, (B*H*N*d + B*H*N) x 4 B backward, an estimate)")
-    parser.add_argument("--compile-budget", metavar="B,B,...", default=None,
-                        help="the compiled step at each activation memory budget (torch's "
-                             "activation_memory_budget, 0 to 1: the share of saved "
-                             "activations the partitioner keeps), a row each (one budget: "
-                             "that step's breakdown); with --compile eager,default the "
-                             "eager step beside them")
+    compile_budget_option(parser, "a row each (one budget: that step's breakdown)")
     parser.add_argument("--meta-paths", action="store_true",
                         help="follow the meta device's code paths instead of the GPU's")
 
@@ -55,7 +51,7 @@ def run(args) -> int:
 
         if deepspeed_installed():
             quiet_deepspeed()  # before the target's file imports it
-    steps = _steps(args)
+    steps = compile_steps(args)
     if len(steps) > 1:
         emit(_traced_variants(args, steps, options, budget), args.format)
         return 0
@@ -82,21 +78,6 @@ def _traced(args, options, budget, history, compile, activation_budget=None):
         config = config_from(args, impl=register_function(fn, args.target, calling))
         check_causal(fn, config)
         return traced(fn, config, options, budget, history, calling)
-
-
-def _steps(args) -> tuple[tuple[str | None, float | None], ...]:
-    """The ``(compile mode, activation budget)`` of each step asked for: one, unless
-    ``--compile eager,default`` or several budgets ask for more."""
-    if args.compile_budget is None and "," not in (args.compile or ""):
-        return ((args.compile, None),)
-    from memcalc.compiling.variants import parse_budgets, parse_modes
-
-    budgets = parse_budgets(args.compile_budget)
-    if budgets and "default" not in (args.compile or "default").split(","):
-        raise ValueError(f"--compile-budget {args.compile_budget}: the budget is the "
-                         f"compiled step's; not with --compile {args.compile} (add default: "
-                         f"--compile eager,default)")
-    return parse_modes(args.compile, budgets)
 
 
 def _traced_variants(args, steps, options, budget):

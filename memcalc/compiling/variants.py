@@ -16,6 +16,7 @@ from memcalc.engine.component import Record
 from memcalc.engine.units import human
 from memcalc.output.render import Column, Table, record_table
 from memcalc.output.result import Result
+from memcalc.tracing.tracer import user_place
 
 
 class Variant(Record):
@@ -29,11 +30,15 @@ class Variant(Record):
 
     @property
     def label(self) -> str:
-        if self.mode == "eager":
-            return "eager"
-        if self.activation_budget is None:
-            return "compiled"
-        return f"compiled, budget {self.activation_budget:g}"
+        return step_label(self.mode, self.activation_budget)
+
+
+def step_label(mode: str | None, activation_budget: float | None) -> str:
+    """A step by how it was compiled: ``eager``, ``compiled``, ``compiled, budget 0.5``."""
+    if mode == "eager":
+        return "eager"
+    return "compiled" if activation_budget is None else \
+        f"compiled, budget {activation_budget:g}"
 
 
 def parse_modes(text: str | None, budgets: tuple[float, ...]) -> tuple[tuple[str, float | None], ...]:
@@ -61,8 +66,8 @@ def parse_budgets(text: str | None, option: str = "--compile-budget") -> tuple[f
 
 
 RECORD_KEYS = ("variant", "mode", "activation_budget", "saved_bytes", "forward_peak_bytes",
-               "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "fits",
-               "peak_vs_first_bytes")
+               "backward_peak_bytes", "peak_bytes", "reserved_peak_bytes", "recomputed_bytes",
+               "fits", "peak_vs_first_bytes")
 
 
 class Variants(Result):
@@ -82,8 +87,10 @@ class Variants(Result):
         first = self.rows[0].label
         return [Column("step", lambda r: r.label),
                 Column("saved", fig("saved_bytes"), "right", drop=2),
-                Column("forward peak", fig("forward_peak_bytes"), "right", drop=3),
-                Column("backward peak", fig("backward_peak_bytes"), "right", drop=3),
+                Column("recomputed", lambda r: "-" if r.breakdown.recomputed is None else
+                       human(r.breakdown.recomputed_bytes), "right", drop=3),
+                Column("forward peak", fig("forward_peak_bytes"), "right", drop=4),
+                Column("backward peak", fig("backward_peak_bytes"), "right", drop=4),
                 Column("peak", fig("peak_bytes"), "right"),
                 Column("reserved peak", fig("reserved_peak_bytes"), "right", drop=1),
                 Column("fits", lambda r: {True: "yes", False: "NO", None: "-"}[r.fits],
@@ -93,19 +100,19 @@ class Variants(Result):
 
     def tables(self) -> list[Table]:
         label = self.rows[0].breakdown.config.label()
-        return [Table(f"{label}; fits within {self.budget.describe()}", self._columns(),
-                      self.rows), self._roles_table()]
-
-    def _roles_table(self) -> Table:
-        """What is alive at each step's peak, by role: where the steps differ."""
-        shares = [_by_role(r.breakdown) for r in self.rows]
-        roles = sorted({role for share in shares for role in share},
-                       key=lambda role: (-max(share.get(role, 0) for share in shares), role))
-        columns = [Column("role", lambda role: role)] + [
-            Column(r.label, (lambda share: lambda role: human(share.get(role, 0)))(share),
-                   "right", drop=1 if i else 0)
-            for i, (r, share) in enumerate(zip(self.rows, shares))]
-        return Table("alive at each step's peak, by role", columns, roles)
+        tables = [Table(f"{label}; fits within {self.budget.describe()}", self._columns(),
+                        self.rows),
+                  _shares_table("alive at each step's peak, by role", "role", self.rows,
+                                [_by_role(r.breakdown) for r in self.rows]),
+                  _shares_table("saved for the backward, by line of your code", "line",
+                                self.rows, [_by_line(r.breakdown.saved) for r in self.rows],
+                                _codes(self.rows), difference=True)]
+        recomputing = [r for r in self.rows if r.breakdown.recomputed]
+        if recomputing:
+            tables.append(_shares_table(
+                "recomputed in the backward, by line of your code", "line", recomputing,
+                [_by_line(r.breakdown.recomputed) for r in recomputing], _codes(self.rows)))
+        return tables
 
     def footnotes(self) -> list[str]:
         lines = []
@@ -126,11 +133,49 @@ class Variants(Result):
         return {"budget_bytes": self.budget.budget_bytes, "rows": [
             {"variant": r.label, "mode": r.mode, "activation_budget": r.activation_budget,
              **{k: getattr(r.breakdown, k) for k in RECORD_KEYS[3:8]},
+             "recomputed_bytes": r.breakdown.recomputed_bytes,
              "fits": r.fits, "at_peak_by_role": _by_role(r.breakdown),
+             "saved_by_line": _by_line(r.breakdown.saved),
+             "recomputed_by_line": _by_line(r.breakdown.recomputed or ()),
              "peak_vs_first_bytes": self._vs_first(r)} for r in self.rows]}
 
     def csv_table(self) -> Table:
         return record_table(RECORD_KEYS, self.records())
+
+
+def _shares_table(title: str, key: str, rows: list[Variant], shares: list[dict[str, int]],
+                  codes: dict[str, str] | None = None, difference: bool = False) -> Table:
+    """Bytes by ``key`` (a role, a line of the user's code), a column per step, largest
+    first; with ``difference``, the last step's less the first's."""
+    keys = sorted({k for share in shares for k in share},
+                  key=lambda k: (-max(share.get(k, 0) for share in shares), k))
+    columns = [Column(key, lambda k: k or "elsewhere")]
+    if codes is not None:
+        columns.append(Column("code", lambda k: codes.get(k, ""), wrap=True, drop=3))
+    columns += [Column(r.label, (lambda share: lambda k: human(share.get(k, 0)))(share),
+                       "right", drop=2 if 0 < i < len(rows) - 1 else 0)
+                for i, (r, share) in enumerate(zip(rows, shares))]
+    if difference and len(rows) > 1:
+        first, last = shares[0], shares[-1]
+        columns.append(Column(f"{rows[-1].label} vs {rows[0].label}",
+                              lambda k: _signed(last.get(k, 0) - first.get(k, 0)), "right",
+                              drop=1))
+    return Table(title, columns, keys)
+
+
+def _by_line(components) -> dict[str, int]:
+    """Bytes of ``components`` by the user's line that made them (``""``: none)."""
+    totals: dict[str, int] = {}
+    for c in components:
+        place = user_place(c.name)
+        totals[place] = totals.get(place, 0) + c.allocated
+    return totals
+
+
+def _codes(rows: list[Variant]) -> dict[str, str]:
+    """The code on each user's line the steps' saved and recomputed tensors name."""
+    return {user_place(c.name): c.source for r in rows
+            for c in (*r.breakdown.saved, *(r.breakdown.recomputed or ())) if c.source}
 
 
 def _by_role(b: Breakdown) -> dict[str, int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memcalc.tracing.tracer import CompiledLine
 
 @dataclass
 class Generated:
@@ -27,7 +28,7 @@ class Generated:
     of one comes from (``lines``: line number -> ``(where, code)``, for the trace's names)."""
 
     sources: dict[str, str] = field(default_factory=dict)
-    lines: dict[str, dict[int, tuple[str, str]]] = field(default_factory=dict)
+    lines: dict[str, dict[int, CompiledLine]] = field(default_factory=dict)
     last: str = ""
 
     def add(self, path: str) -> None:
@@ -53,22 +54,21 @@ _CALLED = re.compile(r"(\w+)\.run\(|extern_kernels\.(\w+)\(|torch\.ops\.\w+\.(\w
 
 
 def attribution(source: str, origins: dict[str, tuple[str, str]],
-                recomputed: frozenset[str] = frozenset()) -> dict[int, tuple[str, str]]:
-    """Each line of a wrapper's ``call`` as ``(where, code)``: a buffer's allocation named
+                recomputed: frozenset[str] = frozenset()) -> dict[int, CompiledLine]:
+    """Each line of a wrapper's ``call`` as a ``CompiledLine``: a buffer's allocation named
     by the buffer, the kernel that first writes it, and the user's line it computes
     (``buf4 by triton_poi_fused_gelu_1 at model.py:30``); any other line by the kernel
     it runs and the user's line. A kernel of a backward that computes only forward nodes
-    the partitioner chose to recompute (``recomputed``) says so (``..., recomputed, at``)."""
+    the partitioner chose to recompute (``recomputed``) is marked so (its buffers' role)."""
     lines = source.splitlines()
-    named: dict[int, tuple[str, str]] = {}
+    named: dict[int, CompiledLine] = {}
     for number, text in enumerate(lines, 1):
         allocated = _ALLOCATION.match(text)
         kernel, nodes = _writer(lines, number, allocated.group(1) if allocated else None)
         at = _origin(nodes, origins)
         label = f"{allocated.group(1)} by {kernel}" if allocated else kernel
-        if nodes and all(name in recomputed for name in nodes):
-            label += ", recomputed,"
-        named[number] = (f"{label} at {at[0]}" if at[0] else label.rstrip(","), at[1])
+        named[number] = CompiledLine(f"{label} at {at[0]}" if at[0] else label, at[1],
+                                     bool(nodes) and all(name in recomputed for name in nodes))
     return named
 
 

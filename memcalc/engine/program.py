@@ -37,6 +37,9 @@ class Role(str, Enum):
     output = "output"
     gradient = "gradient"
     temporary = "temporary"
+    # a compiled backward's buffer holding forward values the partitioner chose to
+    # recompute rather than save (``memcalc/compiling``)
+    recomputed = "recomputed"
     workspace = "workspace"
     parameter = "parameter"  # an nn.Module's parameters: resident, made before the step
     buffer = "buffer"  # registered buffers and module-level tensors: resident as well

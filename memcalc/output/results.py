@@ -129,6 +129,7 @@ def components_csv(b) -> Table:
 
 FIGURE_LABELS = {
     "saved_bytes": "saved for backward",
+    "recomputed_bytes": "recomputed in backward (compiled)",
     "forward_peak_bytes": "forward peak",
     "backward_peak_bytes": "backward peak",
     "optimizer_peak_bytes": "optimizer peak (step, zero_grad)",

@@ -65,6 +65,7 @@ class Kernel:
     v: torch.Tensor  # tensors alive (a padded flash node saves the padded copies)
     live: dict = field(default_factory=dict)
     kept: dict = field(default_factory=dict)  # saved for backward (autograd holds them)
+    roles: dict = field(default_factory=dict)  # each live tensor's role in the model
     padded: bool = False
     out_copy: bool = False
     inputs: int = 3  # the tensors the call takes and returns grads for: q, k, v (or packed)
@@ -85,10 +86,11 @@ class Kernel:
                     self.live[event.name] = real[event.name]() if event.name in real else \
                         torch.empty(event.shape, dtype=getattr(torch, event.dtype), device="meta")
                 self.tracer.adopt(self.live[event.name], self._component(event))
+                self.roles[event.name] = event.role  # the trace may report another
             elif isinstance(event, Free):
                 for name in event.names:
                     if name in self.live:
-                        if grad and self.tracer.role_of(self.live[name]) is Role.saved:
+                        if grad and self.roles[name] is Role.saved:
                             self.kept[name] = self.live.pop(name)
                         else:
                             del self.live[name]

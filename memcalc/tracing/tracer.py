@@ -20,11 +20,12 @@ from __future__ import annotations
 import inspect
 import linecache
 import os
+import re
 import sys
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -493,7 +494,9 @@ class Tracer(TorchDispatchMode):
             return
         where, code = _where() if located else ("", "")
         name = f"{part.name} ({where})" if located else part.name
-        named = part.model_copy(update={"name": name, "source": code, "bytes": storage.nbytes()})
+        role = Role.recomputed if located and _recomputing(part.role) else part.role
+        named = part.model_copy(update={"name": name, "source": code, "role": role,
+                                        "bytes": storage.nbytes()})
         note = self.dead.append
         self.refs[key] = weakref.ref(storage, lambda _, key=key: note(key))
         self._alloc(key, named)
@@ -531,10 +534,6 @@ class Tracer(TorchDispatchMode):
         live.component = live.component.model_copy(update=update)
         live.role = live.component.role
         self.events[self.order[key]] = ("alloc", key, live.component)
-
-    def role_of(self, t: torch.Tensor) -> Role:
-        """The role ``t``'s storage was tracked with."""
-        return self.ledger.live[t.untyped_storage()._cdata].component.role
 
     @contextmanager
     def quiet(self):
@@ -657,6 +656,10 @@ class TracerProbe:
         self.grads: set[int] = set()  # ids of the temporaries a backward left alive
         self.leaves: tuple = ()  # (name, tensor) of the leaves that need grad: q, a weight
         self.output_key = None
+        self.phase_start = 0  # the event log's length when the running phase started
+        # compiled code's recomputed buffers in the backward whose peak is kept (None: no
+        # compiled code ran)
+        self.recomputed: tuple[Component, ...] | None = None
 
     def allocated(self) -> int:
         self.tracer.mark("allocated")
@@ -671,7 +674,14 @@ class TracerProbe:
                           if c.role is Role.temporary}
         if peak > self.peaks.get(phase, (-1,))[0]:
             self.peaks[phase] = (peak, self.tracer.ledger.peak_live)
+            if phase == "backward" and GENERATED:
+                self.recomputed = self._recomputed()
         return peak
+
+    def _recomputed(self) -> tuple[Component, ...]:
+        """What the running phase allocated as ``Role.recomputed``, in order."""
+        return tuple(event[2] for event in self.tracer.events[self.phase_start:]
+                     if event[0] == "alloc" and event[2].role is Role.recomputed)
 
     def _name_grads(self) -> None:
         """Call each leaf's grad after it, keeping the node that made it
@@ -696,6 +706,7 @@ class TracerProbe:
         self.tracer.ledger.phase(phase)
         self.tracer.ledger.reset_peak()
         self.start = set(self.tracer.ledger.live)  # a forward's: a0, what it saves is not
+        self.phase_start = len(self.tracer.events)
 
     def block_bytes(self, tensor) -> int:
         """Block of ``out``, read right after the forward: the moment to note what the
@@ -706,6 +717,18 @@ class TracerProbe:
         self.saved = tuple(v.component for k, v in live.items()
                            if k not in self.start and k != key)
         return self.tracer.ledger.block_bytes(key)
+
+
+_PLACE = re.compile(r"(?:^| at )([^\s()]+:\d+)$")
+
+
+def user_place(name: str) -> str:
+    """``gpt.py:27``, the user's line, of a tracked component named ``addmm (gpt.py:27)``
+    or, made by compiled code, ``empty_strided (buf4 by addmm at gpt.py:27)``; ``""``
+    where it has none (a resident tensor, an autograd node's)."""
+    where = name.rpartition(" (")[2].removesuffix(")") if " (" in name else ""
+    found = _PLACE.search(where)
+    return found.group(1) if found else ""
 
 
 def located_name(name: str) -> tuple[str, str]:
@@ -743,20 +766,46 @@ def _thread() -> str:
     return "autograd" if torch._C._current_graph_task_id() != -1 else "main"
 
 
-# code a compiler generated, by file path: line number -> (where, code), the kernel and
-# the user's line it computes (``memcalc/compiling/wrapper.py``)
-GENERATED: dict[str, dict[int, tuple[str, str]]] = {}
+class CompiledLine(NamedTuple):
+    """A line of code a compiler generated, as its compiler named it."""
+
+    where: str  # the buffer, the kernel and the user's line: buf4 by triton_poi_... at m.py:30
+    code: str  # the user's code on that line
+    recomputed: bool = False  # a backward's kernel recomputing forward values (not saved)
+
+
+# code a compiler generated, by file path: line number -> its ``CompiledLine``
+# (``memcalc/compiling/wrapper.py``)
+GENERATED: dict[str, dict[int, CompiledLine]] = {}
+_UNNAMED = CompiledLine("compiled", "")
+
+
+def _compiled_line(depth: int = 3) -> CompiledLine | None:
+    """The line of generated code (``GENERATED``) the op was called from, if any."""
+    if not GENERATED:
+        return None
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename not in GENERATED:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return GENERATED[frame.f_code.co_filename].get(frame.f_lineno, _UNNAMED)
+
+
+def _recomputing(role: Role) -> bool:
+    """Whether a tensor in ``role`` made now is a compiled backward's recomputation of
+    forward values (a kernel's scratch too; not a cuBLAS workspace, the thread's own)."""
+    return role is not Role.workspace and _thread() == "autograd" and \
+        getattr(_compiled_line(), "recomputed", False)
 
 
 def _where() -> tuple[str, str]:
     """Where an op was called from: ``(file:line, code)`` of the innermost frame outside
     torch and this harness, or ``(autograd node, "")`` in backward, which has no user frame;
     a line of compiled code (``GENERATED``) as its compiler named it, in backward too."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename not in GENERATED:
-        frame = frame.f_back if GENERATED else None
-    if frame is not None:
-        return GENERATED[frame.f_code.co_filename].get(frame.f_lineno, ("compiled", ""))
+    compiled = _compiled_line()
+    if compiled is not None:
+        return compiled[:2]
     if _thread() == "autograd":
         node = torch._C._current_autograd_node()
         return (node.name() if node is not None else "autograd"), ""
@@ -849,7 +898,7 @@ def measure(config: Config, fn: Callable, capacity: int | None = None,
             for phase in ("forward", "backward", "optimizer")}
     result = Breakdown(config=config, forward_live=live["forward"],
                        backward_live=live["backward"], optimizer_live=live["optimizer"],
-                       saved=relabel(probe.saved),
+                       saved=relabel(probe.saved), recomputed=probe.recomputed,
                        reserved_peak_bytes=measured.reserved_peak_bytes)
     _check_consistent(result, measured)
     return result
