@@ -45,22 +45,19 @@ class SelfCompiled(MLP):
         self.compile()
 
 
-class Block(nn.Module):
-    """A GPT-2 block: pre-norm causal attention (12 heads) and MLP."""
+def _example(path: str, name: str):
+    """``name`` of the example file ``path`` (the repository's ``examples/``)."""
+    import importlib.util
+    from pathlib import Path
 
-    def __init__(self, d: int = D, heads: int = 12):
-        super().__init__()
-        self.heads, self.ln_1, self.ln_2 = heads, nn.LayerNorm(d), nn.LayerNorm(d)
-        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+    spec = importlib.util.spec_from_file_location(
+        Path(path).stem, Path(__file__).resolve().parents[1] / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
 
-    def forward(self, x):
-        b, n, d = x.shape
-        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2)
-                   for t in self.c_attn(self.ln_1(x)).split(d, dim=-1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(y.transpose(1, 2).reshape(b, n, d))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+Block = _example("examples/attention/gpt_block.py", "Block")  # a GPT-2 block, 12 heads
 
 
 EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
@@ -208,22 +205,27 @@ def test_a_compiled_gpt_block_equals_a_replay_of_its_wrapper():
     assert b.backward_peak_bytes == start + backward
 
 
-def tiny_llama():
-    """A two-layer Hugging Face Llama, float32, sized so that every tensor its step makes is
-    at most 1 MiB or a multiple of 2 MiB (the caching allocator's block is then the
-    request rounded to 512 B, as ``Counter`` counts)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
-                                      num_attention_heads=4, num_key_value_heads=4,
-                                      num_hidden_layers=2, vocab_size=1024)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(config)
+class LlamaStep(nn.Module):
+    """A two-layer Hugging Face Llama with its loss, float32, sized so that every tensor its
+    step makes is at most 1 MiB or a multiple of 2 MiB (the caching allocator's block is
+    then the request rounded to 512 B, as ``Counter`` counts)."""
+
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                          num_attention_heads=4, num_key_value_heads=4,
+                                          num_hidden_layers=2, vocab_size=1024)
+        config._attn_implementation = "sdpa"
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def loop_reference(model, step) -> tuple[int, int, int, int, int, object]:
-    """(saved, forward, backward and optimizer peaks, allocated at the end) of a training
-    loop's step as the protocol runs it (a warm-up step, then the measured one; the loss
+def loop_reference(step) -> tuple[int, int, int, int, int, object]:
+    """(saved, forward, backward and optimizer peaks, allocated at the end) of ``step``'s
+    training loop step as the protocol runs it (a warm-up step, then the measured one; the loss
     held until the next forward returns; AdamW's foreach path, as torch picks on CUDA), all
     from the counter's zero, which is before the inputs; and the op running at the
     backward's peak."""
@@ -239,7 +241,7 @@ def loop_reference(model, step) -> tuple[int, int, int, int, int, object]:
         compiled = compile_call(step)
         ids = torch.empty(1, LLAMA_N, dtype=torch.int64, device="meta")
         labels = torch.empty(1, LLAMA_N, dtype=torch.int64, device="meta")
-        optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+        optimizer = torch.optim.AdamW(step.parameters(), foreach=True)
         held = None
         for measured in (False, True):
             counter.peak = a0 = counter.now
@@ -265,23 +267,20 @@ LLAMA_N = 1024
 @pytest.mark.slow  # two compilations of a two-layer model: about a minute
 def test_a_compiled_hugging_face_llama_training_step_equals_a_replay_of_its_wrapper():
     """Its loss and AdamW, compiled whole as ``torch.compile`` compiles a step function."""
-    model = tiny_llama()
-
-    def step(input_ids, labels):
-        return model(input_ids=input_ids, labels=labels).loss
-
-    saved, forward, backward, optimizer, _, backward_in = loop_reference(model, step)
-    b = memcalc.trace(step, inputs={"input_ids": ("B", "N", "int64"),
+    with torch.device("meta"):
+        step = LlamaStep()
+    saved, forward, backward, optimizer, _, backward_in = loop_reference(step)
+    b = memcalc.trace(LlamaStep, inputs={"input_ids": ("B", "N", "int64"),
                                     "labels": ("B", "N", "int64")},
                       batch=1, seq_len=LLAMA_N, optimizer="adamw", compile="default")
     # resident from before the counter starts: the parameters (float32; none tied: the
     # embedding and lm_head 1024 x 256 each, per layer q, k, v, o 256 x 256, gate, up
     # 512 x 256, down 256 x 512, two RMSNorms 256, and the final norm 256), the rotary
-    # embedding's inv_freq (32 floats: one 512 B block), and the two threads' cuBLAS
-    # workspaces; each block a multiple of 512 B
+    # embedding's inv_freq and original_inv_freq (32 floats each: a 512 B block each), and
+    # the two threads' cuBLAS workspaces; each block a multiple of 512 B
     layer = 4 * (4 * 256 * 256 + 3 * 512 * 256 + 2 * 256)  # 2,623,488
     params = 4 * 2 * 1024 * 256 + 2 * layer + 4 * 256  # 7,345,152
-    start = params + 512 + 2 * 32 * MiB  # 74,454,528
+    start = params + 2 * 512 + 2 * 32 * MiB  # 74,455,040
     assert backward_in is not EFFICIENT_BACKWARD
     assert b.saved_bytes == saved
     assert (b.forward_peak_bytes, b.backward_peak_bytes, b.optimizer_peak_bytes) == (

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from cli_helpers import assert_refused, run  # noqa: E402
+from test_tracing_compiled import PLAIN  # noqa: E402
 from memcalc.compiling.variants import parse_budgets, parse_modes  # noqa: E402
 
 BLOCK = ("examples/attention/gpt_block.py:Block", "--input", "x=B,N,768", "--seq", "256",
@@ -146,22 +147,12 @@ def test_oom_refuses_a_budget_it_cannot_use_in_one_line(capsys, argv, option):
     assert_refused(code, out, err, option)
 
 
-TINY = ("import torch\nfrom torch import nn\n\n\n"
-        "class Model(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.lin = nn.Linear(64, 64)\n"
-        "\n"
-        "    def forward(self, x):\n"
-        "        return torch.relu(self.lin(x))\n")
-
-
 @pytest.mark.slow  # each length the searches try is compiled: about a minute in all
 def test_oom_gives_a_longest_length_per_step(tmp_path, capsys):
     """``oom --trace --compile eager,default --compile-budget 0,1``: a row per step, named
     by it, each answer checked by tracing that step at it and one row past it."""
     path = tmp_path / "tiny.py"
-    path.write_text(TINY)
+    path.write_text(PLAIN)  # Linear(64, 64), then relu
     target = f"{path}:Model"
     code, out, err = run(capsys, "oom", "--trace", target, "--input", "x=B,N,64",
                          "--batch", "1", "--gpu-gb", "0.6", "--compile", "eager,default",

@@ -16,13 +16,14 @@ BLOCKS = [(page.relative_to(shown_outputs.ROOT).as_posix(), command, shown)
 
 SLOW = ("examples/training/llama3_8b.py", "examples/training/torchtitan_llama3.py",
         "memcalc validate", "memcalc.validation.context_parallel", "validation/memtracker.py",
-        "--compile eager,default")
+        "--compile eager,default", "--compile-budget 0,1")
 """What makes a shown command slow (a minute or more each on a 2-core machine): Llama-3-8B's
 32 layers traced on the meta device, as Hugging Face and torchtitan build it (at six lengths
 for a search, ``oom --trace``; about 45 minutes with 8 ranks' ring attention), the whole validation grid and context parallelism's
 (``memcalc validate``, ``--cases cp``), the recorded ring runs given back rank by rank,
-torchtitan's 8B beside PyTorch's FSDPMemTracker, and a model compiled and eager side by
-side (each compiled by inductor: half a minute or more).
+torchtitan's 8B beside PyTorch's FSDPMemTracker, a model compiled and eager side by
+side (each compiled by inductor: half a minute or more), and the longest length a compiled
+step fits at two budgets (compiled at each length its search tries).
 Their checks run with ``-m slow``; what they rest on is checked quickly elsewhere: the
 search (``tests/test_solver.py``), traced training steps and FSDP
 (``tests/test_tracing_*.py``; FSDPMemTracker on torchtitan's small model in

@@ -156,13 +156,50 @@ def _matmuls_unpadded():
         pad_mm._should_pad = real
 
 
+def _shadowing_composites() -> list:
+    """The ops whose Python meta kernel shadows their CompositeImplicitAutograd kernel.
+
+    ``activate_meta`` (``torch/_meta_registrations.py``; 2.13 and 2.15 alike) registers a
+    decomposition as the Python ``Meta`` kernel of every op it has one for, composite ops
+    included (``nll_loss``, ``_fused_rms_norm``, ``dropout``, ...). Under the Python
+    dispatcher, which AOTAutograd runs while it traces the joint graph, an op with a kernel
+    of its own for ``Meta`` does not decompose above autograd on the meta device, so
+    autograd has no formula for it: ``cross_entropy``'s grad came out None, and with it
+    every grad before the loss (a compiled step with its loss ran its backward in the
+    forward, with None for a grad). On CUDA the composite runs, and with it autograd."""
+    from torch._C import DispatchKey
+    from torch._decomp import global_decomposition_table
+
+    return [op for table in global_decomposition_table.values() for op in table
+            if isinstance(op, torch._ops.OpOverload) and DispatchKey.Meta in op.py_kernels
+            and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(),
+                                                               "CompositeImplicitAutograd")]
+
+
+@contextmanager
+def _composites_decomposed():
+    """Inside, composite ops decompose above autograd on the meta device, as they do on
+    CUDA (``_shadowing_composites``); their Python meta kernels are put back after."""
+    from torch._C import DispatchKey
+
+    removed = {op: op.py_kernels.pop(DispatchKey.Meta) for op in set(_shadowing_composites())}
+    for op in removed:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in removed.items():
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
 def backend(paths, generated: wrapper.Generated):
     """The backend for ``torch.compile`` under a trace following ``paths``; the wrappers
     it writes go to ``generated``."""
     def compile_graph(gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
-        with _GpuComposites(paths), _joint_passes_on_cuda(), \
+        with _GpuComposites(paths), _joint_passes_on_cuda(), _composites_decomposed(), \
                 _RealTensorsOnCpu(), _matmuls_unpadded():
             return compile_fx(gm, example_inputs, inner_compile=_inner(generated))
     compile_graph.__name__ = "memcalc_inductor"
