@@ -56,6 +56,19 @@ def test_a_compiled_trace_leaves_torch_as_it_was(tmp_path, capsys):
     assert tracer.GENERATED == {}
 
 
+def test_a_triton_check_made_before_the_trace_without_a_gpu_does_not_stop_it(tmp_path,
+                                                                            capsys):
+    """torch caches whether triton can run (``has_triton``): asked before the trace on
+    this machine (no GPU), it says no; the trace asks again for its GPU, and leaves the
+    machine's answer after it."""
+    from torch.utils._triton import has_triton
+
+    assert not has_triton()  # cached: a torch.compile made here would find no triton
+    code, out, err = run(capsys, "trace", written(tmp_path), *ARGS)
+    assert code == 0, err
+    assert not has_triton()
+
+
 def test_a_preset_without_an_sm_count_is_refused():
     from memcalc.compiling.device import properties
     from memcalc.gpus import gpu_preset

@@ -129,6 +129,18 @@ def _triton_target(cc: tuple[int, int]):
         driver._active = before
 
 
+def _forget_device_answers() -> None:
+    """Drop what torch has cached of the device (``has_triton`` and its kin in
+    ``torch/utils/_triton.py``, ``functools.cache``d): asked once without a GPU (a
+    ``torch.compile`` run before the trace), they say there is no triton for good, and
+    asked inside ``device``, they would say there is one after it."""
+    import torch.utils._triton as triton_utils
+
+    for value in vars(triton_utils).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
 @contextmanager
 def device(gpu: GPU):
     """Inside, inductor and triton see ``gpu`` as CUDA device 0."""
@@ -136,6 +148,8 @@ def device(gpu: GPU):
 
     props = properties(gpu)
     with ExitStack() as stack:
+        _forget_device_answers()
+        stack.callback(_forget_device_answers)
         _patched(stack, torch.cuda, _cuda_answers(props))
         _patched(stack, CudaInterface, _interface_answers(props))
         stack.enter_context(_triton_target((props.major, props.minor)))
