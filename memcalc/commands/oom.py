@@ -50,54 +50,41 @@ def _events(text: str) -> int | None:
 
 
 def run(args) -> int:
-    from memcalc.config import first_accepted
-    from memcalc.output.progress import status
-    from memcalc.analysis.thresholds import PartialReport, solve
-
+    """Each step asked for solved (one, unless ``--compile eager,default`` or
+    ``--compile-budget`` ask for more), in one report; Ctrl-C: what is known so far."""
+    from memcalc.analysis.thresholds import PartialReport, merged
     from memcalc.names import solve_field
 
     field = solve_field(args.solve)
-    steps = compile_steps(args)
-    if args.trace is not None and (len(steps) > 1 or steps[0][1] is not None):
-        return _solve_steps(args, field, steps)
-    impls = impls_with_trace(args)
-    check_chunk(args, impls)
-    try:
-        with about_target(args.trace, compile=args.compile), status(f"solving {field}"):  # a loop: a minute
-            base = first_accepted(impls, **config_options(args))
-            report = solve(base, budget_from(args), field, impls, args.time_limit,
-                           work_limit=args.work_limit)
-    except PartialReport as stop:  # Ctrl-C: what is known so far is the whole answer
-        emit(stop.report, args.format)
-        return INTERRUPTED
-    emit(report, args.format)
-    return 0
-
-
-def _solve_steps(args, field, steps) -> int:
-    """``--compile eager,default`` or ``--compile-budget``: the target's largest length
-    for each step (``--impl``'s with the first), each solved in a compiler
-    session of its own (an activation budget holds for a whole session), in one report."""
-    import copy
-
-    from memcalc.analysis.thresholds import PartialReport, merged, solve
-    from memcalc.config import first_accepted
-    from memcalc.output.progress import status
-
+    steps = compile_steps(args) if args.trace is not None else ((args.compile, None),)
+    labelled = len(steps) > 1 or steps[0][1] is not None  # rows named by their step
     reports = []
     try:
         for index, (mode, activation_budget) in enumerate(steps):
-            one = copy.copy(args)
-            one.compile, one.impl = mode, args.impl if index == 0 else None
-            impls = impls_with_trace(one, activation_budget, several=True)
-            check_chunk(one, impls)
-            with about_target(args.trace, compile=mode, activation_budget=activation_budget), \
-                    status(f"solving {field}"):
-                base = first_accepted(impls, **config_options(one))
-                reports.append(solve(base, budget_from(args), field, impls, args.time_limit,
-                                     work_limit=args.work_limit))
-    except PartialReport as stop:
+            reports.append(_solved(args, field, index == 0, mode, activation_budget, labelled))
+    except PartialReport as stop:  # Ctrl-C: what is known so far is the whole answer
         emit(merged([*reports, stop.report]), args.format)
         return INTERRUPTED
     emit(merged(reports), args.format)
     return 0
+
+
+def _solved(args, field, first: bool, mode, activation_budget, labelled: bool):
+    """The report of one step: the target compiled as ``mode`` says at
+    ``activation_budget``, in a compiler session of its own (a budget holds for a whole
+    session), with ``--impl``'s implementations when ``first``."""
+    import copy
+
+    from memcalc.analysis.thresholds import solve
+    from memcalc.config import first_accepted
+    from memcalc.output.progress import status
+
+    one = copy.copy(args)
+    one.compile, one.impl = mode, args.impl if first else None
+    impls = impls_with_trace(one, activation_budget, several=labelled)
+    check_chunk(one, impls)
+    with about_target(args.trace, compile=mode, activation_budget=activation_budget), \
+            status(f"solving {field}"):  # a loop: a minute
+        base = first_accepted(impls, **config_options(one))
+        return solve(base, budget_from(args), field, impls, args.time_limit,
+                     work_limit=args.work_limit)
