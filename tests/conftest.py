@@ -14,6 +14,21 @@ for _name in ("COLUMNS", "LINES", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF
     os.environ.pop(_name, None)
 
 
+def pytest_configure(config):
+    """``-n`` without ``--dist``: pytest-xdist's ``worksteal``, not its ``load``, so that a
+    worker left idle takes the tests queued behind another worker's long one."""
+    if getattr(config.option, "dist", "no") == "load" and not any(
+            a.startswith("--dist") for a in config.invocation_params.args):
+        config.option.dist = "worksteal"
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked ``first`` (the slow suite's longest, most of an hour) before the
+    rest: the other workers share the rest meanwhile (``worksteal``), so the suite ends
+    about when that one does."""
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)
+
+
 @pytest.fixture(autouse=True)
 def registry_restored():
     """Every test leaves the registry as it found it: a function a test traces (as

@@ -33,11 +33,24 @@ against torch's (``tests/test_impls_ring.py``) and the recorded ranks, every eig
 (``tests/test_validate_context_parallel.py``)."""
 
 
+LONGEST = ("--cp 8",)
+"""What makes a slow command the longest (most of an hour on 2 cores): Llama-3-8B's longest
+length over 8 ranks with ring attention, each rank traced at each length the search fits.
+Marked ``first``: it starts before the rest (``tests/conftest.py``)."""
+
+
 def _checked(blocks):
-    """``pytest.param`` per block, ``page:index`` its id; the slow ones marked ``slow``."""
-    return [pytest.param(page, command, shown, id=f"{page}:{i}",
-                         marks=[pytest.mark.slow] if any(s in command for s in SLOW) else [])
+    """``pytest.param`` per block, ``page:index`` its id; the slow ones marked ``slow``, the
+    longest ``first`` too."""
+    return [pytest.param(page, command, shown, id=f"{page}:{i}", marks=_marks(command))
             for i, (page, command, shown) in enumerate(blocks)]
+
+
+def _marks(command: str) -> list:
+    if not any(s in command for s in SLOW):
+        return []
+    return [pytest.mark.slow] + ([pytest.mark.first] if any(s in command for s in LONGEST)
+                                 else [])
 
 
 def test_the_pages_show_commands():
@@ -52,6 +65,26 @@ def test_the_slow_blocks_are_the_minutes_long_ones():
     assert len(slow) >= 10 and {p.values[0] for p in slow} == {
         "docs/guides/training.md", "docs/concepts/validation.md", "docs/guides/several-gpus.md",
         "docs/guides/torchtitan.md", "docs/guides/compiled.md"}
+
+
+def test_the_longest_block_starts_first():
+    """The search over 8 ranks with ring attention is put first among the slow blocks
+    (``conftest.pytest_collection_modifyitems``), the others in the pages' order."""
+    import conftest
+
+    class Item:
+        def __init__(self, param):
+            self.param = param
+
+        def get_closest_marker(self, name):
+            return next((m for m in self.param.marks if m.name == name), None)
+
+    slow = [Item(p) for p in _checked(BLOCKS) if p.marks]
+    ordered = list(slow)
+    conftest.pytest_collection_modifyitems(ordered)
+    command = ordered[0].param.values[1]
+    assert command.startswith("COLUMNS=80 memcalc oom --trace") and "--cp 8" in command
+    assert ordered[1:] == [i for i in slow if i is not ordered[0]]
 
 
 @pytest.mark.parametrize("page, command, shown", _checked(BLOCKS))
