@@ -76,7 +76,8 @@ def solve_field(word: str, field: str = "--solve") -> str:
 
 # the kinds of case of a live validation run, in the order it takes them
 # (``memcalc.validation.cases``); here, so that the CLI lists them without importing it
-CASE_KINDS = ("oom-threshold", "fused", "usercode", "modelcode", "training", "grid")
+CASE_KINDS = ("oom-threshold", "fused", "usercode", "modelcode", "training", "compiled",
+              "grid")
 # and of an emulated one: the grid, and context parallelism's ranks
 # (``memcalc.validation.context_parallel``)
 EMULATED_KINDS = ("grid", "cp")

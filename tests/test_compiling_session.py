@@ -39,7 +39,8 @@ def test_what_is_not_followed_is_one_line(tmp_path, capsys, options, why):
 
 def test_meta_paths_cannot_compile_for_a_gpu(tmp_path, capsys):
     code, out, err = run(capsys, "trace", written(tmp_path), *ARGS, "--meta-paths")
-    assert_refused(code, out, err, "runs inside a trace on the GPU's code paths only")
+    assert_refused(code, out, err, "runs inside a trace on the GPU's code paths (not with "
+                                   "--meta-paths)")
 
 
 def test_a_compiled_trace_leaves_torch_as_it_was(tmp_path, capsys):
@@ -145,3 +146,16 @@ def test_torch_nns_own_encoder_layer_compiles_with_the_fused_kernel(tmp_path, ca
     eager = json.loads(run(capsys, *args)[1])
     assert any(c["name"].startswith("efficient out") for c in compiled["components"])
     assert compiled["saved_bytes"] < eager["saved_bytes"]
+
+
+def test_blocks_compiled_in_a_constructor_are_compiled_in_each_ranks_copy(capsys):
+    """``--fsdp`` shards a deep copy of the model per rank: the blocks its constructor
+    compiled (torchtitan's apply_compile: ``torch.compile(block)`` put in place) are the
+    trace's compiled blocks in the copy too, not dynamo's, which would trace the trace's
+    own torch-function modes into its graph and stop."""
+    code, out, err = run(capsys, "trace", "memcalc/validation/compiled.py:BlockCompiledLM",
+                         "--input", "ids=B,N:int64", "--input", "labels=B,N:int64",
+                         "--seq", "256", "--batch", "2", "--optimizer", "adamw", "--fsdp", "2")
+    assert code == 0, err
+    assert "fully_shard on each of the 2 OptimizedModule blocks" in out
+    assert "torch.compile followed as inductor compiles it for the GPU" in out

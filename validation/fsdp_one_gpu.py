@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from cp_one_gpu import allocator_events, recorded, write_report  # validation/: this folder
+from memcalc.compiling.session import calls, live_run
 from memcalc.config import make_config
 from memcalc.tracing import TraceOptions, bound, traced
 from memcalc.tracing.context_parallel import Ranks, fake_group
@@ -40,14 +41,18 @@ from memcalc.tracing.optimizers import loop_of
 from memcalc.tracing.target import Calling
 from memcalc.validation import cuda
 from memcalc.validation.compare import figures_of
+from memcalc.validation.compiled import BlockCompiledLM
 from memcalc.validation.fsdp import SETUPS
 from memcalc.validation.training import IDS, EagerTinyLM, TinyLM
 
 LENGTHS = (1024, 4096)
 # (name, module, sharding, optimizer): the emulated setups over the written-out model, then
-# the SDPA one (its fused kernel modelled) and the NCCL group of one
+# the SDPA one (its fused kernel modelled), the same with each block compiled in its
+# constructor (torchtitan's apply_compile before fully_shard: traced compiled for the preset
+# GPU, run as torch compiles it) and the NCCL group of one
 CASES = ([(name, EagerTinyLM, sharding, optimizer) for name, sharding, optimizer in SETUPS]
          + [("fsdp2-lm-sdpa-adamw", TinyLM, Sharding(2), "adamw"),
+            ("fsdp2-lm-blocks-compiled-adamw", BlockCompiledLM, Sharding(2), "adamw"),
             ("fsdp1-nccl-lm-adamw", EagerTinyLM, Sharding(1), "adamw")])
 
 
@@ -56,12 +61,14 @@ def calling_of(sharding: Sharding, optimizer: str, rank: int | None = None) -> C
 
 
 def trace_column(module: type, config, sharding: Sharding, optimizer: str, rank: int) -> dict:
-    """The tracer as ``rank``, on the meta device."""
+    """The tracer as ``rank``, on the meta device; torch.compile calls in the module's
+    constructor (torchtitan's per-block compile) compiled for the preset GPU."""
     from memcalc.tracing import prepared
 
-    fn = prepared(module, module.__name__)
-    return figures_of(traced(fn, config, TraceOptions(), calling=calling_of(
-        sharding, optimizer, rank)).breakdown)
+    with calls(None):
+        fn = prepared(module, module.__name__)
+        return figures_of(traced(fn, config, TraceOptions(), calling=calling_of(
+            sharding, optimizer, rank)).breakdown)
 
 
 def live_column(name: str, module: type, config, sharding: Sharding, optimizer: str,
@@ -73,8 +80,8 @@ def live_column(name: str, module: type, config, sharding: Sharding, optimizer: 
         dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=0,
                                 world_size=1)
     try:
-        with (_nothing() if nccl else fake_group(Ranks(sharding.world, rank))):
-            with torch.device("meta"):
+        with (_nothing() if nccl else fake_group(Ranks(sharding.world, rank))), live_run():
+            with torch.device("meta"):  # a constructor's torch.compile: torch's own
                 model = module()
             shard(model, sharding, device="cuda")
             model.to_empty(device="cuda")
@@ -121,8 +128,9 @@ def main(out: str, max_seconds: float = 240) -> None:
     env = cuda.environment(torch)
     rows: list[dict] = []
     for name, module, sharding, optimizer in CASES:
-        impl = register_function(prepared(module, name), f"fsdp-live:{name}",
-                                 calling_of(sharding, optimizer))
+        with calls(None):
+            impl = register_function(prepared(module, name), f"fsdp-live:{name}",
+                                     calling_of(sharding, optimizer))
         for n in LENGTHS:
             if time.monotonic() - start >= max_seconds:
                 break

@@ -14,8 +14,9 @@ kernels) goes through memcalc's allocator and kernel models as the eager step's 
 
 Modules, in the order the data flows: ``device.py`` (the GPU inductor compiles for),
 ``graphs.py`` (meta graphs to CUDA ones), ``wrapper.py`` (the generated code, run on meta),
-``backend.py`` (the ``torch.compile`` backend joining them), ``session.py`` (what a trace
-switches on while it runs, and ``torch.compile`` as the traced code calls it).
+``backend.py`` (the ``torch.compile`` backend joining them), ``live.py`` (the same calls
+compiled by torch on a real GPU, for ``validate --backend cuda``), ``session.py`` (what a
+trace switches on while it runs, and ``torch.compile`` as the traced code calls it).
 
 May import: ``tracing`` and what it may; not ``validation``, ``plots``, ``cli`` or
 ``commands``.

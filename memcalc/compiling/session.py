@@ -24,7 +24,7 @@ from contextvars import ContextVar
 
 import torch
 
-from memcalc.compiling import backend, device, wrapper
+from memcalc.compiling import backend, device, live, wrapper
 from memcalc.tracing.errors import NotModelled
 
 _GENERATED: ContextVar[wrapper.Generated | None] = ContextVar("memcalc_generated", default=None)
@@ -36,6 +36,8 @@ _ACTIVATION_BUDGET: ContextVar[float | None] = ContextVar("memcalc_activation_bu
 _BREAKS: ContextVar[list | None] = ContextVar("memcalc_graph_breaks", default=None)
 # opens the session where a model compiled in an earlier trace (a file imported once) runs
 _OPEN: ContextVar[object] = ContextVar("memcalc_compile_open", default=None)
+# closes the open session, if one is (a live run's code must not run in it: ``live_run``)
+_CLOSE: ContextVar[object] = ContextVar("memcalc_compile_close", default=None)
 
 # what torch.compile takes that memcalc follows, and why the rest is refused
 _MODES = (None, "default")
@@ -109,15 +111,28 @@ def calls(mode: str | None, option: str = "--compile", activation_budget: float 
                 stack.enter_context(session())
 
         def compiler(model, name: str, options: dict):
-            opened()
+            if not live.running():  # a live run's code runs outside the session
+                opened()
             return compile(model, name, options)
-        tokens = _OPEN.set(opened), _ACTIVATION_BUDGET.set(activation_budget)
+        tokens = (_OPEN.set(opened), _CLOSE.set(stack.close),
+                  _ACTIVATION_BUDGET.set(activation_budget))
         try:
             with traced_calls(mode, option, compiler):
                 yield
         finally:
-            _OPEN.reset(tokens[0])
-            _ACTIVATION_BUDGET.reset(tokens[1])
+            for var, token in zip((_OPEN, _CLOSE, _ACTIVATION_BUDGET), tokens):
+                var.reset(token)
+
+
+@contextmanager
+def live_run():
+    """Inside, the code's compiled calls run as torch compiles them on the GPU in hand, at
+    the budget a trace compiles them at (``live.py``; ``validate --backend cuda``); the
+    trace's session is closed first: its wrappers run on meta, its device is the preset's."""
+    if _CLOSE.get() is not None:
+        _CLOSE.get()()
+    with live.run(_ACTIVATION_BUDGET.get()):
+        yield
 
 
 @contextmanager
@@ -202,9 +217,19 @@ def compile(model, name: str, options: dict):
     compiled = torch._dynamo.optimize(
         backend=_backend, nopython=options.get("fullgraph", False), dynamic=False)(model)
     if isinstance(compiled, torch.nn.Module):
-        compiled.forward = _called(compiled.forward, name)
+        compiled.forward = _called(compiled.forward, name, model, options)
+        compiled.__dict__["__deepcopy__"] = functools.partial(_copied, model, name, options)
         return compiled
-    return _called(compiled, name)
+    return _called(compiled, name, model, options)
+
+
+def _copied(model, name: str, options: dict, memo: dict):
+    """A deep copy of a module compiled for the trace, compiled for it too: FSDP's trace
+    shards a copy of the model (``tracing/fsdp.py``), and torch rebuilds a copied
+    ``OptimizedModule`` from its ``__reduce__``, with dynamo's forward, not the trace's."""
+    import copy
+
+    return compile(copy.deepcopy(model, memo), name, options)
 
 
 def _backend(gm, example_inputs):
@@ -212,11 +237,14 @@ def _backend(gm, example_inputs):
     return backend.backend(_PATHS.get(), _GENERATED.get())(gm, example_inputs)
 
 
-def _called(fn, name: str):
-    """``fn``, a compiled callable, run for the trace's GPU without its torch-function
-    modes, a compiler failure said in one line."""
+def _called(fn, name: str, model, options: dict):
+    """``fn``, ``model`` compiled for traces, run for the trace's GPU without its
+    torch-function modes, a compiler failure said in one line; in a live run outside any
+    trace, ``model`` as torch compiles it for this GPU (``live.py``)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if live.running() and not _in_trace():  # validate --backend cuda: torch's own
+            return live.compiled(model, options)(*args, **kwargs)
         paths = _trace_paths(name)
         _check_autocast(name)
         if _OPEN.get() is None:
@@ -236,17 +264,27 @@ def _called(fn, name: str):
     return call
 
 
+def _in_trace() -> bool:
+    """Whether a trace on the GPU's code paths is running."""
+    from memcalc.tracing.cuda_paths import active_paths
+
+    try:
+        active_paths("torch.compile")
+    except NotModelled:
+        return False
+    return True
+
+
 def _trace_paths(name: str):
-    """The CUDA rules of the trace running now; one line outside a trace (a live GPU run
-    of the compiled code, ``validate --backend cuda``, is not wired yet)."""
+    """The CUDA rules of the trace running now; one line outside a trace and a live run."""
     from memcalc.tracing.cuda_paths import active_paths
 
     try:
         return active_paths(f"torch.compile({name})")
     except NotModelled:
         raise NotModelled(f"torch.compile({name}): memcalc's compiled code runs inside a "
-                          f"trace on the GPU's code paths only (not with --meta-paths, nor "
-                          f"live on a GPU yet: validate --backend cuda of compiled code)") from None
+                          f"trace on the GPU's code paths (not with --meta-paths), or in the "
+                          f"live run of validate --backend cuda") from None
 
 
 def _check_autocast(name: str) -> None:

@@ -9,6 +9,11 @@ Cases, in the order a run takes them (the most evidence per minute first):
   fused dropout, half-to-float softmax), whose model is the tracer;
 - ``modelcode``: ``memcalc/validation/modelcode.py`` (modules from hidden states, autocast
   around and inside them, module state, Hugging Face attention), whose model is the tracer;
+- ``training``: ``memcalc/validation/training.py`` (language models to their loss, with an
+  optimizer), whose model is the program ``oom --trace`` solves;
+- ``compiled``: ``memcalc/validation/compiled.py`` (a GPT block and a Hugging Face Llama
+  compiled whole at two activation memory budgets, blocks compiled in a constructor), whose
+  model is the tracer compiling for the preset GPU, run live as torch compiles it;
 - ``grid``: the shipped grid (the emulated backend's), re-targeted to the live device.
 
 For each case: the model (``predict``, or the tracer for user code), the emulated trace of
@@ -18,6 +23,7 @@ it, and the live run. ``compare.Check`` attributes the differences.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -46,6 +52,9 @@ class Case:
     # model code: ``fn`` is an nn.Module class, built on the device that runs it, and
     # called as this says (memcalc.tracing.Calling); None: fn(q, k, v)
     calling: object = None
+    # compiled code: (mode, activation budget) its torch.compile calls run at, as
+    # ``--compile`` and ``--compile-budget`` say; None: as the command runs them
+    compile: tuple[str | None, float | None] | None = None
 
     @property
     def key(self) -> str:
@@ -66,11 +75,23 @@ class Case:
 
         if not isinstance(self.fn, type):  # an instance or a function: its state is placed
             return bound(self.fn, self.config, self.calling)  # on the device as it runs
+        from memcalc.tracing import compiled
+
         with torch.device(device):
             module = self.fn()
         if self.calling.param_dtype:
             module.to(getattr(torch, self.calling.param_dtype))
-        return bound(module, self.config, self.calling)
+        return bound(compiled.target(module), self.config, self.calling)
+
+    def compiling(self):
+        """The compiler the case's code runs under (``memcalc.compiling``): its
+        ``compile``'s mode and budget; none of its own without one."""
+        if self.compile is None:
+            return nullcontext()
+        from memcalc.compiling.session import calls
+
+        mode, budget = self.compile
+        return calls(mode, activation_budget=budget)
 
     @property
     def loop(self):
@@ -94,9 +115,8 @@ class Case:
             if self.kind in FITTED_KINDS:
                 return self._fitted()
             if self.fn is not None:
-                from memcalc.tracing import Calling, prepared, trace
-
-                return self._traced(), "memcalc trace"
+                with self.compiling():
+                    return self._traced(), "memcalc trace"
             from memcalc.analysis.predict import predict
 
             return predict(self.config).figures(), ""
@@ -205,15 +225,27 @@ def training_cases(env: dict[str, str]) -> list[Case]:
     return _code_cases("training", training_code(), register(), env)
 
 
-def _code_cases(kind: str, codes: dict, names: dict[str, str], env: dict[str, str]
-                ) -> list[Case]:
+def _code_cases(kind: str, codes: dict, names: dict[str, str], env: dict[str, str],
+                compiles: dict[str, tuple] | None = None) -> list[Case]:
     """Each module of ``codes`` (registered as ``names``) at two lengths, batch 2, fp32
-    inputs (autocast, the parameters' dtype and the training loop as its calling says)."""
+    inputs (autocast, the parameters' dtype and the training loop as its calling says);
+    compiled as ``compiles`` says of it (``Case.compile``)."""
     from memcalc.validation.cuda import live_config
 
     return [Case(kind, live_config(Config(impl=names[key], shape=Shape(batch=2, seq_len=n)),
-                                   env), code.module, calling=code.calling)
+                                   env), code.module, calling=code.calling,
+                 compile=(compiles or {}).get(key))
             for key, code in codes.items() for n in (1024, 4096)]
+
+
+def compiled_cases(env: dict[str, str]) -> list[Case]:
+    """Each compiled step (``memcalc/validation/compiled.py``) at two lengths, batch 2,
+    compiled in its mode at its budget."""
+    from memcalc.validation.compiled import compiled_code, register
+
+    codes = compiled_code()
+    return _code_cases("compiled", {key: code for key, (code, _, _) in codes.items()},
+                       register(), env, {key: (mode, b) for key, (_, mode, b) in codes.items()})
 
 
 def oom_cases(env: dict[str, str], capacity: int) -> list[Case]:
@@ -241,6 +273,7 @@ def all_cases(kinds: tuple[str, ...], grid_configs: list[Config], env: dict[str,
              "usercode": lambda: usercode_cases(env),
              "modelcode": lambda: modelcode_cases(env),
              "training": lambda: training_cases(env),
+             "compiled": lambda: compiled_cases(env),
              "grid": lambda: grid_cases(grid_configs, env)}
     cases = [c for kind in KINDS if kind in kinds for c in build[kind]()]
     return [c for c in cases if impls is None or c.config.impl in impls]
@@ -268,8 +301,9 @@ def _live(case: Case, gpu) -> tuple[str, dict[str, int] | None, str]:
     from memcalc.validation.compare import figures_of
 
     try:
-        m = gpu.measure(case.config, case.code(gpu.device), case.capacity, case.inputs,
-                        case.loop)
+        with case.compiling(), _compiled_live():
+            m = gpu.measure(case.config, case.code(gpu.device), case.capacity, case.inputs,
+                            case.loop)
     except gpu.oom_errors as error:
         return "oom", None, one_line(error)
     except Exception as error:  # noqa: BLE001 - an unsupported kernel, say: recorded
@@ -277,8 +311,21 @@ def _live(case: Case, gpu) -> tuple[str, dict[str, int] | None, str]:
     return "measured", figures_of(m), ""
 
 
+def _compiled_live():
+    """Compiled code run by torch on the GPU (``memcalc.compiling.session.live_run``) where the code
+    is compiled (a compiler is given); nothing otherwise."""
+    from memcalc.tracing import compiled
+
+    if not compiled.compiling():
+        return nullcontext()
+    from memcalc.compiling.session import live_run
+
+    return live_run()
+
+
 def _scratch(case: Case, gpu) -> dict[str, int]:
     try:
-        return gpu.scratch(case.config, case.code(gpu.device), case.inputs, case.loop)
+        with case.compiling(), _compiled_live():
+            return gpu.scratch(case.config, case.code(gpu.device), case.inputs, case.loop)
     except Exception:  # noqa: BLE001 - a diagnostic: its failure must not lose the run
         return {}
