@@ -98,8 +98,8 @@ class FakeGpu(cuda.LiveGpu):
         from memcalc.tracing import TraceOptions, paths_for
 
         paths = paths_for(config, TraceOptions()) if self.cuda_paths else None
-        tracer = Tracer(config.workspace_bytes * self.workspace_factor, capacity, paths,
-                        gpu_of(config.dims))
+        tracer = self.tracer = Tracer(config.workspace_bytes * self.workspace_factor, capacity,
+                                      paths, gpu_of(config.dims))
         probe = TracerProbe(tracer)
         return _running(tracer, self.running), (ExtraReserved(probe, self.extra_reserved)
                                                 if self.extra_reserved else probe)
@@ -115,11 +115,26 @@ class FakeGpu(cuda.LiveGpu):
         return calibrate(self.cuda, allocate, used_before)
 
     def measure(self, config, fn, capacity=None, inputs=None, *loop):
+        from unittest import mock
+
         from memcalc.engine.inputs import QKV
 
         self.runs.append(config)
         self.running = fn
-        return super().measure(config, self._with_scratch(fn), capacity, inputs or QKV, *loop)
+        with mock.patch.object(cuda, "_release", self._release):
+            return super().measure(config, self._with_scratch(fn), capacity, inputs or QKV,
+                                   *loop)
+
+    def _release(self, torch):
+        """``cuda._release`` on this GPU: the cuBLAS workspaces freed
+        (``_cuda_clearCublasWorkspaces``: the next cuBLAS call makes its thread's again) and
+        the cached segments released (``empty_cache``), as between the harness's forward
+        for the output's shape and the protocol."""
+        ledger = self.tracer.ledger
+        for key in [k for k in ledger.live if isinstance(k, tuple) and
+                    str(k[0]).endswith("_workspace")]:
+            ledger.free(key)
+        ledger.allocator.empty_cache()
 
     def _with_scratch(self, fn):
         if not self.forward_scratch:

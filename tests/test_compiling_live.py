@@ -69,3 +69,19 @@ def test_a_compiled_case_runs_live_beside_its_trace():
     assert check.outcome == "measured" and check.emulated_outcome == "absent"
     assert check.predicted == check.measured and check.ok, check.differences
     assert check.model_detail == "memcalc trace"
+
+
+def test_a_recorded_compiled_case_is_given_back_by_the_trace():
+    """``recorded.recheck`` compiles a recorded compiled case as the case says (mode and
+    budget): the figures the live column measured on the fake GPU are given back, and one
+    more block of 512 B at the peak is a difference of 512 B."""
+    from memcalc.validation.recorded import recheck
+
+    case = next(c for c in cases.compiled_cases(FAKE_ENV)
+                if c.config.impl.endswith("gpt-block-budget-0.5") and c.config.shape.seq_len == 1024)
+    check = cases.run_case(case, FakeGpu(cuda_paths=True))
+    assert check.ok and check.measured == check.predicted
+    report = {"environment": FAKE_ENV, "checks": [check.model_dump(mode="json")]}
+    assert recheck(report) == []
+    report["checks"][0]["measured"]["peak_bytes"] += 512
+    assert recheck(report) == [("compiled", case.config.impl, {"peak_bytes": 512})]

@@ -28,8 +28,8 @@ def add_arguments(parser) -> None:
                              "many seconds (rerun with the same --out to resume)")
     parser.add_argument("--cases", default=None,
                         help=f"comma-separated kinds of cases: with --backend cuda, of "
-                             f"{','.join(CASE_KINDS)} (default: all, in that order); "
-                             f"emulated, of {','.join(EMULATED_KINDS)} (default: grid; cp: "
+                             f"{', '.join(CASE_KINDS)} (default: all, in that order); "
+                             f"emulated, of {', '.join(EMULATED_KINDS)} (default: grid; cp: "
                              f"context parallelism, every rank against torch's ring attention)")
     format_options(parser)
     parser.add_argument("--trace", metavar="FILE.py:FUNCTION", default=None,

@@ -21,7 +21,7 @@ from pathlib import Path
 from memcalc.config import Config
 
 KEPT_GRADS = "model code: the recorded run kept the parameters' grads (harness before the fix)"
-TRACED = ("usercode", "modelcode", "training")  # cases whose model is the tracer
+TRACED = ("usercode", "modelcode", "training", "compiled")  # cases whose model is the tracer
 
 
 def recheck(report: dict) -> list[tuple[str, str, dict | str]]:
@@ -67,12 +67,16 @@ def _user_cases(report: dict) -> list:
 
 
 def _traced_figures(case, env: dict) -> dict:
+    """The tracer's figures of ``case`` under the rules of the release that ran it; a
+    compiled case compiled by the installed torch's compiler (inductor's choices are its
+    release's: a run recorded on another is compared with this one's)."""
     from memcalc.tracing import Calling, TraceOptions, prepared, trace
     from memcalc.impls.sdpa_select import Release
 
-    fn = prepared(case.fn, case.config.impl) if case.calling else case.fn
     options = TraceOptions(release=Release.of(env["torch"]))
-    return trace(fn, case.config, options, calling=case.calling or Calling()).figures()
+    with case.compiling():
+        fn = prepared(case.fn, case.config.impl) if case.calling else case.fn
+        return trace(fn, case.config, options, calling=case.calling or Calling()).figures()
 
 
 def main(argv: list[str]) -> int:
