@@ -23,9 +23,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked ``first`` (the slow suite's longest, most of an hour) before the
-    rest: the other workers share the rest meanwhile (``worksteal``), so the suite ends
-    about when that one does."""
+    """The tests marked ``first`` (among the slow suite's longest) before the rest: the
+    other workers share the rest meanwhile (``worksteal``), so that no long test starts
+    last."""
     items.sort(key=lambda item: item.get_closest_marker("first") is None)
 
 
