@@ -78,7 +78,8 @@ def test_a_recorded_compiled_case_is_given_back_by_the_trace():
     from memcalc.validation.recorded import recheck
 
     case = next(c for c in cases.compiled_cases(FAKE_ENV)
-                if c.config.impl.endswith("gpt-block-budget-0.5") and c.config.shape.seq_len == 1024)
+                if c.config.impl.endswith("gpt-block-budget-0.5")
+                and c.config.shape.seq_len == 1024)
     check = cases.run_case(case, FakeGpu(cuda_paths=True))
     assert check.ok and check.measured == check.predicted
     report = {"environment": FAKE_ENV, "checks": [check.model_dump(mode="json")]}

@@ -312,8 +312,8 @@ def _live(case: Case, gpu) -> tuple[str, dict[str, int] | None, str]:
 
 
 def _compiled_live():
-    """Compiled code run by torch on the GPU (``memcalc.compiling.session.live_run``) where the code
-    is compiled (a compiler is given); nothing otherwise."""
+    """Compiled code run by torch on the GPU (``memcalc.compiling.session.live_run``)
+    where the code is compiled (a compiler is given); nothing otherwise."""
     from memcalc.tracing import compiled
 
     if not compiled.compiling():

@@ -16,7 +16,7 @@ import torch
 
 from memcalc.tracing.optimizers import loop_of
 from memcalc.tracing.target import Calling
-from memcalc.validation.modelcode import HIDDEN, WIDTH, FusedQKV, ModelCode
+from memcalc.validation.modelcode import HIDDEN, FusedQKV, ModelCode
 from memcalc.validation.training import IDS, Block, TinyLM, _hf_llama_lm
 
 BUDGETS = (1.0, 0.5)
