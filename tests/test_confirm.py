@@ -91,3 +91,22 @@ def test_a_fragile_answer_says_which_shorter_lengths_do_not_fit():
     assert any("fragile: 4,152,352 and 4,190,096 do not fit" in n for n in report.footnotes())
     (plain,) = solve(make_config(impl="naive"), budget, "seq_len", ["naive"]).results
     assert plain.holes == ()
+
+
+def sdpa_causal(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_under_context_parallelism_the_answer_is_confirmed_rank_by_rank():
+    """The ring over 2 ranks, in 256 MiB: each rank's program is its own (causal, the
+    ranks hold other halves of the blocks at each step), and the answer is traced directly,
+    every rank, at it and at the next length the ring takes. (The confirmation was once
+    skipped under --cp, and every rank solved as rank 0.)"""
+    name = register_function(sdpa_causal, "confirmed-ring")
+    (solved,) = solve(make_config(impl=name, batch=1, cp=2, causal=True, dtype="bf16"), BUDGET,
+                      "seq_len", [name]).results
+    n, after = solved.max_value, solved.next_value
+    assert "confirmed by direct traces at" in solved.note
+    assert f"{n:,} (fits) and {after:,} (does not fit)" in solved.note
+    at = make_config(impl=name, batch=1, seq_len=n, cp=2, causal=True, dtype="bf16")
+    assert solved.at_max == fit(at, BUDGET.budget_bytes, trace(sdpa_causal, at))

@@ -490,7 +490,9 @@ def test_the_fitted_program_under_context_parallelism_is_the_ranks_step(layout):
     """What ``oom --trace`` and ``sweep --trace`` solve: the program fitted over a rank's
     rows (multiples of 256 from 15,616: the ring takes a rank's rows in two chunks) with
     the ring in it, equal to a direct trace at 32,768 positions (16,384 a rank), figure by
-    figure. (It was fitted without the ring: a search then fell back to direct traces.)"""
+    figure, and each rank's peaks those of that rank's trace (on the mesh, the ranks at
+    dp_shard 0). (It was fitted without the ring: a search then fell back to direct traces.
+    Then every rank was fitted as rank 0: rank 1's peak came out above its trace's.)"""
     from memcalc.analysis.predict import predict
     from memcalc.config import Mesh
     from memcalc.tracing import Calling, load_function, register_function
@@ -505,4 +507,7 @@ def test_the_fitted_program_under_context_parallelism_is_the_ranks_step(layout):
                       loop=loop_of("adamw"), fsdp=sharding)
     name = register_function(gpt, "gpt", calling)
     fitted = predict(memcalc.make_config(impl=name, seq_len=32768, batch=1, cp=2))
-    assert _figures(fitted) == _figures(_gpt(seq_len=32768, **layout))
+    traced = _gpt(seq_len=32768, **layout)
+    assert _figures(fitted) == _figures(traced)
+    assert fitted.rank_peaks == traced.rank_peaks[:2]
+    assert fitted.rank_reserved == traced.rank_reserved[:2]

@@ -28,7 +28,7 @@ def confirmed(solved: Solved, config: Config, budget_bytes: int,
     direct traces at its two values and a note of how it was found; ``search()`` solves
     again, on direct traces alone, where they disagree."""
     impl = get_impl(config.impl)
-    if impl.exact is None or config.cp > 1:
+    if impl.exact is None:
         return solved
     how = impl.how(config.dims)
     values = [v for v in (solved.max_value, solved.next_value) if v]
@@ -50,10 +50,10 @@ def confirmed(solved: Solved, config: Config, budget_bytes: int,
 
 
 def _traced_fit(config: Config, budget_bytes: int) -> Fit:
-    """``config``'s fit from a direct trace of its code."""
-    program = get_impl(config.impl).exact(config.dims)
-    return fit(config, budget_bytes, predict(config, program=program),
-               lambda capacity: predict(config, capacity, program=program))
+    """``config``'s fit from a direct trace of its code (of each rank's, under ``--cp``)."""
+    build = get_impl(config.impl).exact
+    return fit(config, budget_bytes, predict(config, build=build),
+               lambda capacity: predict(config, capacity, build=build))
 
 
 def _on_direct_traces(impl, search: Callable[[], Solved]) -> Solved:

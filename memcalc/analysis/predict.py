@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Callable
 
 from memcalc.analysis.breakdown import Breakdown
 from memcalc.config import Config
 from memcalc.engine.allocator import MirrorBroken
 from memcalc.engine.component import Component
-from memcalc.engine.program import Program, Role, Tensor
+from memcalc.engine.program import Dims, Program, Role, Tensor
 from memcalc.engine.replay import Ledger, collector_paused, replay, step_inputs
 from memcalc.impls import get_impl
 from memcalc.impls.ring import step_program
@@ -37,55 +38,62 @@ def shared_predictions():
         _SHARED.reset(token)
 
 
+# a step's program at one rank's sizes (``Dims``, ``cp_rank`` among them), in place of its
+# implementation's: a direct trace of traced code where its own is fitted (``Impl.exact``)
+Build = Callable[[Dims], Program]
+
+
 def predict(config: Config, capacity: int | None = None, ledger: Ledger | None = None,
-            program: Program | None = None) -> Breakdown:
-    """The breakdown of one step of ``config``, by replaying its program (or ``program``,
-    another of the same step: a direct trace of traced code where its own is fitted).
+            build: Build | None = None) -> Breakdown:
+    """The breakdown of one step of ``config``, by replaying its program (or the programs
+    ``build`` makes of each rank's step).
 
     With ``capacity``, raises ``OutOfMemory`` where the device would; pass a recording
     ``ledger`` to keep the event history."""
     shared = _SHARED.get()
-    if shared is not None and capacity is None and ledger is None and program is None:
+    if shared is not None and capacity is None and ledger is None and build is None:
         if config not in shared:
             shared[config] = _predict(config, None, None, None)
         return shared[config]
-    return _predict(config, capacity, ledger, program)
+    return _predict(config, capacity, ledger, build)
 
 
 def _predict(config: Config, capacity: int | None, ledger: Ledger | None,
-             program: Program | None) -> Breakdown:
+             build: Build | None) -> Breakdown:
     with collector_paused():  # on again once the program and the replay's ledger are gone
-        return _replayed(config, capacity, ledger, program)
+        return _replayed(config, capacity, ledger, build)
 
 
 def _replayed(config: Config, capacity: int | None, ledger: Ledger | None,
-              program: Program | None = None) -> Breakdown:
+              build: Build | None = None) -> Breakdown:
     """The replay, its small pool mirrored in the measured step where that is exact; a
     ledger of the caller's (its history is read afterwards) is never mirrored under a
     capacity, since a release there would have to replay it again."""
     if ledger is not None:
         ledger.allocator.may_mirror = capacity is None
-        return _replayed_in(config, ledger, program)
+        return _replayed_in(config, ledger, build)
     try:
         ledger = Ledger(config.workspace_bytes, capacity, settings=config.protocol.allocator)
-        return _replayed_in(config, ledger, program)
+        return _replayed_in(config, ledger, build)
     except MirrorBroken:  # the capped measured step released segments: every decision made
         ledger = Ledger(config.workspace_bytes, capacity, settings=config.protocol.allocator)
         ledger.allocator.may_mirror = False
-        return _replayed_in(config, ledger, program)
+        return _replayed_in(config, ledger, build)
 
 
-def _replayed_in(config: Config, ledger: Ledger, program: Program | None = None) -> Breakdown:
+def _replayed_in(config: Config, ledger: Ledger, build: Build | None = None) -> Breakdown:
     """One GPU's step; under context parallelism, every rank's (each in a ledger of its
     own: a rank that runs out is the step's ``OutOfMemory``), the busiest one's shown
     (``busiest``)."""
     d = config.dims
+    of = build or (lambda rank_dims: None)  # None: the implementation's own
     if d.cp == 1:
-        return _rank_replayed(config, d, ledger, program)
-    ranks = [_rank_replayed(config, d.replace(cp_rank=r), _like(ledger, config))
-             for r in range(d.cp)]
+        return _rank_replayed(config, d, ledger, of(d))
+    ranks = [_rank_replayed(config, d.replace(cp_rank=r), _like(ledger, config),
+                            of(d.replace(cp_rank=r))) for r in range(d.cp)]
     rank = busiest(ranks)
-    return ranked(_rank_replayed(config, d.replace(cp_rank=rank), ledger), rank, ranks)
+    return ranked(_rank_replayed(config, d.replace(cp_rank=rank), ledger,
+                                 of(d.replace(cp_rank=rank))), rank, ranks)
 
 
 def ranked(shown: Breakdown, rank: int, ranks: list[Breakdown]) -> Breakdown:

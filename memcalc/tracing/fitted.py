@@ -5,7 +5,7 @@ code then works everywhere a built-in does: ``predict``, OOM solving, sweeps."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Callable
 
@@ -314,7 +314,7 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling(),
             raise TraceError("--kv-len: traced code is solved with kv_len = seq_len")
         key = d.__class__(**{**d.__dict__, "N": 0, "M": 0})
         if key not in made:
-            made[key] = programs_of(fn, _config_of(name, d), calling, options)
+            made[key] = programs_of(fn, _config_of(name, d), _as_rank(calling, d), options)
         return made[key]
 
     rules = (Accepted("seq_len", multiple_of, kernel="the search (--multiple-of)",
@@ -327,6 +327,21 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling(),
              how=lambda d: programs(d).describe(), title=_title(calling, fsdp_in_title)),
         replace=True)
     return name
+
+
+def _as_rank(calling: Calling, d: Dims) -> Calling:
+    """``calling`` as the rank whose step ``d`` is: under ``--cp``, the first rank at
+    ``d.cp_rank`` in the ring (on a ``--mesh``, the one at dp_shard 0, as FSDP alone
+    solves rank 0); else as given. Each rank of the ring holds other blocks at each step
+    (causal: a half of its queries or of the keys), so its step is its own. (Every rank
+    was once traced as rank 0: ``oom --trace --cp 8`` on Llama-3-8B answered 67,072,
+    where the busiest rank does not fit.)"""
+    if d.cp == 1 or calling.rank is not None:
+        return calling
+    mesh = calling.fsdp.mesh if calling.fsdp is not None else None
+    rank = d.cp_rank if mesh is None else next(
+        r for r in range(mesh.ranks) if mesh.coordinates(r)["cp"] == d.cp_rank)
+    return replace(calling, rank=rank)
 
 
 def _title(calling: Calling, fsdp: bool = True) -> Callable[[str], str]:

@@ -321,7 +321,7 @@ class Calling:
     around it (an optimizer, accumulated micro-steps: ``memcalc.tracing.optimizers``), and
     FSDP2 over its ranks (``memcalc.tracing.fsdp.Sharding``; None: one GPU holds it all);
     ``rank``: the one rank traced, whose program is fitted (None: every rank traced and the
-    busiest shown, rank 0's program fitted)."""
+    busiest shown; rank 0's program fitted, under ``--cp`` each place in the ring's)."""
 
     inputs: tuple[Input, ...] = QKV
     autocast: str | None = None
