@@ -55,13 +55,15 @@ class Impl:
     title: Callable[[str], str] | None = None
     # what it runs as with d's sizes, shown beside its name (``sdpa``: the kernel picked)
     runs: Callable[[Dims], str] | None = None
+    # traced code under --cp: the implementation whose kernel its ring runs, as its traces
+    # saw it ("sdpa-efficient"; "": flash's or cuDNN's), for the lengths the ring takes
+    ring_kernel: Callable[[Dims], str] | None = None
 
     def rule(self, d: Dims, field: str) -> Accepted:
         """The values of ``field`` this implementation accepts with ``d``'s other sizes."""
-        if d.cp > 1 and field in ("seq_len", "kv_len"):  # the ring's sharding (a traced
-            # function's kernel is the backend rules' choice: 2P, as flash's and cuDNN's)
-            return context_parallel(d.cp, field, "" if self.user_code else self.name,
-                                    d.cp_method)
+        if d.cp > 1 and field in ("seq_len", "kv_len"):  # the ring's sharding
+            kernel = self.ring_kernel(d) if self.ring_kernel else self.name
+            return context_parallel(d.cp, field, kernel, d.cp_method)
         return next((a for a in self.accepted(d) if a.field == field), every(field))
 
     def program(self, d: Dims) -> Program:

@@ -16,6 +16,7 @@ from memcalc.impls.device import gpu_of
 from memcalc.impls.embedding import EmbeddingBackward
 from memcalc.impls.packed_copies import ChunkCat, SplitCopy
 from memcalc.impls.reductions import Reduction
+from memcalc.impls.sdpa_select import EFFICIENT
 from memcalc.tracing.direct import TraceOptions, mesh_of, paths_for, rank_state
 from memcalc.tracing.errors import NotPolynomial, TraceError
 from memcalc.tracing.explain import called_with, guarded
@@ -70,16 +71,19 @@ def _interpolate(xs, ys) -> Poly:
 
 def traced_program(fn: Callable, config: Config, calling: Calling = Calling(),
                    options: TraceOptions | None = None,
-                   lengths: tuple[int, ...] = SAMPLE_LENGTHS) -> Callable[[int], Program]:
+                   lengths: tuple[int, ...] = SAMPLE_LENGTHS,
+                   kernels: dict | None = None) -> Callable[[int], Program]:
     """``fn``'s program at any seq_len, from traces at ``lengths`` under ``config`` (its
     seq_len ignored; key/value length follows seq_len), resident state and inputs included:
     what a direct trace holds from the start, the fitted program holds too. A
-    ``NotPolynomial`` when a size is not a polynomial in N at those lengths."""
+    ``NotPolynomial`` when a size is not a polynomial in N at those lengths. ``kernels``:
+    a dict to add the fused SDPA backends its ring ran to (under ``--cp``)."""
     if config.shape.kv_len is not None:
         raise TraceError("--kv-len: traced code is solved with kv_len = seq_len")
     call = bound(fn, config, calling)
     options = options or TraceOptions()
-    samples = [_sample_events(call, config, n, calling.inputs, options) for n in lengths]
+    samples = [_sample_events(call, config, n, calling.inputs, options, kernels)
+               for n in lengths]
     _check_same_structure(samples)
     labels = [label for label, _ in samples[0]]
     fitted = [_fit_events([s[i][1] for s in samples], lengths) for i in range(len(labels))]
@@ -88,12 +92,13 @@ def traced_program(fn: Callable, config: Config, calling: Calling = Calling(),
 
 
 def direct_program(fn: Callable, config: Config, calling: Calling = Calling(),
-                   options: TraceOptions | None = None) -> Program:
+                   options: TraceOptions | None = None, kernels: dict | None = None
+                   ) -> Program:
     """``fn``'s program at exactly ``config``'s sizes, from one trace: what a fitted
     program gives at that length, where no fitted program holds."""
     call = bound(fn, config, calling)
     segments = _sample_events(call, config, config.dims.N, calling.inputs,
-                              options or TraceOptions())
+                              options or TraceOptions(), kernels)
     gpu = gpu_of(config.dims)
     return _program([(label, _at([_constant(e) for e in events], 0, gpu))
                      for label, events in segments])
@@ -133,7 +138,8 @@ def _at(fitted: list, n: int, gpu) -> tuple:
 
 
 def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...],
-                   options: TraceOptions) -> list[tuple[str, list]]:
+                   options: TraceOptions, kernels: dict | None = None
+                   ) -> list[tuple[str, list]]:
     from memcalc.tracing.tracer import Tracer, TracerProbe, run_traced
 
     # ``n``: one rank's rows; under context parallelism the sequence is cp times as long
@@ -148,6 +154,8 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
             run_traced(sample, on_rank, tracer, probe, state, like, inputs, call.loop)
 
     guarded(run, call.fn, called_with(sample, inputs))
+    if kernels is not None and tracer.paths is not None:
+        kernels.update(tracer.paths.kernels)  # under --cp: the backends its ring ran
     return step_events(tracer, probe)
 
 
@@ -240,6 +248,13 @@ class Programs:
     start: int = 1
     why: str = ""
     traced: dict[int, Program] = field(default_factory=dict)
+    kernels: dict[str, None] = field(default_factory=dict)  # the ring's SDPA backends
+
+    def ring_kernel(self) -> str:
+        """The implementation whose lengths the ring takes, by the backends its traces
+        ran: the memory-efficient kernel's (multiples of 64 P: its logsumexp is padded to
+        32 rows; torch fails on others, on a GPU too) where it ran, else "" (2 P)."""
+        return "sdpa-efficient" if EFFICIENT in self.kernels else ""
 
     def holds(self, n: int) -> bool:
         return self.fitted is not None and n >= self.start and n % self.step == 0
@@ -272,20 +287,23 @@ def programs_of(fn: Callable, config: Config, calling: Calling = Calling(),
     """``fn``'s ``Programs`` under ``config``'s sizes but seq_len: fitted at every length
     where it can be, else at multiples of ``PADDED`` (padded buffers), else none (the ops
     change with the length beyond it too): then each length is traced as it is asked for."""
+    kernels: dict[str, None] = {}
     direct = lambda n: direct_program(fn, config.replace(seq_len=n * config.cp),  # noqa: E731
-                                      calling, options)
+                                      calling, options, kernels)
     try:
         if config.cp > 1:  # the ring shards even lengths only (2 chunks a rank)
             raise NotPolynomial("context parallelism: the ring takes a rank's rows in two "
                                 "chunks")
-        return Programs(traced_program(fn, config, calling, options), direct)
+        return Programs(traced_program(fn, config, calling, options), direct,
+                        kernels=kernels)
     except NotPolynomial as error:
         why = str(error)
     try:
-        fitted = traced_program(fn, config, calling, options, PADDED_LENGTHS)
-        return Programs(fitted, direct, PADDED, PADDED_LENGTHS[0], _short(why))
+        fitted = traced_program(fn, config, calling, options, PADDED_LENGTHS, kernels)
+        return Programs(fitted, direct, PADDED, PADDED_LENGTHS[0], _short(why),
+                        kernels=kernels)
     except (NotPolynomial, TraceError):  # a code that stops at long lengths, too
-        return Programs(None, direct, why=_short(why))
+        return Programs(None, direct, why=_short(why), kernels=kernels)
 
 
 def _short(why: str) -> str:
@@ -324,7 +342,8 @@ def register_function(fn: Callable, label: str, calling: Calling = Calling(),
     add(Impl(name, f"traced from {label}", lambda d: programs(d).at(d.N), gqa=True,
              traced=True, accepted=lambda d: rules, reads=reads, user_code=True,
              exact=lambda d: programs(d).exact(d.N),
-             how=lambda d: programs(d).describe(), title=_title(calling, fsdp_in_title)),
+             how=lambda d: programs(d).describe(), title=_title(calling, fsdp_in_title),
+             ring_kernel=lambda d: programs(d).ring_kernel()),
         replace=True)
     return name
 
