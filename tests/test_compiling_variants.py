@@ -169,3 +169,35 @@ def test_oom_gives_a_longest_length_per_step(tmp_path, capsys):
                                  compile, *extra, "--json")
             assert code == 0, err
             assert json.loads(out)["fits"] is fits, (r["impl"], n)
+
+
+@pytest.mark.slow  # each step's program is fitted from compiles at 6 to 12 lengths: 50 s
+def test_sweep_gives_a_series_per_step(tmp_path, capsys, monkeypatch):
+    """``sweep --trace --compile eager,default --compile-budget 0,1``: a series per step,
+    named by it, each figure the trace of that step at that length gives (checked at the
+    longer one)."""
+    path = tmp_path / "tiny.py"
+    path.write_text(PLAIN)  # Linear(64, 64), then relu
+    target = f"{path}:Model"
+    steps = (("eager", None), ("default", "0"), ("default", "1"))
+    code, out, err = run(capsys, "sweep", "--trace", target, "--input", "x=B,N,64", "--batch",
+                         "1", "--seq", "64,128", "--compile", "eager,default",
+                         "--compile-budget", "0,1", "--json")
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert [(r["impl"], r["seq_len"]) for r in rows] == [
+        (f"trace:{target} ({step})", n) for step in ("eager", "compiled, budget 0",
+                                                      "compiled, budget 1") for n in (64, 128)]
+    for row, (compile, budget) in zip(rows[1::2], steps):  # each step's at 128 rows
+        extra = ("--compile-budget", budget) if budget else ()
+        code, out, err = run(capsys, "trace", target, "--input", "x=B,N,64", "--batch", "1",
+                             "--seq", str(row["seq_len"]), "--compile", compile, *extra,
+                             "--json")
+        traced = json.loads(out)
+        assert (row["peak_bytes"], row["saved_bytes"], row["reserved_peak_bytes"]) == (
+            traced["peak_bytes"], traced["saved_bytes"], traced["reserved_peak_bytes"])
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run(capsys, "sweep", "--trace", target, "--input", "x=B,N,64",
+                         "--batch", "1", "--seq", "64", "--compile-budget", "0.5")
+    assert code == 0 and "(compiled, budget 0.5)" in out, err
+    assert max(len(line) for line in out.splitlines()) <= 80

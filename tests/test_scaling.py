@@ -347,3 +347,15 @@ def test_the_legend_explains_the_columns_shown_and_no_other(toys):
     wide = " ".join(text(s, width=120).split())
     assert all(f"{k}:" in wide for k in ("peak", "saved", "reserved", "x first", "N^2 share"))
     assert "x first: peak over the peak at the first length" in s.to_markdown()
+
+
+def test_merged_sweeps_are_one_sweep_of_their_series_in_order():
+    """``merged``: what ``sweep --compile-budget`` prints, one sweep per step: the same
+    table as one sweep of all their implementations."""
+    from memcalc.analysis.scaling import merged
+
+    base = make_config(dtype="bf16")
+    budget, lengths, impls = Budget.of(base.device), (256, 1024), ("naive", "sdpa-flash")
+    apart = [sweep(base.replace(impl=impl), budget, lengths, impls=[impl]) for impl in impls]
+    whole = sweep(base, budget, lengths, impls=list(impls))
+    assert merged(apart).to_dict() == whole.to_dict()

@@ -130,3 +130,14 @@ def test_a_list_of_context_parallel_ranks_is_one_series_each():
     assert [(k.sizes, k.reason.split(":")[0]) for k in s.skipped] == \
         [({"cp": 4, "seq_len": 8196}, "seq_len")]  # 8196 = 8 x 1024 + 4
     assert "cp" in [c.header for c in s.long_columns()]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (("--optimizer", "adamw"), "--optimizer adamw"),
+    (("--compile-budget", "0.5"), "--compile-budget 0.5"),
+    (("--input", "x=B,N,64"), "--input x=B,N,64")])
+def test_a_traced_targets_option_without_one_is_refused(capsys, argv, option):
+    """Without --trace the sweep runs memcalc's implementations, which have no optimizer nor
+    compiled step: the option is refused in one line (it was ignored, the table printed)."""
+    assert_refused(*run(capsys, "sweep", "--seq", "256", *argv), f"{option}: an option of a "
+                                                                 f"traced target")

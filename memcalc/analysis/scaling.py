@@ -399,6 +399,16 @@ def sweep(base: Config, budget: Budget, seq_len: Iterable[int], head_dim: Iterab
                  pivot=pivot, unit=unit)
 
 
+def merged(sweeps: list[Sweep]) -> Sweep:
+    """Sweeps over one grid (one per compiled step of a target: ``--compile-budget``) as
+    one, their series in order; the first's base configuration."""
+    first = sweeps[0]
+    return first.model_copy(update={
+        "axes": {**first.axes, "impl": tuple(i for s in sweeps for i in s.axes["impl"])},
+        "columns": {k: tuple(v for s in sweeps for v in s.columns[k]) for k in first.columns},
+        "skipped": tuple(k for s in sweeps for k in s.skipped)})
+
+
 GRID = ("batch", "heads", "head_dim", "seq_len")  # the order of a sweep's configurations
 
 

@@ -3,9 +3,9 @@
 from argparse import ArgumentTypeError
 from math import prod
 
-from memcalc.options import (DTYPE_HELP, budget_options, check_output, format_options,
-                             impl_option, input_options, plotting, step_options, whole,
-                             work_options)
+from memcalc.options import (DTYPE_HELP, budget_options, check_output, compile_budget_option,
+                             format_options, impl_option, input_options, plotting, step_options,
+                             whole, work_options)
 
 HELP = "scaling tables over lists of seq lengths, head dims, batches, heads, impls, dtypes"
 
@@ -63,6 +63,7 @@ def add_arguments(p) -> None:
                         "(imports and runs the named file), its program fitted over lengths; "
                         "--fsdp 1,2,4,8 sweeps the number of FSDP ranks")
     input_options(p)
+    compile_budget_option(p, "a series each (with --trace)")
     p.add_argument("--pivot", default=None, metavar="FIGURE",
                    help="one figure as a table with a row per seq_len and a column per "
                         "head_dim: peak, saved, reserved, forward or backward")
@@ -76,44 +77,66 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from memcalc.options import (about_target, budget_from, check_chunk, config_options, emit,
-                                 impls_with_trace)
-    from memcalc.config import make_config
-    from memcalc.output.progress import progress, status
-    from memcalc.analysis.scaling import FIGURE_KEY, sweep
+    """Each step asked for swept (one, unless ``--compile eager,default`` or
+    ``--compile-budget`` ask for more: a series each), in one table."""
+    from memcalc.analysis.scaling import FIGURE_KEY, merged
+    from memcalc.names import unknown
+    from memcalc.options import compile_steps, emit
 
-    from memcalc.names import impl_choices, impl_list, unknown
-    from memcalc.engine.work import check_rows
-
-    lists = {option: int_ranges(getattr(args, key), option) for option, key in (
+    grid = {option: int_ranges(getattr(args, key), option) for option, key in (
         ("--seq", "seq"), ("--head-dim", "head_dim"), ("--batch", "batch"), ("--heads", "heads"))}
     cps = [n for r in int_ranges(args.cp, "--cp") for n in r]
     dtypes = name_list(args.dtype, "--dtype")
-    impls = impls_with_trace(args) if args.trace else impl_list(args.impl or ["naive"])
-    impls = impls if impls is not None else impl_choices()
-    rows = len(impls) * len(dtypes) * len(cps) * prod(sum(map(len, r)) for r in lists.values())
-    check_rows(rows)
-    seq, dims, batch, heads = ([n for r in ranges for n in r] for ranges in lists.values())
-    check_chunk(args, impls)
     if args.pivot is not None and args.pivot not in FIGURE_KEY:
         raise unknown("--pivot", args.pivot, list(FIGURE_KEY), "figure")
-    dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
-    options = {**config_options(args), "dtype": dtypes[0], "cp": cps[0]}
-    with about_target(args.trace, compile=args.compile):  # a traced target failing at a length: one line
-        base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
-                                      "seq_len": seq})
-        check_output(args.plot, "--plot")
-        with status(f"sweeping {rows:,} configurations"):  # a million rows: seconds
-            result = sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
-                           pivot=args.pivot, unit="bytes" if args.bytes else "MiB",
-                           progress=progress, cps=cps)
-        if args.plot:  # before printing, so that a failure to write it prints nothing else
-            from memcalc.plots import plot_peaks
+    check_output(args.plot, "--plot")
+    steps = compile_steps(args) if args.trace is not None else ((args.compile, None),)
+    labelled = len(steps) > 1 or steps[0][1] is not None  # series named by their step
+    result = merged([_swept(args, grid, cps, dtypes, index == 0, mode, budget, labelled,
+                            len(steps)) for index, (mode, budget) in enumerate(steps)])
+    if args.plot:  # before printing, so that a failure to write it prints nothing else
+        from memcalc.plots import plot_peaks
 
-            with plotting(args.plot, "the reserved peak against seq_len"):
-                plot_peaks(result, path=args.plot)
+        with plotting(args.plot, "the reserved peak against seq_len"):
+            plot_peaks(result, path=args.plot)
     emit(result, args.format)
     return 0
+
+
+def _swept(args, grid: dict, cps: list[int], dtypes: list[str], first: bool, mode,
+           activation_budget, labelled: bool, steps: int):
+    """The sweep of one step: the target compiled as ``mode`` says at
+    ``activation_budget``, in a compiler session of its own (a budget holds for a whole
+    session), with ``--impl``'s implementations when ``first``."""
+    import copy
+
+    from memcalc.analysis.scaling import sweep
+    from memcalc.config import make_config
+    from memcalc.engine.work import check_rows
+    from memcalc.names import impl_choices
+    from memcalc.options import (about_target, budget_from, check_chunk, config_options,
+                                 impls_with_trace)
+    from memcalc.output.progress import progress, status
+
+    one = copy.copy(args)
+    one.compile = mode
+    one.impl = (args.impl if first else None) if args.trace else (args.impl or ["naive"])
+    impls = impls_with_trace(one, activation_budget, labelled)  # a traced option: --trace's
+    impls = impls if impls is not None else impl_choices()
+    rows = len(impls) * len(dtypes) * len(cps) * prod(sum(map(len, r)) for r in grid.values())
+    check_rows(rows * steps)
+    seq, dims, batch, heads = ([n for r in ranges for n in r] for ranges in grid.values())
+    check_chunk(one, impls)
+    dtypes = [make_config(dtype=dtype).dtype.value for dtype in dtypes]  # aliases; names the option
+    options = {**config_options(one), "dtype": dtypes[0], "cp": cps[0]}
+    # a traced target failing at a length: one line
+    with about_target(args.trace, compile=mode, activation_budget=activation_budget):
+        base = _base(impls, options, {"head_dim": dims, "heads": heads, "batch": batch,
+                                      "seq_len": seq})
+        with status(f"sweeping {rows:,} configurations"):  # a million rows: seconds
+            return sweep(base, budget_from(args), seq, dims, batch, heads, impls, dtypes,
+                         pivot=args.pivot, unit="bytes" if args.bytes else "MiB",
+                         progress=progress, cps=cps)
 
 
 def _base(impls: list[str], options: dict, lists: dict):
