@@ -115,6 +115,29 @@ def test_a_graph_break_is_refused_naming_its_line(tmp_path, capsys):
     assert_refused(code, out, err, "the graph breaks at broken.py:13")
 
 
+def test_a_graph_break_deeper_down_is_named_where_it_is_and_why(tmp_path, capsys):
+    """Dynamo logs a break at each frame it was inlining, the caller's first; the line
+    named is the innermost (the helper's), with the exception's reason, not the
+    caller's "a function call" (Hugging Face's GPT-2 loss: its logger's warning_once)."""
+    path = tmp_path / "deeper.py"
+    path.write_text("import logging\n\nimport torch\nfrom torch import nn\n\n\n"
+                    "def helper(y):\n"
+                    "    logging.getLogger('deeper').warning('%s', y.shape)\n"  # line 8
+                    "    return torch.relu(y)\n"
+                    "\n\n"
+                    "class Model(nn.Module):\n"
+                    "    def __init__(self):\n"
+                    "        super().__init__()\n"
+                    "        self.lin = nn.Linear(64, 64)\n"
+                    "        self.compile()\n"
+                    "\n"
+                    "    def forward(self, x):\n"
+                    "        return helper(self.lin(x))\n")  # line 19
+    code, out, err = run(capsys, "trace", f"{path}:Model", *ARGS)
+    assert_refused(code, out, err, "the graph breaks at deeper.py:8, in helper (")
+    assert "a function call" not in err
+
+
 def test_validate_checks_a_compiled_target_against_its_own_trace(capsys):
     """``validate --trace --compile``: the program oom --trace solves equals the direct
     trace, figure by figure (a compiled step's kernels change with the length: traced

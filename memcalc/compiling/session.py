@@ -163,8 +163,7 @@ def _breaks_noted():
     token = _BREAKS.set([])
 
     def noted(self, code_options, reason, exc):
-        where = f"{os.path.basename(self.f_code.co_filename)}:{self.lineno}"
-        _BREAKS.get().append((where, str(reason).strip().splitlines()[0]))
+        _BREAKS.get().append(_break_of(self, reason, exc))
         return real(self, code_options, reason, exc)
 
     InstructionTranslatorBase.log_graph_break = noted
@@ -173,6 +172,22 @@ def _breaks_noted():
     finally:
         InstructionTranslatorBase.log_graph_break = real
         _BREAKS.reset(token)
+
+
+def _break_of(translator, reason, exc) -> tuple[str, str]:
+    """``(where, why)`` of one graph break: where the unsupported call is, the innermost
+    frame of the exception's stack in code users write (``Unsupported.real_stack``; dynamo
+    logs the break at each frame it inlined, the caller's first), and the exception's
+    first line (the reason dynamo logs starts with the instruction, "a function call")."""
+    from memcalc.tracing.explain import written_by_users
+
+    stack = [f for f in getattr(exc, "real_stack", None) or () if written_by_users(f.filename)]
+    if stack:
+        where = f"{os.path.basename(stack[-1].filename)}:{stack[-1].lineno}, in {stack[-1].name}"
+    else:
+        where = f"{os.path.basename(translator.f_code.co_filename)}:{translator.lineno}"
+    said = str(exc).strip() if exc is not None else ""
+    return where, (said or str(reason).strip()).splitlines()[0]
 
 
 def _check_breaks(name: str) -> None:

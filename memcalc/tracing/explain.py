@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sysconfig
 import traceback
 import warnings
 from pathlib import Path
@@ -85,18 +86,27 @@ def called_with(config: Config, inputs: tuple[Input, ...]) -> str:
 
 def _library_line(frames, source: str) -> str:
     """`` (in masking_utils.py:761, find_packed_sequence_indices)``: the last frame of the
-    failure in neither the user's file nor torch nor memcalc, when there is one after the
-    user's last; else ``""``."""
-    from memcalc.tracing.tracer import _is_user_code
-
+    failure in neither the user's file nor torch nor memcalc nor Python's own library,
+    when there is one after the user's last; else ``""``."""
     last_mine = max((i for i, f in enumerate(frames) if f.filename == source), default=-1)
     library = [f for f in frames[last_mine + 1:] if f.filename != source
-               and _is_user_code(os.path.abspath(f.filename))]
+               and written_by_users(f.filename)]
     if not library:
         return ""
     f = library[-1]
     return f" (in {Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno}, {f.name})"
 
+
+def written_by_users(path: str) -> bool:
+    """Code of the user's or of a library they call (transformers), not torch's, memcalc's
+    or Python's standard library (``contextlib``, ``logging``): where a failure is named."""
+    from memcalc.tracing.tracer import _is_user_code
+
+    path = os.path.abspath(path)
+    return _is_user_code(path) and not path.startswith(_STDLIB)
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 # kernels a trace cannot follow, told by what they raise on the meta device: one line each
 UNFOLLOWED = {
@@ -129,8 +139,9 @@ def _meta_refused(error: Exception) -> bool:
 
 
 def _source_file(fn: Callable) -> str:
-    """The file ``fn`` (or a module's class) is written in, "" when unknown."""
-    for target in (fn, type(fn)):
+    """The file ``fn`` (or a module's class) is written in, "" when unknown; a function
+    compiled for the trace (``--compile``) is the user's it wraps."""
+    for target in (inspect.unwrap(fn), type(fn)):
         try:
             return inspect.getsourcefile(target) or ""
         except TypeError:
