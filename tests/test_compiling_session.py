@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from cli_helpers import assert_refused, run  # noqa: E402
+from memcalc.tracing.tracer import torch_release  # noqa: E402
 
 MODEL = ("import torch\nfrom torch import nn\n\n\n"
          "class Model(nn.Module):\n"
@@ -136,6 +137,8 @@ def test_a_graph_break_deeper_down_is_named_where_it_is_and_why(tmp_path, capsys
     code, out, err = run(capsys, "trace", f"{path}:Model", *ARGS)
     assert_refused(code, out, err, "the graph breaks at deeper.py:8, in helper (")
     assert "a function call" not in err
+    if torch_release() >= (2, 15):  # its hint, where dynamo gives one (2.13's: none)
+        assert "; dynamo's hint: " in err
 
 
 def test_validate_checks_a_compiled_target_against_its_own_trace(capsys):

@@ -187,7 +187,9 @@ def _break_of(translator, reason, exc) -> tuple[str, str]:
     else:
         where = f"{os.path.basename(translator.f_code.co_filename)}:{translator.lineno}"
     said = str(exc).strip() if exc is not None else ""
-    return where, (said or str(reason).strip()).splitlines()[0]
+    lines = (said or str(reason).strip() or "no reason given").splitlines()
+    hints = [line.strip() for line in lines if line.strip().startswith("Hint:")][:1]
+    return where, "; dynamo's ".join([lines[0]] + [h.replace("Hint:", "hint:") for h in hints])
 
 
 def _check_breaks(name: str) -> None:
