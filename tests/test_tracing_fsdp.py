@@ -487,14 +487,18 @@ def test_a_reduce_dtype_of_float32_reduces_bf16_grads_in_float32():
 
 @pytest.mark.parametrize("layout", [{"fsdp": 2, "cp": 2}, {"mesh": "dp_shard=2,cp=2"}])
 def test_the_fitted_program_under_context_parallelism_is_the_ranks_step(layout):
-    """What ``oom --trace`` and ``sweep --trace`` solve: the program fitted over a rank's
-    rows (multiples of 256 from 15,616: the ring takes a rank's rows in two chunks) with
-    the ring in it, equal to a direct trace at 32,768 positions (16,384 a rank), figure by
-    figure, and each rank's peaks those of that rank's trace (on the mesh, the ranks at
-    dp_shard 0). (It was fitted without the ring: a search then fell back to direct traces.
-    Then every rank was fitted as rank 0: rank 1's peak came out above its trace's.)"""
+    """What ``oom --trace`` and ``sweep --trace`` solve: each rank's program fitted over its
+    rows (traced at even lengths, 122 to 514 a rank: the ring takes a rank's rows in two
+    chunks) with the ring in it, equal to a direct trace at 32,768 positions (16,384 a
+    rank), figure by figure, and each rank's peaks those of that rank's trace (on the mesh,
+    the ranks at dp_shard 0). Under autocast to bf16 the ring runs cuDNN's kernel, whose
+    buffers are polynomials in a rank's rows. (The program was once fitted without the
+    ring; then every rank as rank 0, and rank 1's peak came out above its trace's; then at
+    multiples of 256 rows a rank from 15,616 only, past TinyGPT's 16,384 positions: every
+    length a search tried was traced directly.)"""
     from memcalc.analysis.predict import predict
     from memcalc.config import Mesh
+    from memcalc.impls import get_impl
     from memcalc.tracing import Calling, load_function, register_function
     from memcalc.engine.inputs import inputs_of
     from memcalc.tracing.fsdp import sharding_of
@@ -503,11 +507,14 @@ def test_the_fitted_program_under_context_parallelism_is_the_ranks_step(layout):
     gpt = load_function(f"{Path(__file__).parents[1]}/examples/training/gpt.py:TinyGPT")
     mesh = Mesh.parse(layout["mesh"]) if "mesh" in layout else None
     sharding = sharding_of(layout.get("fsdp"), mesh=mesh)
-    calling = Calling(inputs_of(["idx=B,N:int64", "targets=B,N:int64"], []),
+    calling = Calling(inputs_of(["idx=B,N:int64", "targets=B,N:int64"], []), "bfloat16",
                       loop=loop_of("adamw"), fsdp=sharding)
-    name = register_function(gpt, "gpt", calling)
-    fitted = predict(memcalc.make_config(impl=name, seq_len=32768, batch=1, cp=2))
-    traced = _gpt(seq_len=32768, **layout)
+    config = memcalc.make_config(impl=register_function(gpt, "gpt", calling), seq_len=32768,
+                                 batch=1, cp=2)
+    fitted = predict(config)
+    assert get_impl(config.impl).how(config.dims).startswith(
+        "each rank's program fitted over its rows (traced at 122 to 514 rows a rank")
+    traced = _gpt(seq_len=32768, autocast="bf16", **layout)
     assert _figures(fitted) == _figures(traced)
     assert fitted.rank_peaks == traced.rank_peaks[:2]
     assert fitted.rank_reserved == traced.rank_reserved[:2]

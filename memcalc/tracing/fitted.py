@@ -227,6 +227,10 @@ def _fit_or_fail(values: list[int], tensor, lengths: tuple[int, ...]) -> Poly:
     return poly
 
 
+# under context parallelism, a rank's rows: the ring's two chunks of each sample length
+EVEN_LENGTHS = tuple(2 * n for n in SAMPLE_LENGTHS)  # 122 to 514 rows a rank
+RING = "the ring takes a rank's rows in two chunks"
+
 # Multiples of 256 rows are where the fused kernels' padded buffers are polynomials in N
 # (the memory-efficient kernel's logsumexp pads to 32 rows, flash's softmax_d and dq
 # accumulator, flash-attn's and cuDNN's to 128); sampled long enough that no kernel picks
@@ -278,6 +282,10 @@ class Programs:
         if self.step == 1:
             return (f"its program fitted over lengths (traced at {SAMPLE_LENGTHS[0]} to "
                     f"{SAMPLE_LENGTHS[-1]:,} rows, each size an exact polynomial in seq_len)")
+        if self.why == RING:
+            return (f"each rank's program fitted over its rows (traced at {EVEN_LENGTHS[0]} "
+                    f"to {EVEN_LENGTHS[-1]:,} rows a rank, each size an exact polynomial in "
+                    f"seq_len; {RING}: even lengths)")
         return (f"its program fitted at multiples of {self.step} rows from {self.start:,} "
                 f"({self.why}), other lengths traced directly")
 
@@ -291,12 +299,17 @@ def programs_of(fn: Callable, config: Config, calling: Calling = Calling(),
     direct = lambda n: direct_program(fn, config.replace(seq_len=n * config.cp),  # noqa: E731
                                       calling, options, kernels)
     try:
-        if config.cp > 1:  # the ring shards even lengths only (2 chunks a rank)
-            raise NotPolynomial("context parallelism: the ring takes a rank's rows in two "
-                                "chunks")
+        if config.cp > 1:  # the ring takes a rank's rows in two chunks: even lengths only
+            return Programs(traced_program(fn, config, calling, options, EVEN_LENGTHS,
+                                           kernels), direct, 2, EVEN_LENGTHS[0],
+                            RING, kernels=kernels)
         return Programs(traced_program(fn, config, calling, options), direct,
                         kernels=kernels)
     except NotPolynomial as error:
+        why = str(error)
+    except TraceError as error:  # the memory-efficient kernel's ring: multiples of 64 only
+        if config.cp == 1:
+            raise
         why = str(error)
     try:
         fitted = traced_program(fn, config, calling, options, PADDED_LENGTHS, kernels)
