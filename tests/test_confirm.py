@@ -97,19 +97,24 @@ def sdpa_causal(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-@pytest.mark.parametrize("dtype, step", [("bf16", 2 * 2), ("fp32", 64 * 2)])
-def test_under_context_parallelism_the_answer_is_confirmed_rank_by_rank(dtype, step):
+@pytest.mark.parametrize("dtype, step, how", [
+    ("bf16", 2 * 2, "each rank's program fitted over its rows (traced at 122 to 514 rows a "
+                    "rank"),
+    ("fp32", 64 * 2, "its program fitted at multiples of 256 rows from 15,616 (the "
+                     "memory-efficient kernel's ring takes multiples of 64 rows a rank)")])
+def test_under_context_parallelism_the_answer_is_confirmed_rank_by_rank(dtype, step, how):
     """The ring over 2 ranks, in 256 MiB: each rank's program is its own (causal, the
     ranks hold other halves of the blocks at each step), and the answer is traced directly,
     every rank, at it and at the next length the ring takes: 2 x 2 apart over flash (bf16),
     64 x 2 over the memory-efficient kernel (fp32), which torch's ring runs only there (its
-    logsumexp padded to 32 rows). (The confirmation was once skipped under --cp, every rank
+    logsumexp padded to 32 rows): each rank's program is fitted at even lengths over flash,
+    at multiples of 256 rows over the memory-efficient kernel. (The confirmation was once skipped under --cp, every rank
     solved as rank 0, and the search tried 289,260 in fp32: a trace error.)"""
     name = register_function(sdpa_causal, f"confirmed-ring-{dtype}")
     config = make_config(impl=name, batch=1, cp=2, causal=True, dtype=dtype)
     (solved,) = solve(config, BUDGET, "seq_len", [name]).results
     n, after = solved.max_value, solved.next_value
-    assert n % step == 0 and after == n + step
+    assert n % step == 0 and after == n + step and solved.note.startswith(how)
     assert f"confirmed by direct traces at {n:,} (fits) and {after:,} (does not fit)" \
         in solved.note
     at = config.replace(seq_len=n)

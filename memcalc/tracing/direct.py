@@ -235,7 +235,8 @@ def rank_state(call: Bound, config: Config, options: TraceOptions, inputs: tuple
     from memcalc.tracing.state import kept, on_meta
 
     with kept(call.fn), on_meta(call.fn, call.param_dtype) as state:
-        out_like = output_like(call, config, options, inputs)
+        out_like = output_like(call, config, options, inputs,
+                               tracer.paths.kernels if tracer.paths is not None else None)
         if call.sharding is None:
             yield call, state, out_like
             return
@@ -259,20 +260,24 @@ def _sharded_or_not(call: Bound, tracer) -> Iterator[Bound]:
 
 
 def output_like(call: Bound, config: Config, options: TraceOptions,
-                inputs: tuple[Input, ...]) -> tuple | None:
+                inputs: tuple[Input, ...], kernels: dict | None = None) -> tuple | None:
     """``(shape, dtype)`` of the call's output when it is not q's, from a forward under
     ``no_grad`` along the same code paths (a scratch trace): what ``grad_out`` must look
     like. None when there is no ``grad_out`` to make. What the scratch forward leaves on the
     function's modules and module-level names (state built on the first call, such as a
     causal mask buffer registered lazily) is undone after it (``state.kept``): on a GPU the
-    protocol's warm-up is the first call, and builds it there."""
+    protocol's warm-up is the first call, and builds it there. ``kernels``: the trace's
+    record of the fused SDPA backends run, which the scratch forward adds to (it is the
+    first to run them, and to fail at a length the ring does not take)."""
     from memcalc.tracing.state import kept
     from memcalc.tracing.tracer import Tracer, output_of
 
     if config.protocol.forward_only or config.protocol.loss != "grad":
         return None
-    scratch = Tracer(config.workspace_bytes, None, paths_for(config, options, 0, mesh_of(call)),
-                     gpu_of(config.dims),
+    paths = paths_for(config, options, 0, mesh_of(call))
+    if paths is not None and kernels is not None:
+        paths.kernels = kernels
+    scratch = Tracer(config.workspace_bytes, None, paths, gpu_of(config.dims),
                      config.protocol.allocator)
     with kept(call.fn), _sharded_or_not(call, scratch) as on_rank:
         shape, dtype = output_of(config, on_rank, scratch, inputs)

@@ -153,9 +153,11 @@ def _sample_events(call: Bound, config: Config, n: int, inputs: tuple[Input, ...
         with rank_state(call, sample, options, inputs, tracer, rank) as (on_rank, state, like):
             run_traced(sample, on_rank, tracer, probe, state, like, inputs, call.loop)
 
-    guarded(run, call.fn, called_with(sample, inputs))
-    if kernels is not None and tracer.paths is not None:
-        kernels.update(tracer.paths.kernels)  # under --cp: the backends its ring ran
+    try:
+        guarded(run, call.fn, called_with(sample, inputs))
+    finally:  # under --cp: the backends its ring ran, or failed to run at this length
+        if kernels is not None and tracer.paths is not None:
+            kernels.update(tracer.paths.kernels)
     return step_events(tracer, probe)
 
 
@@ -230,6 +232,7 @@ def _fit_or_fail(values: list[int], tensor, lengths: tuple[int, ...]) -> Poly:
 # under context parallelism, a rank's rows: the ring's two chunks of each sample length
 EVEN_LENGTHS = tuple(2 * n for n in SAMPLE_LENGTHS)  # 122 to 514 rows a rank
 RING = "the ring takes a rank's rows in two chunks"
+EFFICIENT_RING = "the memory-efficient kernel's ring takes multiples of 64 rows a rank"
 
 # Multiples of 256 rows are where the fused kernels' padded buffers are polynomials in N
 # (the memory-efficient kernel's logsumexp pads to 32 rows, flash's softmax_d and dq
@@ -307,10 +310,10 @@ def programs_of(fn: Callable, config: Config, calling: Calling = Calling(),
                         kernels=kernels)
     except NotPolynomial as error:
         why = str(error)
-    except TraceError as error:  # the memory-efficient kernel's ring: multiples of 64 only
-        if config.cp == 1:
+    except TraceError:  # the memory-efficient kernel's ring: multiples of 64 rows only
+        if config.cp == 1 or EFFICIENT not in kernels:
             raise
-        why = str(error)
+        why = EFFICIENT_RING
     try:
         fitted = traced_program(fn, config, calling, options, PADDED_LENGTHS, kernels)
         return Programs(fitted, direct, PADDED, PADDED_LENGTHS[0], _short(why),
