@@ -97,21 +97,26 @@ def test_autocast_around_compiled_code_is_refused(tmp_path, capsys):
     assert_refused(code, out, err, "under autocast: not followed yet")
 
 
+def _self_compiling(head: str, forward: str) -> str:
+    """A file: ``head`` (imports, helpers), then a module on Linear(64, 64) that compiles
+    itself in its constructor, its forward's body ``forward``."""
+    return (head + "class Model(nn.Module):\n"
+            "    def __init__(self):\n"
+            "        super().__init__()\n"
+            "        self.lin = nn.Linear(64, 64)\n"
+            "        self.compile()\n"
+            "\n"
+            "    def forward(self, x):\n" + forward)
+
+
 def test_a_graph_break_is_refused_naming_its_line(tmp_path, capsys):
     """The code dynamo runs between two graphs would run without the GPU's rules: refused,
     at the line that breaks."""
     path = tmp_path / "broken.py"
-    path.write_text("import torch\nfrom torch import nn\n\n\n"
-                    "class Model(nn.Module):\n"
-                    "    def __init__(self):\n"
-                    "        super().__init__()\n"
-                    "        self.lin = nn.Linear(64, 64)\n"
-                    "        self.compile()\n"
-                    "\n"
-                    "    def forward(self, x):\n"
-                    "        y = self.lin(x)\n"
-                    "        torch._dynamo.graph_break()\n"  # line 13
-                    "        return torch.relu(y)\n")
+    path.write_text(_self_compiling("import torch\nfrom torch import nn\n\n\n",
+                                    "        y = self.lin(x)\n"
+                                    "        torch._dynamo.graph_break()\n"  # line 13
+                                    "        return torch.relu(y)\n"))
     code, out, err = run(capsys, "trace", f"{path}:Model", *ARGS)
     assert_refused(code, out, err, "the graph breaks at broken.py:13")
 
@@ -121,19 +126,11 @@ def test_a_graph_break_deeper_down_is_named_where_it_is_and_why(tmp_path, capsys
     named is the innermost (the helper's), with the exception's reason, not the
     caller's "a function call" (Hugging Face's GPT-2 loss: its logger's warning_once)."""
     path = tmp_path / "deeper.py"
-    path.write_text("import logging\n\nimport torch\nfrom torch import nn\n\n\n"
-                    "def helper(y):\n"
-                    "    logging.getLogger('deeper').warning('%s', y.shape)\n"  # line 8
-                    "    return torch.relu(y)\n"
-                    "\n\n"
-                    "class Model(nn.Module):\n"
-                    "    def __init__(self):\n"
-                    "        super().__init__()\n"
-                    "        self.lin = nn.Linear(64, 64)\n"
-                    "        self.compile()\n"
-                    "\n"
-                    "    def forward(self, x):\n"
-                    "        return helper(self.lin(x))\n")  # line 19
+    path.write_text(_self_compiling("import logging\n\nimport torch\nfrom torch import nn\n\n\n"
+                                    "def helper(y):\n"
+                                    "    logging.getLogger('deeper').warning('%s', y.shape)\n"
+                                    "    return torch.relu(y)\n\n\n",  # the warning: line 8
+                                    "        return helper(self.lin(x))\n"))
     code, out, err = run(capsys, "trace", f"{path}:Model", *ARGS)
     assert_refused(code, out, err, "the graph breaks at deeper.py:8, in helper (")
     assert "a function call" not in err
