@@ -304,7 +304,7 @@ def compare(*, gpu_gb=None, reserve=None, impls=None, baseline: str | None = Non
 
 def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=None,
           step=None, optimizer=None, grad_accum=1, clip_grad_norm=None, compile=None,
-          mesh=None, fsdp=None,
+          activation_budget=None, mesh=None, fsdp=None,
           reshard_after_forward="default", fsdp_param_dtype=None, fsdp_reduce_dtype=None,
           fsdp_apply=None, fsdp_tp=1, gpu_gb=None, reserve=None, **options):
     """The breakdown of your own function or module's step, traced on the meta device as
@@ -324,7 +324,9 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     calls are compiled as inductor compiles them for the GPU (``memcalc.compiling``);
     ``compile="default"`` compiles the whole model as ``torch.compile(model)`` does,
     ``compile="eager"`` traces the calls uncompiled (the eager step);
-    or those four as one ``step=memcalc.Step(optimizer="adamw", grad_accum=2,
+    ``activation_budget=0.5`` compiles them at that activation memory budget (torch's
+    ``activation_memory_budget``: the share of saved activations the partitioner keeps);
+    or those five as one ``step=memcalc.Step(optimizer="adamw", grad_accum=2,
     clip_grad_norm=1.0)``. ``fsdp=8`` shards the module with PyTorch's FSDP2
     (``fully_shard`` on each repeated layer, then the root, as torchtitan applies it;
     ``reshard_after_forward`` its policy ``default``, ``always`` or ``never``;
@@ -354,8 +356,8 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
 
     options = _options("trace", options, ("gpu_gb", "reserve"))
     mesh = _mesh(mesh, options)
-    optimizer, grad_accum, clip_grad_norm, compile = _step(step, optimizer, grad_accum,
-                                                           clip_grad_norm, compile)
+    optimizer, grad_accum, clip_grad_norm, compile, activation_budget = _step(
+        step, optimizer, grad_accum, clip_grad_norm, compile, activation_budget)
     if not callable(fn):
         raise TypeError(f"trace(): fn is a function or an nn.Module, not {type(fn).__name__}")
     if "impl" in options:
@@ -374,7 +376,7 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
     from memcalc.tracing.compiled import check_module
     from memcalc.tracing.errors import NotModelled
 
-    with calls(compile, "compile"):
+    with calls(compile, "compile", activation_budget=activation_budget):
         try:
             fn = prepared(check_module(fn), label_of(fn))
             calling = Calling(check_inputs(fn, given, "inputs"),
@@ -397,19 +399,45 @@ def trace(fn: Callable, *, inputs=None, no_grad=(), autocast=None, param_dtype=N
         return b.with_budget(_budget(config, gpu_gb, reserve))
 
 
-def _step(step, optimizer, grad_accum, clip_grad_norm, compile) -> tuple:
-    """The loop's options, from ``step=`` (a ``Step``) or from the keywords, not both."""
+def _step(step, optimizer, grad_accum, clip_grad_norm, compile, activation_budget) -> tuple:
+    """The loop's options, from ``step=`` (a ``Step``) or from the keywords, not both;
+    the activation budget checked as ``Step`` checks it."""
     from memcalc.config import Step
 
     if step is None:
-        return optimizer, grad_accum, clip_grad_norm, compile
-    if not isinstance(step, Step):
+        step = _checked_step(optimizer, grad_accum, clip_grad_norm, compile, activation_budget)
+    elif not isinstance(step, Step):
         raise ValueError(f"step: a memcalc.Step(optimizer=..., grad_accum=..., "
-                         f"clip_grad_norm=..., compile=...), not {type(step).__name__}")
-    if (optimizer, grad_accum, clip_grad_norm, compile) != (None, 1, None, None):
-        raise ValueError("step: it holds optimizer, grad_accum, clip_grad_norm and compile; "
-                         "give them there only")
-    return step.optimizer, step.grad_accum, step.clip_grad_norm, step.compile
+                         f"clip_grad_norm=..., compile=..., activation_budget=...), not "
+                         f"{type(step).__name__}")
+    elif (optimizer, grad_accum, clip_grad_norm, compile, activation_budget) != (
+            None, 1, None, None, None):
+        raise ValueError("step: it holds optimizer, grad_accum, clip_grad_norm, compile and "
+                         "activation_budget; give them there only")
+    if step.activation_budget is not None and step.compile == "eager":
+        raise ValueError(f"activation_budget: {step.activation_budget:g} is the compiled "
+                         f"step's; not with compile='eager'")
+    return (step.optimizer, step.grad_accum, step.clip_grad_norm, step.compile,
+            step.activation_budget)
+
+
+def _checked_step(optimizer, grad_accum, clip_grad_norm, compile, activation_budget):
+    """The keywords as a ``Step``, when its fields can hold them (an activation budget
+    outside 0 to 1: one line naming it); else the keywords as they are, which the trace
+    checks with its own words (an unknown optimizer, a compile mode)."""
+    from types import SimpleNamespace
+
+    from memcalc.compiling.variants import parse_budgets
+
+    if activation_budget is not None:
+        if isinstance(activation_budget, bool) or not isinstance(activation_budget,
+                                                                 (int, float)):
+            raise ValueError(f"activation_budget: a fraction from 0 to 1, not "
+                             f"{activation_budget!r}")
+        parse_budgets(repr(float(activation_budget)), "activation_budget")
+    return SimpleNamespace(optimizer=optimizer, grad_accum=grad_accum,
+                           clip_grad_norm=clip_grad_norm, compile=compile,
+                           activation_budget=activation_budget)
 
 
 def _mesh(mesh, options: dict):

@@ -463,9 +463,11 @@ class Step(BaseModel):
     """What a traced training step runs around the model, as a training loop does: the
     optimizer (``adamw``, ``adam`` or ``sgd``, ``:fused`` or ``:forloop``; None: none),
     the forward and backward passes per optimizer step (``grad_accum``), the total norm
-    the grads are clipped to first (``clip_grad_norm``; None: not clipped), and how the
+    the grads are clipped to first (``clip_grad_norm``; None: not clipped), how the
     code's ``torch.compile`` calls run (None: compiled as inductor compiles them for the
-    GPU; ``"default"``: the whole model compiled too; ``"eager"``: uncompiled).
+    GPU; ``"default"``: the whole model compiled too; ``"eager"``: uncompiled), and the
+    activation memory budget they are compiled at (``activation_budget``, 0 to 1; None:
+    torch's setting, 1 unless changed).
 
         >>> memcalc.Step(optimizer="adamw", clip_grad_norm=1.0).grad_accum
         1
@@ -479,3 +481,7 @@ class Step(BaseModel):
         None, description="default: the model compiled as torch.compile(model) does; eager: "
                           "the code's torch.compile calls left uncompiled (without it they "
                           "are compiled as inductor compiles them for the GPU)")
+    activation_budget: float | None = Field(
+        None, ge=0, le=1, description="torch._functorch.config.activation_memory_budget for "
+                                      "the compiled code: the share of saved activations "
+                                      "the partitioner keeps")

@@ -1,6 +1,7 @@
 """``memcalc.trace``, the Python API of ``memcalc trace``: what a notebook passes it."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -64,9 +65,9 @@ def test_help_lists_the_options():
     import inspect
 
     parameters = inspect.signature(memcalc.trace).parameters
-    assert list(parameters)[:19] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
+    assert list(parameters)[:20] == ["fn", "inputs", "no_grad", "autocast", "param_dtype",
                                      "step", "optimizer", "grad_accum", "clip_grad_norm",
-                                     "compile", "mesh", "fsdp",
+                                     "compile", "activation_budget", "mesh", "fsdp",
                                      "reshard_after_forward", "fsdp_param_dtype",
                                      "fsdp_reduce_dtype", "fsdp_apply", "fsdp_tp", "gpu_gb",
                                      "reserve"]
@@ -173,3 +174,37 @@ def test_the_steps_options_are_one_model_or_keywords():
         memcalc.trace(gpt, inputs=ids, seq_len=64, step=memcalc.Step(), optimizer="adamw")
     with pytest.raises(ValueError, match="clip_grad_norm"):
         memcalc.Step(clip_grad_norm=0)
+
+
+@pytest.mark.parametrize("given", [
+    {"compile": "default", "activation_budget": 0.5},
+    {"step": memcalc.Step(compile="default", activation_budget=0.5)}])
+def test_an_activation_budget_is_the_clis_compile_budget(capsys, given):
+    """``activation_budget=0.5`` (or in a ``Step``): the compiled step at that budget,
+    figure by figure what ``memcalc trace --compile-budget 0.5`` gives."""
+    import json
+
+    pytest.importorskip("triton")
+    from cli_helpers import run
+    from memcalc.tracing import load_function
+
+    block = f"{Path(__file__).resolve().parents[1]}/examples/attention/gpt_block.py:Block"
+    code, out, err = run(capsys, "trace", block, "--input", "x=B,N,768", "--seq", "256",
+                         "--batch", "2", "--compile-budget", "0.5", "--json")
+    assert code == 0, err
+    cli = json.loads(out)
+    api = memcalc.trace(load_function(block), inputs={"x": ("B", "N", 768)}, seq_len=256,
+                        batch=2, **given)
+    assert (api.saved_bytes, api.peak_bytes, api.reserved_peak_bytes) == (
+        cli["saved_bytes"], cli["peak_bytes"], cli["reserved_peak_bytes"])
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"activation_budget": 2}, "activation_budget 2.0: each budget a fraction from 0 to 1"),
+    ({"activation_budget": "half"}, "activation_budget: a fraction from 0 to 1, not 'half'"),
+    ({"activation_budget": 0.5, "compile": "eager"},
+     "activation_budget: 0.5 is the compiled step's; not with compile='eager'"),
+    ({"activation_budget": 0.5, "step": memcalc.Step()}, "step: it holds optimizer")])
+def test_a_bad_activation_budget_is_one_line_naming_it(given, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        memcalc.trace(Masked, seq_len=64, **given)
