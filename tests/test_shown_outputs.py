@@ -36,9 +36,9 @@ against torch's (``tests/test_impls_ring.py``) and the recorded ranks, every eig
 LONGEST = ("--cp 8",)
 """What makes a slow command among the longest: Llama-3-8B over 8 ranks with ring attention,
 each rank traced in turn. Marked ``first``: it starts before the rest (``tests/conftest.py``).
-(``oom --trace`` over those ranks traces them at each length it tries, over an hour on 2
-cores: the page shows a trace at one length instead, and the slow suite stays within CI's
-time.)"""
+(``oom --trace`` over those ranks fits each rank's program and traces every rank at its
+answer: half an hour of CPU time. The page shows a trace at its answer instead, and the
+slow suite stays within CI's time.)"""
 
 
 def _checked(blocks):
