@@ -214,3 +214,20 @@ def test_breakdown_reports_the_fit(capsys):
 def test_bad_budget_options(capsys, argv, option):
     code, out, err = run(capsys, "breakdown", "--seq", "1024", *argv)
     assert_refused(code, out, err, option)
+
+
+def test_a_rank_that_runs_out_is_named():
+    """Under --cp each rank's step is replayed on its own GPU; the one that runs out is
+    named in the fit (one GPU's OOM names none). FlashAttention's ring over 4 ranks at
+    1,048,576 tokens (32 heads of 128, bf16) in 20 GiB: rank 0's all-gathered K and V,
+    2 x 1,048,576 x 32 x 128 x 2 B = 17,179,869,184 B, do not fit on top of what it
+    reserved before."""
+    from memcalc.config import make_config
+
+    config = make_config(impl="sdpa-flash", causal=True, cp=4, seq_len=1 << 20, heads=32,
+                         head_dim=128, dtype="bf16", batch=1)
+    ring = fit(config, 20 << 30)
+    assert (ring.oom_rank, ring.oom_request_bytes) == (0, 17_179_869_184)
+    assert ring.describe().startswith("OOM on rank 0: a 17,179,869,184 B segment")
+    one = fit(config.replace(cp=1, seq_len=1 << 16), 1 << 29)
+    assert not one.fits and one.oom_rank is None and one.describe().startswith("OOM: a ")

@@ -518,3 +518,41 @@ def test_the_fitted_program_under_context_parallelism_is_the_ranks_step(layout):
     assert _figures(fitted) == _figures(traced)
     assert fitted.rank_peaks == traced.rank_peaks[:2]
     assert fitted.rank_reserved == traced.rank_reserved[:2]
+
+
+def test_a_step_over_several_ranks_fits_only_where_every_rank_fits(monkeypatch):
+    """``trace`` with a budget under --fsdp 2 --cp 2: each rank's step is replayed capped at
+    the budget, as each runs on its own GPU, and a rank that runs out is the step's OOM,
+    named (here rank 1's capped trace made to run out; rank 0, the busiest unbounded,
+    fits by releasing cached segments). Only the busiest rank was once replayed: at 65,808
+    tokens Llama-3-8B over FSDP 8 x CP 8 "fit" on rank 0 while ranks 1, 5 and 6 ran out."""
+    import memcalc.tracing.direct as direct
+    from memcalc.analysis.budget import Budget
+    from memcalc.engine.allocator import OutOfMemory
+    from memcalc.engine.inputs import inputs_of
+    from memcalc.tracing import Calling, TraceOptions, load_function, register_function
+    from memcalc.tracing.fsdp import sharding_of
+    from memcalc.tracing.optimizers import loop_of
+
+    gpt = load_function(f"{Path(__file__).parents[1]}/examples/training/gpt.py:TinyGPT")
+    calling = Calling(inputs_of(["idx=B,N:int64", "targets=B,N:int64"], []), "bfloat16",
+                      loop=loop_of("adamw"), fsdp=sharding_of(2))
+    config = memcalc.make_config(impl=register_function(gpt, "gpt", calling), seq_len=4096,
+                                 batch=1, cp=2)
+    real = direct._measure
+
+    def measured(call, config, options, inputs, capacity=None, *args, rank=0, **kwargs):
+        if capacity is not None and rank == 1:
+            raise OutOfMemory(2 << 20, capacity - (1 << 20), capacity)
+        return real(call, config, options, inputs, capacity, *args, rank=rank, **kwargs)
+
+    monkeypatch.setattr(direct, "_measure", measured)
+    unbounded = direct.traced(gpt, config, TraceOptions(), calling=calling).breakdown
+    assert unbounded.rank == 0  # the busiest: 377,487,360 B reserved, rank 1 375,390,208
+    budget = Budget(device="given", memory_bytes=unbounded.reserved_peak_bytes - (2 << 20),
+                    reserve_bytes=0)
+    fit = direct.traced(gpt, config, TraceOptions(), budget, calling=calling).fit
+    assert not fit.fits and fit.oom_rank == 1
+    assert fit.describe().startswith("OOM on rank 1: a 2,097,152 B segment")
+    monkeypatch.setattr(direct, "_measure", real)
+    assert direct.traced(gpt, config, TraceOptions(), budget, calling=calling).fit.retried

@@ -180,6 +180,7 @@ class Fit(BaseModel):
     oom_request_bytes: int | None = Field(None, description="the segment that failed")
     oom_reserved_bytes: int | None = Field(None, description="reserved when it failed")
     retried: bool = Field(False, description="fits only by releasing cached segments first")
+    oom_rank: int | None = Field(None, description="under several ranks, the one that ran out")
     capped_reserved_peak_bytes: int | None = Field(
         None, description="max_memory_reserved of the replay capped at the budget (fits only)")
 
@@ -208,7 +209,8 @@ class Fit(BaseModel):
 
     def describe(self) -> str:
         if not self.fits:
-            return (f"OOM: a {self.oom_request_bytes:,} B segment on top of "
+            on = f" on rank {self.oom_rank}" if self.oom_rank is not None else ""
+            return (f"OOM{on}: a {self.oom_request_bytes:,} B segment on top of "
                     f"{self.oom_reserved_bytes:,} B reserved exceeds the budget of "
                     f"{self.budget_bytes:,} B (unbounded, the step reserves "
                     f"{self.reserved_peak_bytes:,} B)")
@@ -250,7 +252,8 @@ def fit(config: Config, budget_bytes: int, breakdown: Breakdown | None = None,
     try:
         capped = replay(budget_bytes)
     except OutOfMemory as oom:
-        return Fit(**common, oom_request_bytes=oom.requested, oom_reserved_bytes=oom.reserved)
+        return Fit(**common, oom_request_bytes=oom.requested, oom_reserved_bytes=oom.reserved,
+                   oom_rank=oom.rank)
     return Fit(**common, retried=True, capped_reserved_peak_bytes=capped.reserved_peak_bytes)
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from memcalc.analysis.breakdown import Breakdown
 from memcalc.config import Config
-from memcalc.engine.allocator import MirrorBroken
+from memcalc.engine.allocator import MirrorBroken, OutOfMemory
 from memcalc.engine.component import Component
 from memcalc.engine.program import Dims, Program, Role, Tensor
 from memcalc.engine.replay import Ledger, collector_paused, replay, step_inputs
@@ -89,11 +89,22 @@ def _replayed_in(config: Config, ledger: Ledger, build: Build | None = None) -> 
     of = build or (lambda rank_dims: None)  # None: the implementation's own
     if d.cp == 1:
         return _rank_replayed(config, d, ledger, of(d))
-    ranks = [_rank_replayed(config, d.replace(cp_rank=r), _like(ledger, config),
-                            of(d.replace(cp_rank=r))) for r in range(d.cp)]
+    ranks = [on_rank(r, lambda r=r: _rank_replayed(config, d.replace(cp_rank=r),
+                                                   _like(ledger, config),
+                                                   of(d.replace(cp_rank=r))))
+             for r in range(d.cp)]
     rank = busiest(ranks)
     return ranked(_rank_replayed(config, d.replace(cp_rank=rank), ledger,
                                  of(d.replace(cp_rank=rank))), rank, ranks)
+
+
+def on_rank(rank: int, step: Callable[[], Breakdown]) -> Breakdown:
+    """``step()``, rank ``rank``'s: an ``OutOfMemory`` it raises says which rank ran out."""
+    try:
+        return step()
+    except OutOfMemory as oom:
+        oom.rank = rank
+        raise
 
 
 def ranked(shown: Breakdown, rank: int, ranks: list[Breakdown]) -> Breakdown:

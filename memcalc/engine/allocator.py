@@ -205,6 +205,7 @@ class OutOfMemory(Exception):
 
     def __init__(self, requested: int, reserved: int, capacity: int):
         self.requested, self.reserved, self.capacity = requested, reserved, capacity
+        self.rank: int | None = None  # under several ranks, the one that ran out (its caller's)
         super().__init__(
             f"out of memory: a {requested} B segment on top of {reserved} B reserved "
             f"exceeds {capacity} B"
