@@ -131,6 +131,7 @@ def test_json_with_a_budget_adds_its_figures_and_the_fit():
                 "peak_bytes": 3_584,  # 7 blocks of 512 B: q, k, v, grad_out, out, 2 grads
                 "reserved_peak_bytes": 2_097_152,  # one 2 MiB small-pool segment
                 "oom_request_bytes": 2_097_152, "oom_reserved_bytes": 0, "retried": False,
+                "oom_rank": None,  # one GPU: no rank to name
                 "capped_reserved_peak_bytes": None,
                 "reserved_bytes": 2_097_152,  # 0 reserved + the 2 MiB request
                 "fits": False,
