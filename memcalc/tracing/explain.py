@@ -103,7 +103,14 @@ def written_by_users(path: str) -> bool:
     from memcalc.tracing.tracer import _is_user_code
 
     path = os.path.abspath(path)
-    return _is_user_code(path) and not path.startswith(_STDLIB)
+    return _is_user_code(path) and not _in_stdlib(path)
+
+
+def _in_stdlib(path: str) -> bool:
+    """Under the standard library's folder, and not in the packages installed there (a
+    Python without a virtual environment keeps its site-packages inside it)."""
+    parts = Path(path).parts
+    return path.startswith(_STDLIB) and not {"site-packages", "dist-packages"} & set(parts)
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
